@@ -1,0 +1,107 @@
+"""Running a benchmark suite: correctness check, timing of every backend side by side, the record."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import record as rec
+from .timing import bound_us, host_overhead_us, measure_ceilings, time_us
+
+
+@dataclass
+class Case:
+    name: str
+    params: dict
+    flops: float
+    bytes: float
+    runners: dict[str, Callable | None]  # backend -> zero-argument callable returning the output
+    notes: list[str] = field(default_factory=list)
+    matmul: bool = False  # whether `flops` run on the tensor cores and count toward the bound
+    atol: float = 2e-2
+    rtol: float = 2e-2
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _check(case: Case, outputs: dict) -> str | None:
+    """Compare every backend's output with aten's; a mismatch disqualifies that backend."""
+    ref = outputs.get("aten")
+    if ref is None:
+        return None
+    for backend, out in outputs.items():
+        if backend == "aten" or out is None:
+            continue
+        if not torch.allclose(out.float(), ref.float(), atol=case.atol, rtol=case.rtol):
+            err = (out.float() - ref.float()).abs().max().item()
+            return f"{backend} output differs from aten (max abs err {err:.3g})"
+    return None
+
+
+def run_case(case: Case, ceilings: dict) -> dict:
+    times: dict[str, float | None] = {}
+    outputs = {}
+    for backend in rec.BACKENDS:
+        fn = case.runners.get(backend)
+        if fn is None:
+            times[backend] = None
+            continue
+        try:
+            start = time.perf_counter()
+            outputs[backend] = fn()
+            torch.cuda.synchronize()
+            first_call_s = time.perf_counter() - start
+            if first_call_s > 1.0:
+                case.notes.append(f"{backend} first call (compile) {first_call_s:.1f} s")
+        except Exception as e:  # a backend that cannot run this case gets null and a note
+            times[backend] = None
+            case.notes.append(f"{backend} failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
+            case.runners[backend] = None
+    mismatch = _check(case, outputs)
+    if mismatch:
+        case.notes.append("MISMATCH: " + mismatch)
+        bad = mismatch.split()[0]
+        case.runners[bad] = None
+        times[bad] = None
+    for backend, fn in case.runners.items():
+        if fn is not None:
+            times[backend] = round(time_us(fn), 2)
+    return {"name": case.name, "params": case.params, "flops": case.flops, "bytes": case.bytes,
+            "bound_us": round(bound_us(case.flops if case.matmul else 0, case.bytes, ceilings), 2),
+            "times_us": times, "notes": "; ".join(case.notes)}
+
+
+def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
+    from .suites import SUITES
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench needs a CUDA GPU; none is visible")
+    suite = SUITES[name]
+    _progress(f"measuring ceilings (copy bandwidth, bf16 matmul) ...")
+    ceilings = measure_ceilings()
+    _progress(f"  copy {ceilings['copy_TBps']} TB/s, bf16 mm {ceilings['bf16_mm_TFLOPs']} TFLOP/s")
+    record = rec.new_record(name, ceilings)
+    cases = suite.cases(quick)
+    for i, make_case in enumerate(cases, 1):
+        case = make_case()
+        _progress(f"[{i}/{len(cases)}] {case.name} ...")
+        result = run_case(case, ceilings)
+        record["cases"].append(result)
+        t = result["times_us"]
+        _progress("    " + ", ".join(f"{b} {t[b] if t[b] is not None else '-'} us" for b in rec.BACKENDS)
+                  + f" (bound {result['bound_us']} us)")
+        del case
+        torch.cuda.empty_cache()
+    if hasattr(suite, "host_overhead"):
+        record["host_overhead_us"] = {k: round(host_overhead_us(fn), 2) for k, fn in suite.host_overhead().items()}
+    paths = rec.write(record, out_dir)
+    print(rec.markdown(record))
+    for p in paths:
+        print(f"wrote {p}")
+    return record

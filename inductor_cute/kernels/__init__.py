@@ -1,0 +1,17 @@
+"""The kernel library in plain CuTe DSL, one module per kernel family and arch.
+
+A kernel module provides `build(**params) -> (jit function, fake arguments)`, the entry point the
+runtime compiles; modules never import torch._inductor.
+"""
+
+from __future__ import annotations
+
+# Hidden sizes of common LLMs: what `demo` precompiles when there is no GPU.
+LIBRARY_HIDDEN_SIZES = (2048, 4096, 5120, 7168, 8192)
+
+
+def library_specs(dtypes=("bfloat16", "float16")):
+    """KernelSpecs of the default configurations of the whole library, for precompiling."""
+    from .rmsnorm_config import rmsnorm_spec
+
+    return [rmsnorm_spec(n, d) for d in dtypes for n in LIBRARY_HIDDEN_SIZES]

@@ -1,0 +1,68 @@
+"""Compiling a KernelSpec into an exported TVM-FFI object, with no GPU needed.
+
+Runs in whichever process calls it; `cute.compile` is not thread-safe, so calls are serialised
+within a process. Parallel compilation uses worker processes (see runtime.pool).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import CompileError
+from .dsl import import_cute
+from .spec import KernelSpec
+
+# Symbol name of every exported kernel; each object holds exactly one.
+ENTRY = "kernel"
+
+_compile_lock = threading.Lock()
+
+
+@dataclass
+class CompiledObject:
+    object_bytes: bytes  # relocatable ELF object holding host code and the embedded cubin
+    compile_s: float
+    ptx: str | None = None
+
+
+def compile_spec(spec: KernelSpec, arch: str, keep_ptx: bool = False) -> CompiledObject:
+    """Trace and compile `spec` for `arch`; returns the exported object (and PTX if asked)."""
+    cutlass = import_cute(arch)
+    cute = cutlass.cute
+    builder = importlib.import_module(spec.module)
+    with _compile_lock, tempfile.TemporaryDirectory(prefix="inductor_cute_") as tmp:
+        options = f"--enable-tvm-ffi --gpu-arch {arch}"
+        if keep_ptx:
+            options += f" --keep-ptx --dump-dir {tmp}"
+        start = time.perf_counter()
+        try:
+            fn, args = builder.build(**spec.kwargs)
+            compiled = cute.compile(fn, *args, options=options)
+            path = os.path.join(tmp, "kernel.o")
+            compiled.export_to_c(path, function_name=ENTRY)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CompileError(f"compiling {spec.name} for {arch} failed: {first}") from e
+        elapsed = time.perf_counter() - start
+        ptx = None
+        if keep_ptx:
+            ptx_files = glob.glob(os.path.join(tmp, "*.ptx"))
+            if ptx_files:
+                with open(ptx_files[0]) as f:
+                    ptx = f.read()
+        with open(path, "rb") as f:
+            return CompiledObject(f.read(), elapsed, ptx)
+
+
+def load_object(path: str):
+    """Load an exported object and return its kernel as a TVM-FFI function taking torch tensors."""
+    import cutlass.cute as cute
+
+    module = cute.runtime.load_module(path, enable_tvm_ffi=True)
+    return getattr(module, ENTRY)
