@@ -18,12 +18,15 @@ def _cmd_cache(args) -> int:
     entries = cache.entries()
     total = sum(e.size for e in entries)
     print(f"location: {cache.root}")
-    print(f"entries:  {len(entries)}")
+    n_lib = sum(e.kind == "library" for e in entries)
+    print(f"entries:  {len(entries)} ({len(entries) - n_lib} compiled objects, {n_lib} linked libraries)")
     print(f"size:     {total / 1e6:.2f} MB")
     if args.action == "list":
         for e in entries:
             h = e.header or {}
             label = h.get("kernel", "DAMAGED (will be recompiled)")
+            if e.kind == "library":
+                label += " [linked library]"
             print(f"  {e.key[:16]}  {h.get('arch', '?'):7} {e.size / 1e3:8.1f} kB  {label}")
     return 0
 

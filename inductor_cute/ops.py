@@ -17,36 +17,42 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 _ALIGN_BYTES = 16  # every kernel reads and writes rows with 16-byte vectors
 
 
+@functools.lru_cache(maxsize=None)
+def _check_device(index: int) -> None:
+    device_arch(index)  # raises for a GPU we have no kernels for; remembered once it passes
+
+
 def _check_cuda(name: str, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise UnsupportedError(f"{name}: expected torch.Tensor arguments, got {type(t).__name__}")
         if t.device.type != "cuda":
             raise UnsupportedError(f"{name}: tensors must be on a CUDA device, got {t.device}")
-    device_arch(tensors[0].device)  # raises for a GPU we have no kernels for
+    _check_device(tensors[0].device.index or 0)
 
 
-def _aligned_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """`t` as a contiguous (rows, n) view, copied only if its layout or alignment needs it."""
-    t2 = t.reshape(-1, n)
-    if not t2.is_contiguous() or t2.data_ptr() % _ALIGN_BYTES:
-        t2 = t2.contiguous() if not t2.is_contiguous() else t2.clone()
-    return t2
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when contiguous and 16-byte aligned, else a copy that is."""
+    if t.is_contiguous() and t.data_ptr() % _ALIGN_BYTES == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
 
 
 @functools.lru_cache(maxsize=256)
 def _rmsnorm_kernel(n: int, dtype_name: str):
-    from .kernels.rmsnorm_config import rmsnorm_spec
+    from .kernels.rmsnorm_config import rmsnorm_spec, unsupported_reason
 
+    problem = unsupported_reason(n, dtype_name)
+    if problem:
+        raise UnsupportedError(f"rmsnorm: {problem}")
     return get_kernel(rmsnorm_spec(n, dtype_name))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """y = x / sqrt(mean(x**2, -1) + eps) * weight, accumulated in fp32, returned in x's dtype."""
-    from .kernels import rmsnorm_config
-
     _check_cuda("rmsnorm", x, weight)
-    if x.dtype not in _DTYPE_NAMES:
+    dtype_name = _DTYPE_NAMES.get(x.dtype)
+    if dtype_name is None:
         raise UnsupportedError(f"rmsnorm: dtype {x.dtype} is not supported (use bfloat16, float16 or float32)")
     if weight.dtype != x.dtype:
         raise UnsupportedError(f"rmsnorm: weight dtype {weight.dtype} differs from input dtype {x.dtype}")
@@ -55,14 +61,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
     if weight.device != x.device:
         raise UnsupportedError(f"rmsnorm: weight is on {weight.device}, input on {x.device}")
     n = x.shape[-1]
-    dtype_name = _DTYPE_NAMES[x.dtype]
-    problem = rmsnorm_config.unsupported_reason(n, dtype_name)
-    if problem:
-        raise UnsupportedError(f"rmsnorm: {problem}")
+    kernel = _rmsnorm_kernel(n, dtype_name)
     if x.numel() == 0:
         return torch.empty_like(x)
-    rows = _aligned_rows(x, n)
-    w = _aligned_rows(weight, n)[0]
-    out = torch.empty_like(rows)
-    _rmsnorm_kernel(n, dtype_name)(rows, w, out, float(eps))
-    return out.view(x.shape)
+    x = _aligned(x)
+    out = torch.empty_like(x)
+    kernel(x.view(-1, n), _aligned(weight), out.view(-1, n), float(eps))
+    return out

@@ -30,7 +30,7 @@ def test_demo_without_gpu_says_so_and_compiles_the_library(cli_cache):
 def test_cache_show_list_and_clear(cli_cache):
     shown = run_cli("cache", cache_dir=cli_cache)
     assert f"location: {cli_cache}" in shown.stdout
-    assert "entries:  10" in shown.stdout
+    assert "entries:  10 (10 compiled objects, 0 linked libraries)" in shown.stdout
     listed = run_cli("cache", "list", cache_dir=cli_cache)
     assert listed.stdout.count("rmsnorm_sm90(") == 10
     cleared = run_cli("cache", "clear", cache_dir=cli_cache)

@@ -76,15 +76,27 @@ def test_damaged_entry_is_recompiled_not_run():
     assert cache.read(kernel_key(spec, "sm_90a")) is not None
 
 
-def test_entry_that_fails_to_load_is_recompiled(monkeypatch):
+def test_linked_library_that_fails_to_load_falls_back_to_the_dsl(monkeypatch):
+    from inductor_cute.runtime import loader, native
+
+    spec = rmsnorm_spec(2048, "float16")
+    get_kernel(spec, "sm_90a")
+    forget_loaded()
+    stats.clear()
+    monkeypatch.setattr(native, "load_shared", lambda path, entry: (_ for _ in ()).throw(OSError("bad ELF")))
+    assert callable(get_kernel(spec, "sm_90a"))
+    assert stats["dsl_loads"] == 1 and stats["compiles"] == 0
+
+
+def test_object_that_fails_to_load_is_recompiled(monkeypatch):
     from inductor_cute.runtime import loader
 
     spec = rmsnorm_spec(2048, "float16")
     get_kernel(spec, "sm_90a")
     forget_loaded()
     stats.clear()
-    real = loader.load_object
-    calls = []
+    monkeypatch.setattr(loader, "_load_linked", lambda *a: None)
+    real, calls = loader.load_object, []
 
     def flaky(path):
         calls.append(path)
@@ -95,6 +107,39 @@ def test_entry_that_fails_to_load_is_recompiled(monkeypatch):
     monkeypatch.setattr(loader, "load_object", flaky)
     assert callable(get_kernel(spec, "sm_90a"))
     assert len(calls) == 2 and stats["compiles"] == 1
+
+
+WARM_PROCESS = """
+import json, sys
+from inductor_cute.kernels.rmsnorm_config import rmsnorm_spec
+from inductor_cute.runtime import get_kernel, stats
+get_kernel(rmsnorm_spec(2048, "float16"), "sm_90a")
+print(json.dumps({"stats": dict(stats), "dsl_imported": "cutlass" in sys.modules}))
+"""
+
+
+def _run_warm_process(**env):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", WARM_PROCESS], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_warm_process_loads_a_linked_library_without_importing_the_dsl():
+    get_kernel(rmsnorm_spec(2048, "float16"), "sm_90a")
+    result = _run_warm_process()
+    assert result["stats"] == {"disk_hits": 1, "linked_loads": 1}
+    assert result["dsl_imported"] is False
+
+
+def test_without_a_c_compiler_the_dsl_loads_the_object(tmp_path):
+    result = _run_warm_process(CC=str(tmp_path / "no-such-cc"), INDUCTOR_CUTE_CACHE_DIR=str(tmp_path / "c"))
+    assert result["stats"] == {"compiles": 1, "dsl_loads": 1}
 
 
 def test_key_changes_with_every_input():

@@ -41,8 +41,8 @@ def test_four_processes_compile_one_kernel_once(tmp_path):
     assert sum(r.get("compiles", 0) for r in results) == 1
     assert sum(r.get("disk_hits", 0) for r in results) == 3
     cache = CompiledKernelCache(tmp_path / "cache")
-    [entry] = cache.entries()
-    assert entry.header is not None  # complete and checksummed
+    kinds = sorted(e.kind for e in cache.entries())
+    assert kinds == ["library", "object"]  # complete and checksummed: no "damaged"
     assert not list((tmp_path / "cache" / "objects").glob("*/.tmp-*"))
 
 

@@ -44,6 +44,13 @@ class EntryInfo:
     size: int
     header: dict | None  # None when the entry is unreadable
 
+    @property
+    def kind(self) -> str:
+        """"object" (what the compiler exported), "library" (linked from an object) or "damaged"."""
+        if self.header is None:
+            return "damaged"
+        return "library" if "linked_from" in self.header else "object"
+
 
 class CompiledKernelCache:
     def __init__(self, root: str | os.PathLike | None = None):

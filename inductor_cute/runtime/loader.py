@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import os
 import tempfile
 import threading
@@ -11,7 +12,8 @@ import threading
 from ..errors import CompileError
 from .arch import target_arch
 from .cache import CompiledKernelCache
-from .compiler import compile_spec, load_object
+from . import native
+from .compiler import ENTRY, compile_spec, load_object
 from .dsl import import_cute, versions
 from .spec import KernelSpec
 
@@ -19,6 +21,7 @@ from .spec import KernelSpec
 stats: collections.Counter = collections.Counter()
 
 _loaded: dict[str, object] = {}
+_linked_modules: list = []  # shared libraries stay loaded for the life of the process
 _load_lock = threading.Lock()
 
 
@@ -26,8 +29,8 @@ def kernel_key(spec: KernelSpec, arch: str) -> str:
     return spec.key(arch, versions())
 
 
-def ensure_compiled(spec: KernelSpec, arch: str, cache: CompiledKernelCache) -> bytes:
-    """The object for `spec`, from the cache or compiled into it; one compile per key across processes."""
+def ensure_compiled(spec: KernelSpec, arch: str, cache: CompiledKernelCache) -> tuple[dict, bytes]:
+    """(header, object) for `spec`, from the cache or compiled into it; one compile per key across processes."""
     key = kernel_key(spec, arch)
     entry = cache.read(key)
     if entry is None:
@@ -38,10 +41,11 @@ def ensure_compiled(spec: KernelSpec, arch: str, cache: CompiledKernelCache) -> 
                 stats["compiles"] += 1
                 cache.write(key, obj.object_bytes, kernel=spec.name, module=spec.module,
                             params=spec.kwargs, arch=arch, versions=versions(),
-                            compile_s=round(obj.compile_s, 4), pid=os.getpid())
-                return obj.object_bytes
+                            compile_s=round(obj.compile_s, 4), pid=os.getpid(),
+                            runtime_libs=native.runtime_libraries())
+                return cache.read(key) or ({}, obj.object_bytes)
     stats["disk_hits"] += 1
-    return entry[1]
+    return entry
 
 
 def get_kernel(spec: KernelSpec, arch: str | None = None, cache: CompiledKernelCache | None = None):
@@ -64,30 +68,62 @@ def get_kernel(spec: KernelSpec, arch: str | None = None, cache: CompiledKernelC
 
 
 def _load_or_recompile(spec, arch, key, cache):
-    import_cute(arch)
     error = None
     for _ in range(2):  # a second round after discarding an entry that would not load
-        payload = ensure_compiled(spec, arch, cache)
+        header, payload = ensure_compiled(spec, arch, cache)
+        fn = _load_linked(key, header, payload, cache)
+        if fn is not None:
+            return fn
         try:
-            return _load_bytes(payload, cache)
+            import_cute(arch)
+            with _temp_copy(cache, payload, ".o") as path:
+                fn = load_object(path)
+            stats["dsl_loads"] += 1
+            return fn
         except Exception as e:
             error = e
-            cache.discard(key, f"failed to load: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    raise CompileError(f"kernel {spec.name} compiled but could not be loaded: {error}")
+            cache.discard(key, f"failed to load: {_first_line(e)}")
+    raise CompileError(f"kernel {spec.name} compiled but could not be loaded: {_first_line(error)}")
 
 
-def _load_bytes(payload: bytes, cache: CompiledKernelCache):
-    # The DSL's loader takes a path; the object is copied out of the entry, loaded, and deleted.
+def _load_linked(key: str, header: dict, payload: bytes, cache: CompiledKernelCache):
+    """The kernel from a shared library linked out of the object (cached too); None if unavailable."""
+    libs = header.get("runtime_libs") or []
+    link_key = hashlib.sha256("\0".join([key, *libs]).encode()).hexdigest()
+    entry = cache.read(link_key)
+    library = entry[1] if entry else native.link_shared(payload, libs)
+    if library is None:
+        return None
+    if entry is None:
+        cache.write(link_key, library, kernel=header.get("kernel"), linked_from=key, arch=header.get("arch"))
+    try:
+        with _temp_copy(cache, library, ".so") as path:
+            module, fn = native.load_shared(path, ENTRY)
+    except Exception as e:
+        cache.discard(link_key, f"linked library failed to load: {_first_line(e)}")
+        return None
+    _linked_modules.append(module)
+    stats["linked_loads"] += 1
+    return fn
+
+
+@contextlib.contextmanager
+def _temp_copy(cache: CompiledKernelCache, data: bytes, suffix: str):
+    """`data` in a private file for a loader that takes a path; deleted after loading."""
     tmp_dir = cache.root / "tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
-    fd, path = tempfile.mkstemp(dir=tmp_dir, suffix=".o")
+    fd, path = tempfile.mkstemp(dir=tmp_dir, suffix=suffix)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        return load_object(path)
+            f.write(data)
+        yield path
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def _first_line(e) -> str:
+    return str(e).strip().splitlines()[0] if e is not None and str(e).strip() else type(e).__name__
 
 
 def forget_loaded() -> None:
