@@ -22,7 +22,7 @@ def configs(n, vec=8):
 
 def main():
     plan = {(m, n): list(configs(n)) for m, n in SHAPES}
-    specs = {c: rmsnorm_spec(n, "bfloat16", c) for (m, n), cs in plan.items() for c in cs}
+    specs = {(n, c): rmsnorm_spec(n, "bfloat16", c) for (m, n), cs in plan.items() for c in cs}
     failed = [r for r in precompile(list(specs.values())) if r.status == "failed"]
     print(f"{len(specs)} configs, {len(failed)} failed to compile")
     for (m, n), cs in plan.items():
@@ -33,7 +33,7 @@ def main():
         default = default_config(n, "bfloat16")
         rows = []
         for c in cs:
-            k = get_kernel(specs[c])
+            k = get_kernel(specs[n, c])
             rows.append((time_us(lambda: k(x, w, y, 1e-6)), c))
         rows.sort(key=lambda r: r[0])
         print(f"M{m} N{n}: bound {bound:.1f} us")

@@ -10,6 +10,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 BACKENDS = ("inductor_cute", "triton", "aten")
+METHOD = ("median of 100 runs, CUDA events around each call, L2 flushed before each, the host queued "
+          "ahead of the GPU so times are device time only; host cost per call is reported apart")
 
 
 def environment() -> dict:
@@ -42,7 +44,7 @@ def _commit() -> str:
 
 def new_record(suite: str, ceilings: dict) -> dict:
     return {"suite": suite, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "env": environment(), "ceilings": ceilings, "cases": []}
+            "env": environment(), "ceilings": ceilings, "method": METHOD, "cases": []}
 
 
 def gpu_slug(name: str | None) -> str:
@@ -75,6 +77,7 @@ def markdown(record: dict) -> str:
              f"torch {env['torch']}, triton {env['triton']}, CuTe DSL {env['cutlass_dsl']}, "
              f"inductor-cute {env['inductor_cute']} ({env['commit']}); ceilings measured in this run: "
              f"copy {ceil['copy_TBps']} TB/s, bf16 mm {ceil['bf16_mm_TFLOPs']} TFLOP/s.", "",
+             f"Timing: {record.get('method', 'not recorded')}.", "",
              "| case | bound us | inductor_cute us | triton us | aten us | vs triton | vs aten | roofline | notes |",
              "|---|---|---|---|---|---|---|---|---|"]
     vs_triton, vs_aten = speedups(record, "triton"), speedups(record, "aten")
@@ -86,6 +89,9 @@ def markdown(record: dict) -> str:
                      f"{_fmt(t.get('aten'))} | {_fmt(st, 2)}x | {_fmt(sa, 2)}x | {_fmt(roof and roof * 100, 0)}% | "
                      f"{case.get('notes') or ''} |")
     lines += ["", f"Geomean speedup: {_fmt(geomean(vs_triton), 2)}x vs triton, {_fmt(geomean(vs_aten), 2)}x vs aten."]
+    if record.get("host_overhead_us"):
+        costs = ", ".join(f"{k} {v} us" for k, v in record["host_overhead_us"].items())
+        lines += ["", f"Host cost per call on a one-row input (back-to-back calls, wall clock): {costs}."]
     return "\n".join(lines) + "\n"
 
 
