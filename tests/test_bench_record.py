@@ -47,3 +47,12 @@ def test_write_names_files_by_suite_gpu_and_date(tmp_path):
     assert paths[0].name == "rmsnorm-h200-20261202.json"
     assert json.loads(paths[0].read_text())["cases"][0]["times_us"]["triton"] == 20.0
     assert paths[1].read_text().startswith("# rmsnorm on NVIDIA H200")
+
+
+def test_report_command_rewrites_table_and_plot(tmp_path):
+    from inductor_cute.__main__ import main
+
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(make_record()))
+    assert main(["report", str(path), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "rmsnorm-h200-20261202.md").read_text().count("\n| ") == 3
