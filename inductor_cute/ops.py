@@ -68,3 +68,151 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.T
     out = torch.empty_like(x)
     kernel(x.view(-1, n), _aligned(weight), out.view(-1, n), float(eps))
     return out
+
+
+# ---------------------------------------------------------------------------------------- GEMM
+
+_GEMM_INPUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _tma_view(t: torch.Tensor, unit_mode: int) -> torch.Tensor | None:
+    """`t` (3-D) restrided for TMA with `unit_mode` contiguous, or None if its layout cannot be.
+
+    TMA needs a unit-stride mode, every other stride a multiple of 16 bytes and a 16-byte aligned
+    base. Modes of extent 1 have no meaningful stride, so they get a packed one."""
+    sizes, strides = list(t.shape), list(t.stride())
+    if t.data_ptr() % _ALIGN_BYTES or (sizes[unit_mode] > 1 and strides[unit_mode] != 1):
+        return None
+    strides[unit_mode] = 1
+    packed = max(sz * st for sz, st in zip(sizes, strides))
+    for i in range(3):
+        if i == unit_mode:
+            continue
+        if sizes[i] == 1:
+            strides[i] = -(-packed // 8) * 8
+        elif strides[i] % 8 or strides[i] == 0:
+            return None
+    return t.as_strided(sizes, strides)
+
+
+def _operand(t: torch.Tensor, modes: tuple[int, ...]) -> tuple[torch.Tensor | None, int]:
+    """The TMA view of `t` with the first workable unit mode among `modes`, copying `t` into a
+    packed layout with `modes[0]` contiguous when none is; (None, mode) if even that cannot be."""
+    for mode in modes:
+        view = _tma_view(t, mode)
+        if view is not None:
+            return view, mode
+    order = [i for i in (2, 0, 1) if i != modes[0]] + [modes[0]]  # batch outermost, unit mode last
+    packed = t.permute(order).clone(memory_format=torch.contiguous_format)
+    return _tma_view(packed.permute([order.index(i) for i in range(3)]), modes[0]), modes[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_kernel(problem, config, num_sms: int):
+    from .kernels.gemm_config import gemm_spec
+
+    return get_kernel(gemm_spec(problem, config, num_sms))
+
+
+def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out):
+    """Checks and TMA views for one GEMM: ((problem, config, num_sms), kernel arguments, out)."""
+    from .kernels.gemm_config import GemmProblem, default_config, problem_error
+
+    _check_cuda(name, a, b, *(t for t in (bias, c, out) if t is not None))
+    if a.dtype not in _GEMM_INPUT or b.dtype != a.dtype:
+        raise UnsupportedError(f"{name}: A and B must both be bfloat16 or float16, got {a.dtype} and {b.dtype}")
+    batch, m, k = a.shape
+    if b.shape[0] != batch or b.shape[1] != k:
+        raise UnsupportedError(f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
+    n = b.shape[2]
+    out_dtype = out_dtype or (out.dtype if out is not None else a.dtype)
+    if out_dtype not in _DTYPE_NAMES:
+        raise UnsupportedError(f"{name}: output dtype {out_dtype} is not supported")
+    if k == 0:
+        raise UnsupportedError(f"{name}: K must be at least 1")
+    if n % 8:
+        raise UnsupportedError(f"{name}: N={n} must be a multiple of 8 (16-byte output rows for TMA)")
+    a3, a_unit = _operand(a.permute(1, 2, 0), (1, 0))  # (M, K, L): K- or M-major
+    b3, b_unit = _operand(b.permute(2, 1, 0), (0, 1))  # (N, K, L): N- or K-major
+    a_major, b_major = ("k" if a_unit == 1 else "m"), ("n" if b_unit == 0 else "k")
+    if a3 is None or b3 is None or ("k" in (a_major, b_major) and k % 8) or (a_major == "m" and m % 8):
+        raise UnsupportedError(f"{name}: the contiguous dimension of each operand must be a multiple of 8 "
+                               f"elements (TMA reads 16-byte rows); got M={m}, K={k}, N={n}")
+    if out is None:
+        out = torch.empty(batch, m, n, device=a.device, dtype=out_dtype)
+    elif out.shape != (batch, m, n) or out.dtype != out_dtype:
+        raise UnsupportedError(f"{name}: out must be {(batch, m, n)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    d3 = _tma_view(out.permute(1, 2, 0), 1)
+    if d3 is None:
+        raise UnsupportedError(f"{name}: out must be row-major with 16-byte aligned rows")
+    c3 = None
+    if c is not None:
+        try:
+            c = c.expand(batch, m, n)
+        except RuntimeError:
+            raise UnsupportedError(f"{name}: C of shape {tuple(c.shape)} does not broadcast to {(batch, m, n)}") from None
+        c3, _ = _operand(c.to(out_dtype).permute(1, 2, 0), (1,))  # never None: N % 8 == 0
+        beta = 1.0 if beta is None else beta
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != n:
+            raise UnsupportedError(f"{name}: bias must have shape ({n},), got {tuple(bias.shape)}")
+        bias = bias.to(out_dtype).contiguous()
+    problem = GemmProblem(_GEMM_INPUT[a.dtype], _DTYPE_NAMES[out_dtype], a_major, b_major,
+                          bias is not None, c is not None, activation)
+    error = problem_error(problem)
+    if error:
+        raise UnsupportedError(f"{name}: {error}")
+    num_sms = _sm_count(a.device.index or 0)
+    plan = (problem, default_config(m, n, problem, batch, num_sms), num_sms)
+    return plan, (a3, b3, d3, c3, bias, float(alpha), float(beta or 0.0)), out
+
+
+def _batched(name, a, b, c, out):
+    """mm's operands as bmm's: a batch of one."""
+    _check_cuda(name, a, b)
+    if name == "mm":
+        if a.dim() != 2 or b.dim() != 2:
+            raise UnsupportedError(f"mm: expected 2-D tensors, got {a.dim()}-D and {b.dim()}-D")
+        return (a.unsqueeze(0), b.unsqueeze(0), c.unsqueeze(0) if c is not None and c.dim() == 2 else c,
+                out.unsqueeze(0) if out is not None else None)
+    if a.dim() != 3 or b.dim() != 3:
+        raise UnsupportedError(f"bmm: expected 3-D tensors, got {a.dim()}-D and {b.dim()}-D")
+    return a, b, c, out
+
+
+def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, launch=True):
+    a, b, c, out3 = _batched(name, a, b, c, out)
+    plan, kernel_args, out3 = _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out3)
+    if not launch:
+        return plan
+    if out3.numel():
+        _gemm_kernel(*plan)(*kernel_args)
+    return out3[0] if name == "mm" else out3
+
+
+def mm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None):
+    """D = activation(alpha * a @ b + bias + beta * c) for 2-D a (M, K) and b (K, N).
+
+    bf16/fp16 inputs, fp32 accumulation, output in `out_dtype` (default: a's dtype). Any layout
+    of a and b is accepted (nn.Linear weights as `w.t()` are read in place); `c` broadcasts to
+    (M, N) and `beta` defaults to 1 when it is given; `bias` has shape (N,)."""
+    return _gemm("mm", a, b, bias, c, alpha, beta, activation, out_dtype, out)
+
+
+def bmm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None):
+    """The batched form of `mm`: a (L, M, K), b (L, K, N), any batch strides; returns (L, M, N)."""
+    return _gemm("bmm", a, b, bias, c, alpha, beta, activation, out_dtype, out)
+
+
+def gemm_spec_for(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None,
+                  out=None):
+    """The KernelSpec that `mm` (2-D inputs) or `bmm` (3-D) would run on these inputs, for precompiling."""
+    from .kernels.gemm_config import gemm_spec
+
+    name = "mm" if a.dim() == 2 else "bmm"
+    return gemm_spec(*_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, launch=False))

@@ -29,17 +29,20 @@ class CompiledObject:
     object_bytes: bytes  # relocatable ELF object holding host code and the embedded cubin
     compile_s: float
     ptx: str | None = None
+    ptxas_report: str | None = None  # ptxas -v: registers, stack frame, spill stores/loads
 
 
 def compile_spec(spec: KernelSpec, arch: str, keep_ptx: bool = False) -> CompiledObject:
-    """Trace and compile `spec` for `arch`; returns the exported object (and PTX if asked)."""
+    """Trace and compile `spec` for `arch`; returns the exported object (and PTX and the ptxas
+    report if asked)."""
     cutlass = import_cute(arch)
     cute = cutlass.cute
     builder = importlib.import_module(spec.module)
     with _compile_lock, tempfile.TemporaryDirectory(prefix="inductor_cute_") as tmp:
         options = f"--enable-tvm-ffi --gpu-arch {arch}"
+        report_path = os.path.join(tmp, "ptxas.txt")
         if keep_ptx:
-            options += f" --keep-ptx --dump-dir {tmp}"
+            options += f" --keep-ptx --dump-dir {tmp} --remark-filter ptxas --remark-output {report_path}"
         start = time.perf_counter()
         try:
             fn, args = builder.build(**spec.kwargs)
@@ -50,14 +53,17 @@ def compile_spec(spec: KernelSpec, arch: str, keep_ptx: bool = False) -> Compile
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise CompileError(f"compiling {spec.name} for {arch} failed: {first}") from e
         elapsed = time.perf_counter() - start
-        ptx = None
+        ptx = report = None
         if keep_ptx:
             ptx_files = glob.glob(os.path.join(tmp, "*.ptx"))
             if ptx_files:
                 with open(ptx_files[0]) as f:
                     ptx = f.read()
+            if os.path.exists(report_path):
+                with open(report_path) as f:
+                    report = f.read()
         with open(path, "rb") as f:
-            return CompiledObject(f.read(), elapsed, ptx)
+            return CompiledObject(f.read(), elapsed, ptx, report)
 
 
 def load_object(path: str):

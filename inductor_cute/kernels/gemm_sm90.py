@@ -1,0 +1,439 @@
+"""Warp-specialized Hopper (sm_90a) GEMM in CuTe DSL with a pluggable pointwise epilogue.
+
+    D[l, m, n] = epilogue_fn(acc = sum_k A[l, m, k] * B[l, k, n], alpha, beta, bias[n], C[l, m, n])
+
+Design (one CTA):
+  * warp group 0 is the producer: after shrinking its register budget, warp 0 streams
+    A/B k-tiles with TMA into a `stages`-deep swizzled smem ring (PipelineTmaAsync
+    full/empty mbarriers) and, when C is present, streams C epilogue subtiles through a
+    second small TMA pipeline.
+  * warp groups 1..W are consumers: they grow their register budget, issue WGMMA on the
+    ring (one wgmma batch kept in flight), then run the epilogue subtile by subtile:
+    registers -> epilogue_fn in fp32 -> convert -> stmatrix to smem -> TMA store.
+  * tiles are walked by a grouped ("swizzled") raster; with persistent=True the grid is
+    sized to the SM count and each CTA loops over tiles, otherwise each CTA gets one tile.
+  * clusters (cluster_m, cluster_n) multicast B along M and A along N.
+
+Tensor conventions (mode order used by the jit function, all 3-D with batch last):
+  a: (M, K, L)   b: (N, K, L)   d, c: (M, N, L) with stride(n) == 1   bias: (N,)
+From torch tensors with logical shapes A (L, M, K), B (L, K, N), D/C (L, M, N):
+  a = A.permute(1, 2, 0)   b = B.permute(2, 1, 0)   d = D.permute(1, 2, 0)   c = C.permute(1, 2, 0)
+(for nn.Linear weight W (N, K): B = W.t(), i.e. b = W.unsqueeze(-1); b_major="k").
+Optional C / bias are passed as None when the kernel was built without them. With
+--enable-tvm-ffi and the env-stream fake stream, the compiled/exported function is
+    f(a, b, d, c_or_None, bias_or_None, alpha: float, beta: float)
+and launches on the current torch stream. Non-unit strides must be multiples of 8 elements.
+"""
+from typing import Callable, Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_fake_tensor
+from cutlass.tensor_utils import LayoutEnum
+
+from .gemm_config import C_STAGES, EPI_N, EPI_STAGES, GemmConfig, GemmProblem, config_error, problem_error
+
+CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+
+
+# ----------------------------------------------------------------------------- epilogue
+LOG2E = 1.4426950408889634
+
+
+def _sigmoid(x):
+    # exp2 with fastmath lowers to ex2.approx; 1/(1+inf) = 0 keeps the tails exact
+    return 1.0 / (1.0 + cute.math.exp2(x * (-LOG2E), fastmath=True))
+
+
+ACTIVATIONS = {
+    "identity": lambda x: x,
+    "relu": lambda x: cute.where(x > 0.0, x, 0.0),
+    # 0.5 * (1 + tanh(u)) == sigmoid(2u)
+    "gelu_tanh": lambda x: x * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)),
+    "gelu_erf": lambda x: 0.5 * x * (1.0 + cute.math.erf(x * 0.7071067811865476)),
+    "silu": lambda x: x * _sigmoid(x),
+    "sigmoid": _sigmoid,
+    "tanh": lambda x: cute.math.tanh(x),
+}
+
+
+def make_epilogue(activation: str = "identity") -> Callable:
+    """Default hook: act(alpha * acc + bias + beta * C). All operands are fp32 TensorSSA
+    fragments of one subtile (bias already broadcast along M); bias / c are None when absent."""
+    act = ACTIVATIONS[activation]
+
+    def epilogue_fn(acc, *, alpha, beta, bias=None, c=None):
+        x = acc * alpha
+        if bias is not None:
+            x = x + bias
+        if c is not None:
+            x = x + c * beta
+        return act(x)
+
+    return epilogue_fn
+
+
+# ----------------------------------------------------------------------------- kernel
+class HopperGemm:
+    def __init__(self, config: GemmConfig, a_major: str, b_major: str, has_bias: bool,
+                 has_c: bool, epilogue_fn: Callable, num_sms: int = 132, raster_group: int = 8):
+        self.cfg = config
+        self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR
+        self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
+        self.d_layout = LayoutEnum.ROW_MAJOR
+        self.has_bias, self.has_c = has_bias, has_c
+        self.epilogue_fn = epilogue_fn
+        self.raster_group = raster_group
+        self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
+        self.cluster_mn = (config.cluster_m, config.cluster_n)
+        self.cluster_size = config.cluster_m * config.cluster_n
+        # non-persistent runs one tile per cluster; 65535 is the gridDim.z limit
+        self.max_clusters = num_sms // self.cluster_size if config.persistent else 65535
+        self.num_consumers = config.consumer_warpgroups
+        self.threads = 128 * (1 + self.num_consumers)
+        self.consumer_threads = 128 * self.num_consumers
+        self.producer_regs = 40
+        self.consumer_regs = 232 if self.num_consumers == 2 else 240
+        self.epi_tile = (64 * self.num_consumers, EPI_N)
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.consumer_threads)
+
+    def _setup(self):
+        tm, tn, tk = self.tile_mnk
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(), Float32, (self.num_consumers, 1, 1),
+            tiler_mn=(64, tn))
+        st = self.cfg.stages
+        self.sA_layout = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, st)
+        self.sB_layout = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, st)
+        self.sD_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, EPI_STAGES)
+        self.sC_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, C_STAGES)
+        # A is shared by CTAs of the same cluster row (multicast along N), B along M
+        self.mcast_a, self.mcast_b = self.cluster_mn[1], self.cluster_mn[0]
+
+    def _shared_storage(self):
+        st, lay_a, lay_b, lay_d, lay_c = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout, self.sC_layout
+        ab_t, d_t = self.ab_dtype, self.d_dtype
+        # without C keep a 16-byte placeholder instead of another 1 KB-aligned buffer
+        n_c, c_align = (cute.cosize(lay_c), 1024) if self.has_c else (8, 16)
+
+        @cute.struct
+        class SharedStorage:
+            ab_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            c_bars: cute.struct.MemRange[cutlass.Int64, 2 * C_STAGES]
+            sA: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(lay_a)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(lay_b)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[d_t, cute.cosize(lay_d)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[d_t, n_c], c_align]
+
+        return SharedStorage
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor,
+                 mC: Optional[cute.Tensor], mBias: Optional[cute.Tensor],
+                 alpha: Float32, beta: Float32, stream: cuda.CUstream):
+        self.ab_dtype, self.d_dtype = mA.element_type, mD.element_type
+        assert LayoutEnum.from_tensor(mA) == self.a_layout and LayoutEnum.from_tensor(mB) == self.b_layout
+        self._setup()
+        tm, tn, tk = self.tile_mnk
+        g2s = lambda n: cpasync.CopyBulkTensorTileG2SOp() if n == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
+        tma_a, gA = cpasync.make_tiled_tma_atom(g2s(self.mcast_a), mA, cute.slice_(self.sA_layout, (None, None, 0)),
+                                                (tm, tk), num_multicast=self.mcast_a)
+        tma_b, gB = cpasync.make_tiled_tma_atom(g2s(self.mcast_b), mB, cute.slice_(self.sB_layout, (None, None, 0)),
+                                                (tn, tk), num_multicast=self.mcast_b)
+        tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
+                                                cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
+        tma_c, gC = None, None
+        if cutlass.const_expr(self.has_c):
+            tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mC,
+                                                    cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
+        # grid: (cluster_m, cluster_n, #clusters); z is clamped to the persistent wave size
+        cm, cn = self.cluster_mn
+        n_clusters = (cute.ceil_div(cute.ceil_div(mD.shape[0], tm), cm)
+                      * cute.ceil_div(cute.ceil_div(mD.shape[1], tn), cn) * mD.shape[2])
+        grid_z = cutlass.min(n_clusters, self.max_clusters)
+        self.shared_storage = self._shared_storage()
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, tma_c, gC, mBias, alpha, beta,
+                    self.tiled_mma, self.sA_layout, self.sB_layout, self.sD_layout, self.sC_layout
+                    ).launch(grid=[cm, cn, grid_z], block=[self.threads, 1, 1],
+                             cluster=[cm, cn, 1], min_blocks_per_mp=1, stream=stream)
+
+    def _tile_coord(self, work: Int32, n_cl_m: Int32, n_cl_n: Int32, cta_m: Int32, cta_n: Int32):
+        """Grouped raster: runs of `raster_group` cluster rows are swept column by column."""
+        per_batch = n_cl_m * n_cl_n
+        l = work // per_batch
+        r = work - l * per_batch
+        span = self.raster_group * n_cl_n
+        grp = r // span
+        first_m = grp * self.raster_group
+        rows = cutlass.min(n_cl_m - first_m, self.raster_group)
+        within = r - grp * span
+        cl_m = first_m + within % rows
+        cl_n = within // rows
+        return cl_m * self.cluster_mn[0] + cta_m, cl_n * self.cluster_mn[1] + cta_n, l
+
+    @staticmethod
+    def _column_groups(coords0, n_vals):
+        groups = {}
+        for v in range(n_vals):  # trace-time: coords of thread 0 are static ints
+            groups.setdefault(int(coords0[v][1]), []).append(v)
+        return [g for _, g in sorted(groups.items())]
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               tma_d: cute.CopyAtom, mD: cute.Tensor, tma_c: Optional[cute.CopyAtom],
+               mC: Optional[cute.Tensor], mBias: Optional[cute.Tensor], alpha: Float32, beta: Float32,
+               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               sD_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout):
+        tm, tn, tk = self.tile_mnk
+        cm, cn = self.cluster_mn
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_d)
+            if cutlass.const_expr(self.has_c):
+                cpasync.prefetch_descriptor(tma_c)
+
+        cta_layout = cute.make_layout((cm, cn, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta_coord = cta_layout.get_flat_coord(cta_rank)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
+
+        # --- pipelines (barrier init is fenced and synced once below)
+        ab_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))) + \
+            cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
+        # every consumer warp releases a stage once per CTA that wrote into it
+        mcast_peers = self.mcast_a + self.mcast_b - 1
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_peers * 4 * self.num_consumers),
+            tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)), defer_sync=True)
+        c_pipe = None
+        sC = None
+        if cutlass.const_expr(self.has_c):
+            sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+            c_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.c_bars.data_ptr(), num_stages=C_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumers),
+                tx_count=cute.size_in_bytes(self.d_dtype, cute.slice_(sC_layout, (None, None, 0))),
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.cluster_size > 1):
+            cute.arch.cluster_arrive_relaxed()
+
+        # --- global tiles: (tile, tile, rest_0, rest_1, L)
+        gA = cute.local_tile(mA, (tm, tk), (None, None, None))
+        gB = cute.local_tile(mB, (tn, tk), (None, None, None))
+        gD = cute.local_tile(mD, (tm, tn), (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+        n_cl_m = cute.ceil_div(cute.size(gD, mode=[2]), cm)
+        n_cl_n = cute.ceil_div(cute.size(gD, mode=[3]), cn)
+        total_work = n_cl_m * n_cl_n * cute.size(gD, mode=[4])
+        _, _, first_work = cute.arch.block_idx()
+        _, _, work_stride = cute.arch.grid_dim()
+
+        tAsA, tAgA = cpasync.tma_partition(tma_a, cta_coord[1], cute.make_layout(cn),
+                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, cta_coord[0], cute.make_layout(cm),
+                                           cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        epi_tiles = (tm // self.epi_tile[0], tn // self.epi_tile[1])
+        epi_order = cute.make_layout(epi_tiles, stride=(epi_tiles[1], 1))  # n fastest, like the acc
+        n_epi = epi_tiles[0] * epi_tiles[1]
+
+        if cutlass.const_expr(self.cluster_size > 1):
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+
+        # ================================================================ producer
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                a_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=1) if self.mcast_a > 1 else 0
+                b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0) if self.mcast_b > 1 else 0
+                ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
+                c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, C_STAGES)
+                work = first_work
+                while work < total_work:
+                    tile_m, tile_n, l = self._tile_coord(work, n_cl_m, n_cl_n, cta_coord[0], cta_coord[1])
+                    tAgA_t = tAgA[(None, tile_m, None, l)]
+                    tBgB_t = tBgB[(None, tile_n, None, l)]
+                    for kt in range(k_tiles):
+                        ab_pipe.producer_acquire(ab_state)
+                        bar = ab_pipe.producer_get_barrier(ab_state)
+                        cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, ab_state.index)],
+                                  tma_bar_ptr=bar, mcast_mask=a_mask)
+                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, ab_state.index)],
+                                  tma_bar_ptr=bar, mcast_mask=b_mask)
+                        ab_pipe.producer_commit(ab_state)
+                        ab_state.advance()
+                    if cutlass.const_expr(self.has_c):
+                        gC_t = cute.local_tile(mC, (tm, tn), (tile_m, tile_n, l))
+                        bsC, bgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                                         cute.zipped_divide(gC_t, self.epi_tile))
+                        for e in cutlass.range_constexpr(n_epi):
+                            c_pipe.producer_acquire(c_state)
+                            cute.copy(tma_c, bgC[(None, epi_order.get_hier_coord(e))],
+                                      bsC[(None, c_state.index)], tma_bar_ptr=c_pipe.producer_get_barrier(c_state))
+                            c_pipe.producer_commit(c_state)
+                            c_state.advance()
+                    work += work_stride
+                # do not exit while peers may still signal our barriers
+                ab_pipe.producer_tail(ab_state)
+
+        # ================================================================ consumers
+        if wg_idx > 0:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            ctid = tidx - 128
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape, Float32)
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            # epilogue copies: stmatrix-shaped tiling of the accumulator (layout-only atom)
+            c_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
+            tiled_copy_c = cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
+            r2s = cute.make_tiled_copy_S(
+                sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, Float32), tiled_copy_c)
+            thr_r2s = r2s.get_slice(ctid)
+            tRS_sD = thr_r2s.partition_D(sD)
+            tRS_acc = r2s.retile(acc)
+            tRS_cD = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))  # (m, n) of each value
+            tRS_rD = cute.make_rmem_tensor(tRS_cD.shape, Float32)
+            tRS_rOut = cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype)
+            n_vals = cute.size(tRS_rD)
+            if cutlass.const_expr(self.has_c):
+                ld_op = warp.LdMatrix8x8x16bOp(False, 4) if self.d_dtype.width == 16 else cute.nvgpu.CopyUniversalOp()
+                s2r = cute.make_tiled_copy_S(cute.make_copy_atom(ld_op, self.d_dtype), tiled_copy_c)
+                thr_s2r = s2r.get_slice(ctid)
+                tSR_sC = thr_s2r.partition_S(sC)
+                tRS_rC = cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype)
+                tSR_rC = thr_s2r.retile(tRS_rC)
+            if cutlass.const_expr(self.has_bias):
+                rBias = cute.make_rmem_tensor(tRS_cD.shape, Float32)
+                # a thread's column offsets are the same for every thread (thread 0 starts at
+                # column 0), so group fragment slots by column and load each column once
+                bias_groups = self._column_groups(r2s.get_slice(0).partition_S(
+                    cute.make_identity_tensor(self.epi_tile)), n_vals)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=EPI_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads))
+            is_store_warp = warp_idx == 4
+
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+            c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, C_STAGES)
+            n_done = Int32(0)
+            work = first_work
+            while work < total_work:
+                tile_m, tile_n, l = self._tile_coord(work, n_cl_m, n_cl_n, cta_coord[0], cta_coord[1])
+                # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for kt in range(k_tiles):
+                    ab_pipe.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    warpgroup.commit_group()
+                    read_state.advance()
+                    if kt > 0:
+                        warpgroup.wait_group(1)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                warpgroup.wait_group(0)
+                if k_tiles > 0:
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+
+                # ---- epilogue, one (64*W x 32) subtile at a time
+                gD_t = cute.zipped_divide(gD[(None, None, tile_m, tile_n, l)], self.epi_tile)
+                bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1),
+                                                 cute.group_modes(sD, 0, 2), gD_t)
+                for e in cutlass.range_constexpr(n_epi):
+                    e_coord = epi_order.get_hier_coord(e)
+                    for v in cutlass.range_constexpr(n_vals):
+                        tRS_rD[v] = tRS_acc[e * n_vals + v]
+                    c_val = None
+                    if cutlass.const_expr(self.has_c):
+                        c_pipe.consumer_wait(c_state)
+                        cute.copy(s2r, tSR_sC[(None, None, None, c_state.index)], tSR_rC)
+                        c_pipe.consumer_release(c_state)
+                        c_state.advance()
+                        c_val = tRS_rC.load().to(Float32)
+                    bias_val = None
+                    if cutlass.const_expr(self.has_bias):
+                        n0 = tile_n * tn + e_coord[1] * self.epi_tile[1]
+                        for u in cutlass.range_constexpr(len(bias_groups)):
+                            col = n0 + tRS_cD[bias_groups[u][0]][1]
+                            bval = Float32(0.0)
+                            if col < mBias.shape[0]:  # predicate the ragged N edge
+                                bval = mBias[col].to(Float32)
+                            for v in cutlass.range_constexpr(len(bias_groups[u])):
+                                rBias[bias_groups[u][v]] = bval
+                        bias_val = rBias.load()
+                    out = self.epilogue_fn(tRS_rD.load(), alpha=alpha, beta=beta, bias=bias_val, c=c_val)
+                    tRS_rOut.store(out.to(self.d_dtype))
+                    buf = (n_done * n_epi + e) % EPI_STAGES
+                    cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)])
+                    # make the generic-proxy smem writes visible to the TMA unit
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.epi_barrier.arrive_and_wait()
+                    if is_store_warp:
+                        cute.copy(tma_d, bsD[(None, buf)], bgD[(None, e_coord)])
+                        store_pipe.producer_commit()
+                        store_pipe.producer_acquire()
+                    self.epi_barrier.arrive_and_wait()
+                n_done += 1
+                work += work_stride
+            store_pipe.producer_tail()
+
+
+# ----------------------------------------------------------------------------- build
+def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation,
+          tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent,
+          num_sms=132, raster_group=8, epilogue_fn=None):
+    """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
+    problem = GemmProblem(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation)
+    cfg = GemmConfig(tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent)
+    err = problem_error(problem) or config_error(cfg, problem)
+    if err:
+        raise ValueError(err)
+    ab_t, d_t = CUTE_DTYPES[dtype_name], CUTE_DTYPES[out_dtype_name]
+    # One symbol per extent, shared by all tensors, so the FFI checks that they agree; the
+    # contiguous extent of every TMA operand must be a multiple of 8 elements (16 bytes).
+    M = cute.sym_int(divisibility=8 if a_major == "m" else 1)
+    N = cute.sym_int(divisibility=8)
+    K = cute.sym_int(divisibility=8 if "k" in (a_major, b_major) else 1)
+    L = cute.sym_int()
+
+    def ld():
+        return cute.sym_int64(divisibility=8)  # TMA needs 16-byte aligned strides
+
+    a_stride = (ld(), 1, ld()) if a_major == "k" else (1, ld(), ld())
+    b_stride = (ld(), 1, ld()) if b_major == "k" else (1, ld(), ld())
+    a = make_fake_tensor(ab_t, (M, K, L), stride=a_stride, assumed_align=16)
+    b = make_fake_tensor(ab_t, (N, K, L), stride=b_stride, assumed_align=16)
+    d = make_fake_tensor(d_t, (M, N, L), stride=(ld(), 1, ld()), assumed_align=16)
+    c = make_fake_tensor(d_t, (M, N, L), stride=(ld(), 1, ld()), assumed_align=16) if has_c else None
+    bias = make_fake_tensor(d_t, (N,), stride=(1,)) if has_bias else None
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    fn = HopperGemm(cfg, a_major, b_major, has_bias, has_c, epilogue_fn or make_epilogue(activation),
+                    num_sms=num_sms, raster_group=raster_group)
+    return fn, (a, b, d, c, bias, Float32(1.0), Float32(0.0), stream)

@@ -1,0 +1,142 @@
+"""The Hopper GEMM on the H200 against an fp32 reference: layouts, dtypes, odd sizes, epilogues,
+batches; every output poisoned first so an unwritten element shows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inductor_cute import UnsupportedError, ops
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 2e-4}
+SHAPES = [(1, 1000, 1000), (7, 3000, 1000), (65, 1000, 3000), (127, 3000, 1000), (1000, 1000, 3000),
+          (3000, 3000, 1000), (8191, 1000, 1000)]
+ODD_K = [(1000, 1000, 7), (1000, 3000, 63), (127, 1000, 65), (3000, 1000, 127)]
+ACTS = {"identity": lambda x: x, "relu": F.relu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_erf": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+
+
+def operand_a(m, k, major, dtype):
+    if major == "k":
+        return torch.randn(m, k, device="cuda", dtype=dtype)
+    return torch.randn(k, m, device="cuda", dtype=dtype).t()  # column-major
+
+
+def operand_b(k, n, major, dtype):
+    if major == "n":
+        return torch.randn(k, n, device="cuda", dtype=dtype)
+    return torch.randn(n, k, device="cuda", dtype=dtype).t()  # an nn.Linear weight, transposed
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def check(out, ref, dtype):
+    assert not out.isnan().any(), "unwritten (poisoned) or NaN elements in the output"
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+def reference(a, b, bias=None, c=None, alpha=1.0, beta=1.0, act="identity"):
+    x = alpha * (a.float() @ b.float())
+    if bias is not None:
+        x = x + bias.float()
+    if c is not None:
+        x = x + beta * c.float()
+    return ACTS[act](x)
+
+
+def cases():
+    for dtype in (torch.bfloat16, torch.float16):
+        for am in ("k", "m"):
+            for bm in ("n", "k"):
+                for m, n, k in SHAPES:
+                    if am == "m" and m % 8:
+                        continue
+                    yield dtype, am, bm, m, n, k
+        for m, n, k in ODD_K:
+            yield dtype, "m", "n", m, n, k
+
+
+CASES = list(cases())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompile():
+    """Compile every kernel this module uses in parallel worker processes first."""
+    from inductor_cute.runtime import precompile
+
+    specs = {}
+    for dtype, am, bm, m, n, k in CASES:
+        a, b = operand_a(m, k, am, dtype), operand_b(k, n, bm, dtype)
+        specs[ops.gemm_spec_for(a, b)] = True
+    a, b = operand_a(1000, 1000, "k", torch.bfloat16), operand_b(1000, 1000, "k", torch.bfloat16)
+    bias, c = torch.randn(1000, device="cuda", dtype=torch.bfloat16), torch.randn(1000, 1000, device="cuda")
+    for act in ACTS:
+        specs[ops.gemm_spec_for(a, b, bias=bias, activation=act)] = True
+    specs[ops.gemm_spec_for(a, b, c=c.bfloat16(), alpha=0.5, beta=-2.0)] = True
+    specs[ops.gemm_spec_for(a, b, bias=bias, c=c, out_dtype=torch.float32, activation="silu")] = True
+    failed = [r for r in precompile(list(specs)) if r.status == "failed"]
+    assert not failed, failed[0].error
+
+
+@pytest.mark.parametrize("dtype,a_major,b_major,m,n,k", CASES,
+                         ids=[f"{str(c[0])[6:]}-A{c[1]}-B{c[2]}-{c[3]}x{c[4]}x{c[5]}" for c in CASES])
+def test_layouts_dtypes_and_sizes(dtype, a_major, b_major, m, n, k):
+    a, b = operand_a(m, k, a_major, dtype), operand_b(k, n, b_major, dtype)
+    out = ops.mm(a, b, out=poisoned((m, n), dtype))
+    check(out, reference(a, b), dtype)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_bias_and_activation_epilogues(act):
+    a, b = operand_a(1000, 1000, "k", torch.bfloat16), operand_b(1000, 1000, "k", torch.bfloat16)
+    bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    out = ops.mm(a, b, bias=bias, activation=act, out=poisoned((1000, 1000), torch.bfloat16))
+    check(out, reference(a, b, bias=bias, act=act), torch.bfloat16)
+
+
+def test_residual_with_alpha_beta():
+    a, b = operand_a(1000, 1000, "k", torch.bfloat16), operand_b(1000, 1000, "k", torch.bfloat16)
+    c = torch.randn(1000, 1000, device="cuda", dtype=torch.bfloat16)
+    out = ops.mm(a, b, c=c, alpha=0.5, beta=-2.0, out=poisoned((1000, 1000), torch.bfloat16))
+    check(out, reference(a, b, c=c, alpha=0.5, beta=-2.0), torch.bfloat16)
+
+
+def test_fp32_output_with_bias_residual_and_silu():
+    a, b = operand_a(1000, 1000, "k", torch.bfloat16), operand_b(1000, 1000, "k", torch.bfloat16)
+    bias, c = torch.randn(1000, device="cuda"), torch.randn(1000, 1000, device="cuda")
+    out = ops.mm(a, b, bias=bias, c=c, out_dtype=torch.float32, activation="silu",
+                 out=poisoned((1000, 1000), torch.float32))
+    check(out, reference(a, b, bias=bias, c=c, act="silu"), torch.float32)
+
+
+def test_batched_with_strided_and_broadcast_batches():
+    big = torch.randn(3, 512 + 64, 1024, device="cuda", dtype=torch.bfloat16)
+    a = big[:, :512, :]  # batch stride larger than the matrix
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    b = w.t().unsqueeze(0).expand(3, -1, -1)  # one weight for every batch (stride 0)
+    out = ops.bmm(a, b, out=poisoned((3, 512, 1024), torch.bfloat16))
+    check(out, torch.bmm(a.float(), b.float()), torch.bfloat16)
+
+
+def test_nan_and_inf_propagate_like_torch():
+    a, b = operand_a(256, 1024, "k", torch.float16), operand_b(1024, 512, "k", torch.float16)
+    a[3, 5] = float("nan")
+    a[7, 9] = float("inf")
+    ours, theirs = ops.mm(a, b), torch.mm(a, b)
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    assert torch.equal(ours.isinf(), theirs.isinf())
+
+
+def test_unaligned_sizes_are_refused():
+    a = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedError, match="multiple of 8"):
+        ops.mm(a, torch.randn(1000, 1001, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(UnsupportedError, match="multiple of 8"):
+        ops.mm(torch.randn(64, 1001, device="cuda", dtype=torch.bfloat16),
+               torch.randn(1001, 64, device="cuda", dtype=torch.bfloat16).t().contiguous().t())
+    with pytest.raises(UnsupportedError, match="bfloat16 or float16"):
+        ops.mm(torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda"))

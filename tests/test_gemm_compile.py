@@ -1,0 +1,74 @@
+"""The Hopper GEMM compiled for sm_90a on the CPU: every schedule class and layout, checked in PTX
+and in ptxas's resource report."""
+
+import re
+
+import pytest
+
+from inductor_cute.kernels.gemm_config import (GemmConfig, GemmProblem, config_error, default_config, gemm_spec,
+                                               smem_bytes)
+from inductor_cute.runtime.compiler import compile_spec
+
+BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
+SMALL = GemmConfig(128, 128, 64, 1, 1, 3, 2, False)
+
+VARIANTS = {
+    "large-persistent-cluster2x1": (BF16, default_config(8192, 8192, BF16)),
+    "small-m-one-warpgroup": (BF16, default_config(16, 4096, BF16)),
+    "a-col-major-b-n-major": (GemmProblem("bfloat16", "bfloat16", "m", "n"), SMALL),
+    "a-row-major-b-n-major": (GemmProblem("float16", "float16", "k", "n"), SMALL),
+    "a-col-major-b-k-major": (GemmProblem("float16", "float32", "m", "k"), SMALL),
+    "bias-residual-gelu": (GemmProblem("bfloat16", "bfloat16", "k", "k", True, True, "gelu_tanh"), SMALL),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def compiled(request):
+    problem, config = VARIANTS[request.param]
+    return compile_spec(gemm_spec(problem, config), "sm_90a", keep_ptx=True)
+
+
+def test_uses_wgmma_tma_and_register_reallocation(compiled):
+    ptx = compiled.ptx
+    assert re.search(r"^\.target sm_90a\b", ptx, re.M)
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+
+
+def test_ptxas_reports_no_spills_and_no_stack(compiled):
+    report = compiled.ptxas_report
+    assert report and "Used" in report
+    assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report)
+    assert not re.search(r"[1-9]\d* bytes spill", report)
+
+
+def test_cluster_variant_multicasts():
+    problem, config = VARIANTS["large-persistent-cluster2x1"]
+    assert config.cluster_m == 2
+    ptx = compile_spec(gemm_spec(problem, config), "sm_90a", keep_ptx=True).ptx
+    assert ".multicast::cluster" in ptx
+
+
+def test_default_configs_fit_and_follow_the_shape():
+    big, small = default_config(8192, 8192, BF16), default_config(16, 4096, BF16)
+    assert (big.tile_m, big.tile_n, big.persistent) == (128, 256, True)
+    assert small.tile_m == 64 and small.consumer_warpgroups == 1
+    for cfg in (big, small):
+        assert config_error(cfg, BF16) is None
+        assert smem_bytes(cfg, 2, 2, False) <= 227 * 1024
+
+
+def test_invalid_configs_are_named():
+    assert "shared memory" in config_error(GemmConfig(128, 256, 128, 1, 1, 8, 2, True), BF16)
+    assert "tile_m" in config_error(GemmConfig(96, 128, 64, 1, 1, 4, 2, True), BF16)
+    assert "cluster" in config_error(GemmConfig(128, 128, 64, 4, 4, 4, 2, True), BF16)
+
+
+def test_mm_refuses_cpu_tensors():
+    import torch
+
+    from inductor_cute import UnsupportedError, ops
+
+    with pytest.raises(UnsupportedError, match="^mm: tensors must be on a CUDA device, got cpu$"):
+        ops.mm(torch.randn(8, 8, dtype=torch.bfloat16), torch.randn(8, 8, dtype=torch.bfloat16))
