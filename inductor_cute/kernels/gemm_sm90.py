@@ -45,27 +45,36 @@ CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float3
 LOG2E = 1.4426950408889634
 
 
-def _sigmoid(x):
-    # exp2 with fastmath lowers to ex2.approx; 1/(1+inf) = 0 keeps the tails exact
+def _sigmoid_precise(x):
+    # ex2.approx (~2 ulp) and an IEEE reciprocal; 1 / (1 + inf) = 0 keeps the negative tail exact
     return 1.0 / (1.0 + cute.math.exp2(x * (-LOG2E), fastmath=True))
 
 
-ACTIVATIONS = {
-    "identity": lambda x: x,
-    "relu": lambda x: cute.where(x > 0.0, x, 0.0),
-    # 0.5 * (1 + tanh(u)) == sigmoid(2u)
-    "gelu_tanh": lambda x: x * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)),
-    "gelu_erf": lambda x: 0.5 * x * (1.0 + cute.math.erf(x * 0.7071067811865476)),
-    "silu": lambda x: x * _sigmoid(x),
-    "sigmoid": _sigmoid,
-    "tanh": lambda x: cute.math.tanh(x),
-}
+def _sigmoid_fast(x):
+    # One tanh.approx (MUFU) op; its ~5e-4 relative error is 1/8 of a bf16 ulp, while the IEEE
+    # reciprocal above is a long instruction sequence per element.
+    return 0.5 + 0.5 * cute.math.tanh(0.5 * x, fastmath=True)
 
 
-def make_epilogue(activation: str = "identity") -> Callable:
+def activations(fast: bool) -> dict[str, Callable]:
+    """Pointwise activations on fp32 fragments; `fast` trades accuracy a bf16 output cannot hold."""
+    sigmoid = _sigmoid_fast if fast else _sigmoid_precise
+    return {
+        "identity": lambda x: x,
+        "relu": lambda x: cute.where(x > 0.0, x, 0.0),
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u)
+        "gelu_tanh": lambda x: x * sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)),
+        "gelu_erf": lambda x: 0.5 * x * (1.0 + cute.math.erf(x * 0.7071067811865476)),
+        "silu": lambda x: x * sigmoid(x),
+        "sigmoid": sigmoid,
+        "tanh": lambda x: cute.math.tanh(x, fastmath=fast),
+    }
+
+
+def make_epilogue(activation: str = "identity", fast: bool = False) -> Callable:
     """Default hook: act(alpha * acc + bias + beta * C). All operands are fp32 TensorSSA
     fragments of one subtile (bias already broadcast along M); bias / c are None when absent."""
-    act = ACTIVATIONS[activation]
+    act = activations(fast)[activation]
 
     def epilogue_fn(acc, *, alpha, beta, bias=None, c=None):
         x = acc * alpha
@@ -434,6 +443,7 @@ def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activat
     c = make_fake_tensor(d_t, (M, N, L), stride=(ld(), 1, ld()), assumed_align=16) if has_c else None
     bias = make_fake_tensor(d_t, (N,), stride=(1,)) if has_bias else None
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fn = HopperGemm(cfg, a_major, b_major, has_bias, has_c, epilogue_fn or make_epilogue(activation),
+    epilogue_fn = epilogue_fn or make_epilogue(activation, fast=out_dtype_name == "bfloat16")
+    fn = HopperGemm(cfg, a_major, b_major, has_bias, has_c, epilogue_fn,
                     num_sms=num_sms, raster_group=raster_group)
     return fn, (a, b, d, c, bias, Float32(1.0), Float32(0.0), stream)
