@@ -46,10 +46,11 @@ class GemmProblem:
         return dataclasses.asdict(self)
 
 
-def smem_bytes(cfg: GemmConfig, ab_bytes: int, out_bytes: int, has_c: bool) -> int:
+def smem_bytes(cfg: GemmConfig, ab_bytes: int, out_bytes: int, has_c: bool, has_bias: bool = False) -> int:
     ab = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes * cfg.stages
     epi = 64 * cfg.consumer_warpgroups * EPI_N * out_bytes
     total = 1024 + ab + epi * EPI_STAGES + (epi * C_STAGES if has_c else 16)  # 1 KB for mbarriers
+    total += 4 * cfg.tile_n if has_bias else 16  # the tile's bias row
     return -(-total // 1024) * 1024  # the shared-storage struct is 1 KB aligned
 
 
@@ -81,7 +82,7 @@ def config_error(c: GemmConfig, p: GemmProblem) -> str | None:
         return "cluster dims must be 1, 2 or 4 with at most 4 CTAs"
     if c.stages < 2:
         return "at least 2 pipeline stages"
-    need = smem_bytes(c, ELEMENT_BYTES[p.dtype_name], ELEMENT_BYTES[p.out_dtype_name], p.has_c)
+    need = smem_bytes(c, ELEMENT_BYTES[p.dtype_name], ELEMENT_BYTES[p.out_dtype_name], p.has_c, p.has_bias)
     if need > SMEM_BUDGET:
         return f"shared memory {need} B exceeds {SMEM_BUDGET} B"
     return None

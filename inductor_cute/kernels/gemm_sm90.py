@@ -130,6 +130,7 @@ class HopperGemm:
         ab_t, d_t = self.ab_dtype, self.d_dtype
         # without C keep a 16-byte placeholder instead of another 1 KB-aligned buffer
         n_c, c_align = (cute.cosize(lay_c), 1024) if self.has_c else (8, 16)
+        n_bias = self.tile_mnk[1] if self.has_bias else 4  # the tile's bias row, as fp32
 
         @cute.struct
         class SharedStorage:
@@ -139,6 +140,7 @@ class HopperGemm:
             sB: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(lay_b)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[d_t, cute.cosize(lay_d)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[d_t, n_c], c_align]
+            sBias: cute.struct.Align[cute.struct.MemRange[Float32, n_bias], 16]
 
         return SharedStorage
 
@@ -336,9 +338,12 @@ class HopperGemm:
             if cutlass.const_expr(self.has_bias):
                 rBias = cute.make_rmem_tensor(tRS_cD.shape, Float32)
                 # a thread's column offsets are the same for every thread (thread 0 starts at
-                # column 0), so group fragment slots by column and load each column once
+                # column 0), so group fragment slots by column and read each column once
                 bias_groups = self._column_groups(r2s.get_slice(0).partition_S(
                     cute.make_identity_tensor(self.epi_tile)), n_vals)
+                sBias = storage.sBias.get_tensor(cute.make_layout(tn))
+                bias_per_thread = -(-tn // self.consumer_threads)
+                rBiasRow = cute.make_rmem_tensor(cute.make_layout(bias_per_thread), Float32)
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads))
@@ -351,6 +356,13 @@ class HopperGemm:
             work = first_work
             while work < total_work:
                 tile_m, tile_n, l = self._tile_coord(work, n_cl_m, n_cl_n, cta_coord[0], cta_coord[1])
+                if cutlass.const_expr(self.has_bias):
+                    # Issue the tile's bias loads now; the mainloop hides their latency.
+                    for i in cutlass.range_constexpr(bias_per_thread):
+                        col = tile_n * tn + ctid + i * self.consumer_threads
+                        rBiasRow[i] = Float32(0.0)
+                        if col < mBias.shape[0] and ctid + i * self.consumer_threads < tn:
+                            rBiasRow[i] = mBias[col].to(Float32)
                 # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -370,6 +382,12 @@ class HopperGemm:
                 if k_tiles > 0:
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
+                if cutlass.const_expr(self.has_bias):
+                    # The previous tile's epilogue ended on a consumer barrier, so the row is free.
+                    for i in cutlass.range_constexpr(bias_per_thread):
+                        if ctid + i * self.consumer_threads < tn:
+                            sBias[ctid + i * self.consumer_threads] = rBiasRow[i]
+                    self.epi_barrier.arrive_and_wait()
 
                 # ---- epilogue, one (64*W x 32) subtile at a time
                 gD_t = cute.zipped_divide(gD[(None, None, tile_m, tile_n, l)], self.epi_tile)
@@ -388,12 +406,9 @@ class HopperGemm:
                         c_val = tRS_rC.load().to(Float32)
                     bias_val = None
                     if cutlass.const_expr(self.has_bias):
-                        n0 = tile_n * tn + e_coord[1] * self.epi_tile[1]
+                        n0 = e_coord[1] * self.epi_tile[1]
                         for u in cutlass.range_constexpr(len(bias_groups)):
-                            col = n0 + tRS_cD[bias_groups[u][0]][1]
-                            bval = Float32(0.0)
-                            if col < mBias.shape[0]:  # predicate the ragged N edge
-                                bval = mBias[col].to(Float32)
+                            bval = sBias[n0 + tRS_cD[bias_groups[u][0]][1]]  # 0 past the N edge
                             for v in cutlass.range_constexpr(len(bias_groups[u])):
                                 rBias[bias_groups[u][v]] = bval
                         bias_val = rBias.load()
