@@ -28,6 +28,8 @@ def _check_cuda(name: str, *tensors: torch.Tensor) -> None:
             raise UnsupportedError(f"{name}: expected torch.Tensor arguments, got {type(t).__name__}")
         if t.device.type != "cuda":
             raise UnsupportedError(f"{name}: tensors must be on a CUDA device, got {t.device}")
+        if t.device != tensors[0].device:
+            raise UnsupportedError(f"{name}: tensors are on {tensors[0].device} and {t.device}; expected one device")
     _check_device(tensors[0].device.index or 0)
 
 
@@ -120,7 +122,8 @@ def _gemm_kernel(problem, config, num_sms: int):
 
 
 def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out):
-    """Checks and TMA views for one GEMM: ((problem, config, num_sms), kernel arguments, out)."""
+    """Checks and TMA views for one GEMM: ((problem, config, num_sms), kernel arguments, out);
+    the plan and arguments are None when the output is empty."""
     from .kernels.gemm_config import GemmProblem, default_config, problem_error
 
     _check_cuda(name, a, b, *(t for t in (bias, c, out) if t is not None))
@@ -133,6 +136,12 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out):
     out_dtype = out_dtype or (out.dtype if out is not None else a.dtype)
     if out_dtype not in _DTYPE_NAMES:
         raise UnsupportedError(f"{name}: output dtype {out_dtype} is not supported")
+    if out is None:
+        out = torch.empty(batch, m, n, device=a.device, dtype=out_dtype)
+    elif out.shape != (batch, m, n) or out.dtype != out_dtype:
+        raise UnsupportedError(f"{name}: out must be {(batch, m, n)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    if out.numel() == 0:
+        return None, None, out  # nothing to compute
     if k == 0:
         raise UnsupportedError(f"{name}: K must be at least 1")
     if n % 8:
@@ -143,10 +152,6 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out):
     if a3 is None or b3 is None or ("k" in (a_major, b_major) and k % 8) or (a_major == "m" and m % 8):
         raise UnsupportedError(f"{name}: the contiguous dimension of each operand must be a multiple of 8 "
                                f"elements (TMA reads 16-byte rows); got M={m}, K={k}, N={n}")
-    if out is None:
-        out = torch.empty(batch, m, n, device=a.device, dtype=out_dtype)
-    elif out.shape != (batch, m, n) or out.dtype != out_dtype:
-        raise UnsupportedError(f"{name}: out must be {(batch, m, n)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
     d3 = _tma_view(out.permute(1, 2, 0), 1)
     if d3 is None:
         raise UnsupportedError(f"{name}: out must be row-major with 16-byte aligned rows")
@@ -190,7 +195,7 @@ def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, launch=T
     plan, kernel_args, out3 = _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out3)
     if not launch:
         return plan
-    if out3.numel():
+    if plan is not None:
         _gemm_kernel(*plan)(*kernel_args)
     return out3[0] if name == "mm" else out3
 
@@ -215,4 +220,7 @@ def gemm_spec_for(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="
     from .kernels.gemm_config import gemm_spec
 
     name = "mm" if a.dim() == 2 else "bmm"
-    return gemm_spec(*_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, launch=False))
+    plan = _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, launch=False)
+    if plan is None:
+        raise UnsupportedError(f"{name}: an empty output needs no kernel")
+    return gemm_spec(*plan)

@@ -58,3 +58,46 @@ def test_impossible_layout_reports_none():
     a = torch.randn(1, 16, 63).permute(1, 2, 0)  # K = 63 contiguous: TMA rows not 16-byte multiples
     view, _ = _operand(a, (1,))
     assert view is None
+
+
+def _plan(monkeypatch, *args, **kwargs):
+    """mm's planning on CPU tensors: the device checks are what a CPU cannot pass."""
+    from inductor_cute import ops
+
+    monkeypatch.setattr(ops, "_check_cuda", lambda *a: None)
+    monkeypatch.setattr(ops, "_sm_count", lambda index: 132)
+    return ops._prepare_gemm("mm", *args, **kwargs)
+
+
+def test_plan_reads_linear_weights_in_place_and_defaults_beta(monkeypatch):
+    a = torch.randn(1, 32, 64, dtype=torch.bfloat16)
+    w = torch.randn(128, 64, dtype=torch.bfloat16)
+    c = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+    plan, args, out = _plan(monkeypatch, a, w.t().unsqueeze(0), None, c, 2.0, None, "silu", None, None)
+    problem, config, num_sms = plan
+    assert (problem.a_major, problem.b_major, problem.has_c, problem.activation) == ("k", "k", True, "silu")
+    assert args[1].data_ptr() == w.data_ptr() and args[5:] == (2.0, 1.0)
+    assert out.shape == (1, 32, 128) and config.tile_m == 64
+
+
+def test_plan_of_an_empty_output_launches_nothing(monkeypatch):
+    a, b = torch.randn(1, 0, 64, dtype=torch.float16), torch.randn(1, 64, 24, dtype=torch.float16)
+    plan, args, out = _plan(monkeypatch, a, b, None, None, 1.0, None, "identity", None, None)
+    assert plan is None and args is None and out.shape == (1, 0, 24)
+
+
+def test_plan_refuses_what_tma_cannot_read(monkeypatch):
+    import pytest
+
+    from inductor_cute import UnsupportedError
+
+    a = torch.randn(1, 32, 60, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedError, match="multiple of 8"):
+        _plan(monkeypatch, a, torch.randn(1, 60, 64, dtype=torch.bfloat16), None, None, 1.0, None, "identity",
+              None, None)
+    with pytest.raises(UnsupportedError, match="N=20 must be a multiple of 8"):
+        _plan(monkeypatch, torch.randn(1, 32, 64, dtype=torch.bfloat16), torch.randn(1, 64, 20, dtype=torch.bfloat16),
+              None, None, 1.0, None, "identity", None, None)
+    with pytest.raises(UnsupportedError, match="activation 'swish'"):
+        _plan(monkeypatch, torch.randn(1, 32, 64, dtype=torch.bfloat16), torch.randn(1, 64, 64, dtype=torch.bfloat16),
+              None, None, 1.0, None, "swish", None, None)
