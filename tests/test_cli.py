@@ -22,19 +22,20 @@ def test_demo_without_gpu_says_so_and_compiles_the_library(cli_cache):
     out = run_cli("demo", cache_dir=cli_cache)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("No CUDA GPU is visible")
-    assert out.stdout.count("compiled ") == 10 and "0 failed" in out.stdout
+    assert out.stdout.count("compiled ") == 14 and "0 failed" in out.stdout
+    assert out.stdout.count("gemm_sm90(") == 4 and out.stdout.count("rmsnorm_sm90(") == 10
     again = run_cli("demo", cache_dir=cli_cache)
-    assert again.stdout.count("cached ") == 10
+    assert again.stdout.count("cached ") == 14
 
 
 def test_cache_show_list_and_clear(cli_cache):
     shown = run_cli("cache", cache_dir=cli_cache)
     assert f"location: {cli_cache}" in shown.stdout
-    assert "entries:  10 (10 compiled objects, 0 linked libraries)" in shown.stdout
+    assert "entries:  14 (14 compiled objects, 0 linked libraries)" in shown.stdout
     listed = run_cli("cache", "list", cache_dir=cli_cache)
-    assert listed.stdout.count("rmsnorm_sm90(") == 10
+    assert listed.stdout.count("rmsnorm_sm90(") == 10 and listed.stdout.count("gemm_sm90(") == 4
     cleared = run_cli("cache", "clear", cache_dir=cli_cache)
-    assert "removed 10 entries" in cleared.stdout
+    assert "removed 14 entries" in cleared.stdout
     assert "entries:  0" in run_cli("cache", cache_dir=cli_cache).stdout
 
 

@@ -11,7 +11,14 @@ LIBRARY_HIDDEN_SIZES = (2048, 4096, 5120, 7168, 8192)
 
 
 def library_specs(dtypes=("bfloat16", "float16")):
-    """KernelSpecs of the default configurations of the whole library, for precompiling."""
+    """KernelSpecs of the default configurations of the whole library, for precompiling: RMSNorm
+    over common hidden sizes, and nn.Linear-shaped bf16 GEMMs (prefill and decode tiles, plain and
+    with a bias+GELU epilogue)."""
+    from .gemm_config import GemmProblem, default_config, gemm_spec
     from .rmsnorm_config import rmsnorm_spec
 
-    return [rmsnorm_spec(n, d) for d in dtypes for n in LIBRARY_HIDDEN_SIZES]
+    specs = [rmsnorm_spec(n, d) for d in dtypes for n in LIBRARY_HIDDEN_SIZES]
+    for problem in (GemmProblem("bfloat16", "bfloat16", "k", "k"),
+                    GemmProblem("bfloat16", "bfloat16", "k", "k", has_bias=True, activation="gelu_tanh")):
+        specs += [gemm_spec(problem, default_config(m, 14336, problem)) for m in (4096, 16)]
+    return specs
