@@ -1,6 +1,12 @@
 """Errors raised by inductor-cute's public API: one line that says what is wrong."""
 
 
+def first_line(e: BaseException | None) -> str:
+    """The first non-empty line of an exception's message, or its type name: for one-line reports."""
+    text = str(e).strip() if e is not None else ""
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class InductorCuteError(RuntimeError):
     """Base class of every error inductor-cute raises on purpose."""
 

@@ -126,7 +126,6 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out):
     the plan and arguments are None when the output is empty."""
     from .kernels.gemm_config import GemmProblem, default_config, problem_error
 
-    _check_cuda(name, a, b, *(t for t in (bias, c, out) if t is not None))
     if a.dtype not in _GEMM_INPUT or b.dtype != a.dtype:
         raise UnsupportedError(f"{name}: A and B must both be bfloat16 or float16, got {a.dtype} and {b.dtype}")
     batch, m, k = a.shape
@@ -177,9 +176,9 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out):
     return plan, (a3, b3, d3, c3, bias, float(alpha), float(beta or 0.0)), out
 
 
-def _batched(name, a, b, c, out):
-    """mm's operands as bmm's: a batch of one."""
-    _check_cuda(name, a, b)
+def _batched(name, a, b, bias, c, out):
+    """mm's operands as bmm's (a batch of one), after the checks every GEMM input needs."""
+    _check_cuda(name, a, b, *(t for t in (bias, c, out) if t is not None))
     if name == "mm":
         if a.dim() != 2 or b.dim() != 2:
             raise UnsupportedError(f"mm: expected 2-D tensors, got {a.dim()}-D and {b.dim()}-D")
@@ -191,7 +190,7 @@ def _batched(name, a, b, c, out):
 
 
 def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, launch=True):
-    a, b, c, out3 = _batched(name, a, b, c, out)
+    a, b, c, out3 = _batched(name, a, b, bias, c, out)
     plan, kernel_args, out3 = _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out3)
     if not launch:
         return plan

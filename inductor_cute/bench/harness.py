@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import first_line
 from . import record as rec
 from .timing import bound_us, host_overhead_us, measure_ceilings, time_us
 
@@ -61,7 +62,7 @@ def run_case(case: Case, ceilings: dict) -> dict:
                 case.notes.append(f"{backend} first call (compile) {first_call_s:.1f} s")
         except Exception as e:  # a backend that cannot run this case gets null and a note
             times[backend] = None
-            case.notes.append(f"{backend} failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
+            case.notes.append(f"{backend} failed: {first_line(e)[:160]}")
             case.runners[backend] = None
     mismatch = _check(case, outputs)
     if mismatch:

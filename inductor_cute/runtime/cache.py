@@ -75,7 +75,8 @@ class CompiledKernelCache:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def write(self, key: str, payload: bytes, **provenance) -> Path:
+    def write(self, key: str, payload: bytes, **provenance) -> dict:
+        """Publish an entry atomically; returns its header."""
         header = {"key": key, "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload),
                   "created": time.time(), **provenance}
         header_bytes = json.dumps(header, sort_keys=True, default=str).encode()
@@ -92,7 +93,7 @@ class CompiledKernelCache:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return path
+        return header
 
     def read(self, key: str) -> tuple[dict, bytes] | None:
         """(header, payload) of a valid entry; None if absent. A damaged entry is deleted."""

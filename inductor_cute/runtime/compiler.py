@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import CompileError
+from ..errors import CompileError, first_line
 from .dsl import import_cute
 from .spec import KernelSpec
 
@@ -50,8 +50,7 @@ def compile_spec(spec: KernelSpec, arch: str, keep_ptx: bool = False) -> Compile
             path = os.path.join(tmp, "kernel.o")
             compiled.export_to_c(path, function_name=ENTRY)
         except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise CompileError(f"compiling {spec.name} for {arch} failed: {first}") from e
+            raise CompileError(f"compiling {spec.name} for {arch} failed: {first_line(e)}") from e
         elapsed = time.perf_counter() - start
         ptx = report = None
         if keep_ptx:

@@ -7,7 +7,7 @@ import os
 import sys
 from importlib import metadata
 
-from ..errors import DSLUnavailableError
+from ..errors import DSLUnavailableError, first_line
 
 
 def _dist_version(name: str) -> str | None:
@@ -53,7 +53,7 @@ def import_cute(arch: str):
             f"the CuTe DSL is not usable ({e}); install it with: pip install 'nvidia-cutlass-dsl[cu13]>=4.8,<4.9' apache-tvm-ffi"
         ) from e
     except Exception as e:  # the DSL raises RuntimeError for broken or mismatched installs
-        raise DSLUnavailableError(f"the CuTe DSL failed to initialise: {str(e).splitlines()[0]}") from e
+        raise DSLUnavailableError(f"the CuTe DSL failed to initialise: {first_line(e)}") from e
     return cutlass
 
 

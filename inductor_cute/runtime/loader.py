@@ -9,7 +9,7 @@ import os
 import tempfile
 import threading
 
-from ..errors import CompileError
+from ..errors import CompileError, first_line
 from .arch import target_arch
 from .cache import CompiledKernelCache
 from . import native
@@ -39,11 +39,11 @@ def ensure_compiled(spec: KernelSpec, arch: str, cache: CompiledKernelCache) -> 
             if entry is None:
                 obj = compile_spec(spec, arch)
                 stats["compiles"] += 1
-                cache.write(key, obj.object_bytes, kernel=spec.name, module=spec.module,
-                            params=spec.kwargs, arch=arch, versions=versions(),
-                            compile_s=round(obj.compile_s, 4), pid=os.getpid(),
-                            runtime_libs=native.runtime_libraries())
-                return cache.read(key) or ({}, obj.object_bytes)
+                header = cache.write(key, obj.object_bytes, kernel=spec.name, module=spec.module,
+                                     params=spec.kwargs, arch=arch, versions=versions(),
+                                     compile_s=round(obj.compile_s, 4), pid=os.getpid(),
+                                     runtime_libs=native.runtime_libraries())
+                return header, obj.object_bytes
     stats["disk_hits"] += 1
     return entry
 
@@ -82,8 +82,8 @@ def _load_or_recompile(spec, arch, key, cache):
             return fn
         except Exception as e:
             error = e
-            cache.discard(key, f"failed to load: {_first_line(e)}")
-    raise CompileError(f"kernel {spec.name} compiled but could not be loaded: {_first_line(error)}")
+            cache.discard(key, f"failed to load: {first_line(e)}")
+    raise CompileError(f"kernel {spec.name} compiled but could not be loaded: {first_line(error)}")
 
 
 def _load_linked(key: str, header: dict, payload: bytes, cache: CompiledKernelCache):
@@ -100,7 +100,7 @@ def _load_linked(key: str, header: dict, payload: bytes, cache: CompiledKernelCa
         with _temp_copy(cache, library, ".so") as path:
             module, fn = native.load_shared(path, ENTRY)
     except Exception as e:
-        cache.discard(link_key, f"linked library failed to load: {_first_line(e)}")
+        cache.discard(link_key, f"linked library failed to load: {first_line(e)}")
         return None
     _linked_modules.append(module)
     stats["linked_loads"] += 1
@@ -120,10 +120,6 @@ def _temp_copy(cache: CompiledKernelCache, data: bytes, suffix: str):
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _first_line(e) -> str:
-    return str(e).strip().splitlines()[0] if e is not None and str(e).strip() else type(e).__name__
 
 
 def forget_loaded() -> None:

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from ..errors import first_line
 from .arch import target_arch
 from .cache import CompiledKernelCache
 from .spec import KernelSpec
@@ -36,7 +37,7 @@ def _compile_in_worker(spec: KernelSpec, arch: str, cache_root: str) -> tuple[st
     try:
         ensure_compiled(spec, arch, CompiledKernelCache(cache_root))
     except Exception as e:  # reported per kernel; one bad config must not sink the others
-        return "failed", time.perf_counter() - start, str(e).splitlines()[0] if str(e) else type(e).__name__
+        return "failed", time.perf_counter() - start, first_line(e)
     status = "compiled" if stats["compiles"] else "cached"
     stats.clear()
     return status, time.perf_counter() - start, None
