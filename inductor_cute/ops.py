@@ -121,10 +121,10 @@ def _gemm_kernel(problem, config, num_sms: int):
     return get_kernel(gemm_spec(problem, config, num_sms))
 
 
-def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out):
+def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None):
     """Checks and TMA views for one GEMM: ((problem, config, num_sms), kernel arguments, out);
     the plan and arguments are None when the output is empty."""
-    from .kernels.gemm_config import GemmProblem, default_config, problem_error
+    from .kernels.gemm_config import GemmProblem, config_error, default_config, problem_error
 
     if a.dtype not in _GEMM_INPUT or b.dtype != a.dtype:
         raise UnsupportedError(f"{name}: A and B must both be bfloat16 or float16, got {a.dtype} and {b.dtype}")
@@ -172,7 +172,11 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out):
     if error:
         raise UnsupportedError(f"{name}: {error}")
     num_sms = _sm_count(a.device.index or 0)
-    plan = (problem, default_config(m, n, problem, batch, num_sms), num_sms)
+    if config is None:
+        config = default_config(m, n, problem, batch, num_sms)
+    elif config_error(config, problem):
+        raise UnsupportedError(f"{name}: config {config} cannot run this problem: {config_error(config, problem)}")
+    plan = (problem, config, num_sms)
     return plan, (a3, b3, d3, c3, bias, float(alpha), float(beta or 0.0)), out
 
 
@@ -189,9 +193,9 @@ def _batched(name, a, b, bias, c, out):
     return a, b, c, out
 
 
-def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, launch=True):
+def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, launch=True):
     a, b, c, out3 = _batched(name, a, b, bias, c, out)
-    plan, kernel_args, out3 = _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out3)
+    plan, kernel_args, out3 = _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out3, config)
     if not launch:
         return plan
     if plan is not None:
@@ -199,27 +203,30 @@ def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, launch=T
     return out3[0] if name == "mm" else out3
 
 
-def mm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None):
+def mm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None,
+       config=None):
     """D = activation(alpha * a @ b + bias + beta * c) for 2-D a (M, K) and b (K, N).
 
     bf16/fp16 inputs, fp32 accumulation, output in `out_dtype` (default: a's dtype). Any layout
     of a and b is accepted (nn.Linear weights as `w.t()` are read in place); `c` broadcasts to
-    (M, N) and `beta` defaults to 1 when it is given; `bias` has shape (N,)."""
-    return _gemm("mm", a, b, bias, c, alpha, beta, activation, out_dtype, out)
+    (M, N) and `beta` defaults to 1 when it is given; `bias` has shape (N,). `config` (a
+    kernels.gemm_config.GemmConfig) overrides the default tile configuration."""
+    return _gemm("mm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config)
 
 
-def bmm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None):
+def bmm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None,
+        config=None):
     """The batched form of `mm`: a (L, M, K), b (L, K, N), any batch strides; returns (L, M, N)."""
-    return _gemm("bmm", a, b, bias, c, alpha, beta, activation, out_dtype, out)
+    return _gemm("bmm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config)
 
 
 def gemm_spec_for(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None,
-                  out=None):
+                  out=None, config=None):
     """The KernelSpec that `mm` (2-D inputs) or `bmm` (3-D) would run on these inputs, for precompiling."""
     from .kernels.gemm_config import gemm_spec
 
     name = "mm" if a.dim() == 2 else "bmm"
-    plan = _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, launch=False)
+    plan = _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config, launch=False)
     if plan is None:
         raise UnsupportedError(f"{name}: an empty output needs no kernel")
     return gemm_spec(*plan)
