@@ -1,6 +1,6 @@
 """Time GEMM tile configurations side by side with cuBLAS on chosen shapes (H200).
 
-    python3 benchmarks/sweep_gemm.py [small|large|all]
+    python3 benchmarks/sweep_gemm.py [small|large|all] [k|n|kn]
 
 Prints one line per (shape, B layout, config): device time, TFLOP/s, fraction of the bytes
 floor, and cuBLAS on the same inputs. Used to pick defaults; see docs/perf-notes.md.
@@ -15,18 +15,16 @@ from inductor_cute.bench.timing import measure_ceilings, time_us
 from inductor_cute.kernels.gemm_config import GemmConfig as G
 from inductor_cute.runtime import precompile
 
-SMALL = [(16, 4096, 4096), (16, 14336, 4096), (128, 14336, 4096), (128, 4096, 14336), (64, 1024, 4096)]
-LARGE = [(8192, 8192, 8192), (4096, 4096, 14336), (2048, 7168, 2048)]
+SMALL = [(16, 4096, 4096), (128, 14336, 4096), (128, 4096, 14336)]
+LARGE = [(8192, 8192, 8192), (4096, 4096, 14336)]
 SMALL_CONFIGS = [
-    G(64, 32, 128, 1, 1, 8, 1, False), G(64, 32, 128, 1, 1, 8, 1, True), G(64, 64, 128, 1, 1, 6, 1, False),
-    G(64, 32, 64, 1, 1, 14, 1, False), G(64, 64, 64, 1, 1, 10, 1, False), G(64, 128, 64, 1, 1, 8, 1, False),
-    G(128, 32, 128, 1, 1, 6, 2, False), G(128, 64, 128, 1, 1, 5, 2, False), G(128, 64, 64, 1, 1, 8, 2, False),
+    G(64, 32, 128, 1, 1, 8, 1, False), G(64, 64, 128, 1, 1, 6, 1, False), G(64, 32, 64, 1, 1, 14, 1, False),
+    G(64, 128, 64, 1, 1, 8, 1, False), G(128, 32, 128, 1, 1, 6, 2, False), G(128, 64, 128, 1, 1, 5, 2, False),
     G(128, 128, 64, 1, 1, 6, 2, False), G(128, 96, 64, 1, 1, 7, 2, False),
 ]
 LARGE_CONFIGS = [
-    G(128, 256, 64, 2, 1, 4, 2, True), G(128, 256, 64, 1, 2, 4, 2, True), G(128, 256, 64, 1, 1, 4, 2, True),
-    G(256, 128, 64, 2, 1, 4, 2, True), G(256, 128, 64, 1, 2, 4, 2, True), G(128, 128, 64, 2, 1, 6, 2, True),
-    G(128, 192, 64, 2, 1, 5, 2, True), G(128, 256, 64, 2, 1, 4, 2, False),
+    G(128, 256, 64, 2, 1, 4, 2, True), G(128, 256, 64, 1, 2, 4, 2, True), G(256, 128, 64, 2, 1, 4, 2, True),
+    G(256, 128, 64, 1, 2, 4, 2, True), G(128, 192, 64, 2, 1, 5, 2, True), G(128, 256, 64, 2, 1, 4, 2, False),
 ]
 
 
@@ -37,7 +35,7 @@ def operands(m, n, k, b_major):
     return a, b
 
 
-def main(which):
+def main(which, b_majors):
     groups = {"small": [(SMALL, SMALL_CONFIGS)], "large": [(LARGE, LARGE_CONFIGS)]}
     plan = groups.get(which, groups["small"] + groups["large"])
     ceil = measure_ceilings()
@@ -45,7 +43,7 @@ def main(which):
     jobs = []
     for shapes, configs in plan:
         for (m, n, k) in shapes:
-            for b_major in ("k", "n"):
+            for b_major in b_majors:
                 a, b = operands(m, n, k, b_major)
                 for cfg in configs:
                     try:
@@ -73,4 +71,4 @@ def main(which):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "all")
+    main(sys.argv[1] if len(sys.argv) > 1 else "all", sys.argv[2] if len(sys.argv) > 2 else "k")
