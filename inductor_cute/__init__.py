@@ -7,4 +7,22 @@ __version__ = "0.1.0"
 
 from .errors import CompileError, DSLUnavailableError, InductorCuteError, UnsupportedError  # noqa: E402
 
-__all__ = ["CompileError", "DSLUnavailableError", "InductorCuteError", "UnsupportedError", "__version__"]
+
+
+def enable():
+    """Let torch.compile's max-autotune pick our GEMM kernels where they measure faster; returns a
+    context manager that undoes it. See inductor_cute.inductor."""
+    from .inductor import enable as _enable
+
+    return _enable()
+
+
+def disable() -> None:
+    """Undo enable()."""
+    from .inductor import disable as _disable
+
+    _disable()
+
+
+__all__ = ["CompileError", "DSLUnavailableError", "InductorCuteError", "UnsupportedError", "__version__", "disable",
+           "enable"]

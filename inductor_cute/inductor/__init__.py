@@ -1,0 +1,107 @@
+"""torch.compile integration: `enable()` makes Inductor's GEMM autotuning consider our kernels.
+
+    import inductor_cute
+    inductor_cute.enable()              # or: with inductor_cute.enable(): ...
+    torch.compile(model, mode="max-autotune")
+
+For people who configure Inductor directly, the same two settings `enable()` makes:
+
+    torch._inductor.config.inductor_choices_class = inductor_cute.inductor.choices_factory()
+    torch._inductor.config.max_autotune_gemm_backends = "ATEN,TRITON,ICUTE"
+
+Logs: TORCH_LOGS="+inductor_cute" (which choice won, timings, why ours were dropped).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from .choices import BACKEND_TOKEN, CuteChoices
+
+log = logging.getLogger(__name__)
+_saved: list[tuple[object, str]] = []
+
+
+def choices_factory() -> functools.partial:
+    """The value for `config.inductor_choices_class`: a picklable factory whose tag (our version
+    and kernel sources) enters Inductor's FX-graph cache key."""
+    from .. import __version__
+    from ..runtime.spec import source_hash
+
+    return functools.partial(CuteChoices, tag=f"inductor-cute-{__version__}-{source_hash(f'{__name__}.runtime')[:16]}")
+
+
+def _reset_thread_choices() -> None:
+    # V.choices is created once per thread from the config; drop it so the next compile re-reads.
+    from torch._inductor import virtualized
+
+    if hasattr(virtualized.threadlocal, virtualized._choices._key):
+        delattr(virtualized.threadlocal, virtualized._choices._key)
+
+
+class _Enabled:
+    """Returned by enable(); leaving a `with` block restores the previous settings."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        disable()
+
+
+def enable() -> _Enabled:
+    """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm)."""
+    from torch._inductor import config
+
+    current = config.inductor_choices_class
+    if current is not None and getattr(current, "func", current) is not CuteChoices:
+        raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
+                           f"({current!r}); inductor-cute needs to install its own")
+    _saved.append((current, config.max_autotune_gemm_backends))
+    config.inductor_choices_class = choices_factory()
+    backends = [b.strip() for b in config.max_autotune_gemm_backends.split(",") if b.strip()]
+    if BACKEND_TOKEN not in (b.upper() for b in backends):
+        config.max_autotune_gemm_backends = ",".join([*backends, BACKEND_TOKEN])
+    _install_feedback_logger()
+    _reset_thread_choices()
+    return _Enabled()
+
+
+def disable() -> None:
+    """Undo the last enable(); a no-op when not enabled."""
+    from torch._inductor import config
+
+    if not _saved:
+        return
+    config.inductor_choices_class, config.max_autotune_gemm_backends = _saved.pop()
+    _reset_thread_choices()
+
+
+def is_enabled() -> bool:
+    from torch._inductor import config
+
+    factory = config.inductor_choices_class
+    return getattr(factory, "func", factory) is CuteChoices and BACKEND_TOKEN in config.max_autotune_gemm_backends.upper()
+
+
+@functools.cache
+def _install_feedback_logger() -> None:
+    from torch._inductor import select_algorithm
+
+    select_algorithm.add_feedback_saver(_log_timings)
+
+
+def _log_timings(timings, name, input_nodes, choices, profiled_time_fn, precompile_times=None) -> None:
+    from .extern import CuteGemmCaller
+
+    ours = [c for c in timings if isinstance(c, CuteGemmCaller)]
+    if not ours or not log.isEnabledFor(logging.INFO):
+        return
+    ranked = sorted(timings.items(), key=lambda kv: kv[1])
+    winner, best = ranked[0]
+    our_best = min(timings[c] for c in ours)
+    log.info("inductor-cute %s: winner %s %.1f us; best of ours %.1f us (%+.1f%%)", name, winner,
+             best * 1e3, our_best * 1e3, (our_best / best - 1) * 100 if best else 0.0)
+    for choice, ms in ranked:
+        log.debug("  %-60s %9.1f us", str(choice)[:60], ms * 1e3)

@@ -1,0 +1,124 @@
+"""Adds our GEMM choices to Inductor's mm/addmm/bmm/baddbmm autotuning through InductorChoices."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import sympy
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.choices import InductorChoices
+from torch._inductor.virtualized import V
+
+from ..errors import first_line
+
+log = logging.getLogger(__name__)
+
+BACKEND_TOKEN = "ICUTE"
+GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
+# A call whose template list holds one of these (or is empty, when only our backend is enabled)
+# is where a lowering asks for its main choices; 2.13's addmm asks several times, we attach once.
+ANCHOR_UIDS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mm", "bmm"}
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def backend_requested() -> bool:
+    backends = [b.strip().upper() for b in inductor_config.max_autotune_gemm_backends.split(",")]
+    return BACKEND_TOKEN in backends and bool(inductor_config.max_autotune or inductor_config.max_autotune_gemm)
+
+
+class CuteChoices(InductorChoices):
+    """InductorChoices that also offers inductor-cute GEMMs when our backend token is enabled.
+
+    `tag` names our version and settings; Inductor puts it in the FX-graph cache key (2.13 calls
+    `uuid()`, 2.11 pickles the functools.partial that carries it)."""
+
+    def __init__(self, tag: str = "") -> None:
+        super().__init__()
+        self._tag = tag
+        self._attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def uuid(self) -> str:
+        return self._tag
+
+    def get_template_configs(self, kernel_inputs, templates, op_name, kwarg_overrides=None):
+        choices = super().get_template_configs(kernel_inputs, templates, op_name, kwarg_overrides)
+        if op_name in GEMM_OPS and backend_requested() and self._first_ask(kernel_inputs, templates, op_name):
+            choices.extend(gemm_choices(kernel_inputs, op_name))
+        return choices
+
+    def _first_ask(self, kernel_inputs, templates, op_name) -> bool:
+        if templates and not any(getattr(t, "uid", None) in ANCHOR_UIDS for t in templates):
+            return False
+        seen = self._attached.setdefault(V.graph, set())
+        key = (op_name, *map(id, kernel_inputs.mat1mat2()))
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
+
+
+def _static(expr) -> int | None:
+    expr = sympy.sympify(expr)
+    return int(expr) if expr.is_number else None
+
+
+def unsupported_reason(kernel_inputs, op_name) -> str | None:
+    """Why our kernels cannot serve this GEMM, or None. Everything the runtime could refuse is
+    refused here, so a chosen kernel never fails on its inputs."""
+    from ..runtime.arch import device_arch
+
+    if V.graph.cpp_wrapper or getattr(V.graph, "aot_mode", False):
+        return "cpp_wrapper / AOTInductor output code is not supported"
+    device = kernel_inputs.device()
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    try:
+        device_arch(device.index or 0)
+    except Exception as e:
+        return first_line(e)
+    mat1, mat2 = kernel_inputs.mat1mat2()
+    if mat1.get_dtype() not in (torch.bfloat16, torch.float16) or mat2.get_dtype() != mat1.get_dtype():
+        return f"dtypes {mat1.get_dtype()}/{mat2.get_dtype()} (need bfloat16 or float16 for both)"
+    if kernel_inputs.out_dtype() not in _DTYPES:
+        return f"output dtype {kernel_inputs.out_dtype()}"
+    _, n, k = kernel_inputs.mnk_symbolic()
+    n, k = _static(n), _static(k)
+    if n is None or k is None:
+        return "N and K must be static (M may be dynamic)"
+    if n % 8 or k % 8:
+        return f"N={n} and K={k} must be multiples of 8 (16-byte TMA rows)"
+    return None
+
+
+def gemm_choices(kernel_inputs, op_name) -> list:
+    """One bound choice per candidate config that compiled; [] when we cannot serve this GEMM."""
+    reason = unsupported_reason(kernel_inputs, op_name)
+    m, n, k = kernel_inputs.mnk_hinted()
+    if reason:
+        log.info("inductor-cute skips %s %dx%dx%d: %s", op_name, m, n, k, reason)
+        return []
+    from ..kernels.gemm_candidates import candidate_configs
+    from .extern import CUTE_GEMM
+    from .specs import problem_for, precompile_choices
+
+    problem, batch = problem_for(kernel_inputs, op_name)
+    num_sms = torch.cuda.get_device_properties(kernel_inputs.device()).multi_processor_count
+    exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
+    configs = candidate_configs(m, n, problem, batch, num_sms, exhaustive)
+    ready = precompile_choices(problem, configs, num_sms)
+    scalars = {}
+    if op_name in ("addmm", "baddbmm"):
+        scalars = {"alpha": float(kernel_inputs.get_scalar("alpha")), "beta": float(kernel_inputs.get_scalar("beta"))}
+    layout = kernel_inputs.output_layout(flexible=False)
+    choices = []
+    for cfg, spec_key in ready:
+        desc = (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} cluster {cfg.cluster_m}x{cfg.cluster_n} "
+                f"stages {cfg.stages}{' pingpong' if getattr(cfg, 'pingpong', False) else ''}"
+                f"{' persistent' if cfg.persistent else ''}")
+        choices.append(CUTE_GEMM.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=desc,
+                                      op=op_name, config=tuple(cfg.as_params().values()), **scalars))
+    log.info("inductor-cute offers %d of %d configs for %s %dx%dx%d (batch %d)",
+             len(choices), len(configs), op_name, m, n, k, batch)
+    return choices

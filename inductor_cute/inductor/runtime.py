@@ -1,0 +1,39 @@
+"""What torch.compile'd graphs call to run our GEMM on Inductor's buffers.
+
+Generated output code imports this module, so a graph loaded from Inductor's FX cache finds the
+function in a fresh process and loads its kernel from our disk cache without compiling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..kernels.gemm_config import GemmConfig
+
+BATCHED = {"bmm", "baddbmm"}
+WITH_INPUT = {"addmm", "baddbmm"}
+
+
+def is_bias_row(sizes, strides, n: int) -> bool:
+    """Whether an addmm/baddbmm input of these sizes/strides is one contiguous (N,) row broadcast
+    over the output: then it is fed as our bias vector, anything else as the C operand."""
+    return (sizes[-1] == n and strides[-1] == 1
+            and all(size == 1 or stride == 0 for size, stride in zip(sizes[:-1], strides[:-1])))
+
+
+def gemm(*inputs: torch.Tensor, out: torch.Tensor, op: str, config: tuple, alpha: float = 1.0,
+         beta: float = 1.0) -> None:
+    """out = alpha * a @ b (+ beta * inp for addmm/baddbmm) with one GemmConfig (given as a tuple)."""
+    bias = c = None
+    if op in WITH_INPUT:
+        inp, a, b = inputs
+        if beta == 1 and is_bias_row(inp.shape, inp.stride(), out.shape[-1]):
+            bias = inp[(0,) * (inp.dim() - 1)]
+        else:
+            c = inp
+    else:
+        a, b = inputs
+    run = ops.bmm if op in BATCHED else ops.mm
+    run(a, b, bias=bias, c=c, alpha=alpha, beta=beta if c is not None else None, out=out,
+        config=GemmConfig(*config))

@@ -1,0 +1,64 @@
+"""From an Inductor GEMM to our kernel specs: the problem the runtime will see, compiled ahead."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from torch._inductor.virtualized import V
+
+from ..kernels.gemm_config import GemmConfig, GemmProblem, gemm_spec
+from ..runtime import precompile, target_arch
+from ..runtime.loader import kernel_key
+from .runtime import is_bias_row
+
+log = logging.getLogger(__name__)
+_DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
+
+
+def _unit_last(node) -> tuple[bool, bool]:
+    """Whether the node's last / second-to-last dimension is contiguous (size-1 counts)."""
+    sizes = V.graph.sizevars.optimization_hints(node.get_size())
+    strides = V.graph.sizevars.optimization_hints(node.get_stride())
+    return (sizes[-1] == 1 or strides[-1] == 1), (sizes[-2] == 1 or strides[-2] == 1)
+
+
+def problem_for(kernel_inputs, op_name: str) -> tuple[GemmProblem, int]:
+    """The GemmProblem ops.mm/bmm will pick for these buffers (same layout preferences: A K-major,
+    B N-major, either read in place when its strides allow) and the batch size hint."""
+    mat1, mat2 = kernel_inputs.mat1mat2()
+    a_k, a_m = _unit_last(mat1)
+    b_n, b_k = _unit_last(mat2)
+    a_major = "m" if not a_k and a_m else "k"
+    b_major = "k" if not b_n and b_k else "n"
+    has_input = op_name in ("addmm", "baddbmm")
+    problem = GemmProblem(_DTYPE_NAMES[str(mat1.get_dtype())], _DTYPE_NAMES[str(kernel_inputs.out_dtype())],
+                          a_major, b_major, has_bias=has_input, has_c=False)
+    if has_input:  # the runtime passes a broadcast row as bias and anything else as C
+        inp = kernel_inputs.nodes()[0]
+        hints = V.graph.sizevars.optimization_hints
+        n = hints(mat2.get_size())[-1]
+        if float(kernel_inputs.get_scalar("beta")) != 1 or not is_bias_row(hints(inp.get_size()),
+                                                                            hints(inp.get_stride()), n):
+            problem = GemmProblem(problem.dtype_name, problem.out_dtype_name, a_major, b_major, False, True)
+    batch = V.graph.sizevars.optimization_hint(mat1.get_size()[0]) if len(mat1.get_size()) == 3 else 1
+    return problem, batch
+
+
+def precompile_choices(problem: GemmProblem, configs: list[GemmConfig], num_sms: int) -> list[tuple]:
+    """Compile every config in parallel worker processes (or find it cached); (config, spec key)
+    for those that are ready, in the given order. Failures are logged and left out."""
+    arch = target_arch().name
+    specs = [gemm_spec(problem, cfg, num_sms) for cfg in configs]
+    start = time.perf_counter()
+    results = precompile(specs, arch)
+    ready = []
+    for cfg, spec, result in zip(configs, specs, results):
+        if result.status == "failed":
+            log.warning("inductor-cute config %s dropped: compile failed: %s", cfg, result.error)
+        else:
+            ready.append((cfg, kernel_key(spec, arch)))
+    compiled = sum(r.status == "compiled" for r in results)
+    log.info("inductor-cute precompile: %d configs (%d compiled, %d cached) in %.1f s",
+             len(specs), compiled, len(specs) - compiled - (len(specs) - len(ready)), time.perf_counter() - start)
+    return ready

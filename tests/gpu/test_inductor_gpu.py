@@ -1,0 +1,181 @@
+"""torch.compile with inductor-cute enabled, end to end on the H200: our GEMM is offered, chosen
+when it is the only GEMM backend, matches eager, and falls back cleanly where it cannot run."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
+
+import inductor_cute
+from inductor_cute.runtime import CompiledKernelCache
+
+pytestmark = pytest.mark.gpu
+OUR_CALL = "inductor_cute.inductor.runtime.gemm("
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile():
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def compiled_run(fn, *args, backends="ICUTE", mode="max-autotune-no-cudagraphs", dynamic=None):
+    with inductor_cute.enable(), inductor_config.patch(max_autotune_gemm_backends=backends):
+        backends_now = inductor_config.max_autotune_gemm_backends
+        assert "ICUTE" in backends_now
+        out, codes = run_and_get_code(torch.compile(fn, mode=mode, dynamic=dynamic), *args)
+    return out, "\n".join(codes)
+
+
+def assert_close(out, ref, tol=2e-2):
+    assert not out.isnan().any()
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+def test_enable_is_off_by_default_and_undone():
+    assert "ICUTE" not in inductor_config.max_autotune_gemm_backends
+    with inductor_cute.enable():
+        assert "ICUTE" in inductor_config.max_autotune_gemm_backends
+    assert "ICUTE" not in inductor_config.max_autotune_gemm_backends
+
+
+def test_linear_stack_uses_our_kernel_with_bias():
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 1024, bias=False)).cuda().bfloat16()
+    x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    out, code = compiled_run(model, x)
+    assert code.count(OUR_CALL) == 2
+    assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("act", [F.silu, lambda t: F.gelu(t, approximate="tanh")])
+def test_mlp_competes_with_aten_and_matches_eager(act, caplog):
+    w1 = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16) / 20
+    w2 = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16) / 40
+
+    def mlp(x):
+        return F.linear(act(F.linear(x, w1)), w2)
+
+    x = torch.randn(333, 512, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level("INFO", logger="inductor_cute"):
+        out, _ = compiled_run(mlp, x, backends="ATEN,ICUTE")
+    assert "inductor-cute offers" in caplog.text
+    assert_close(out, mlp(x))
+
+
+def test_llama_style_decoder_block():
+    d, hidden, heads = 1024, 2816, 8
+    lin = lambda i, o: nn.Linear(i, o, bias=False).cuda().bfloat16()  # noqa: E731
+    wq, wk, wv, wo, wg, wu, wd = lin(d, d), lin(d, d), lin(d, d), lin(d, d), lin(d, hidden), lin(d, hidden), lin(hidden, d)
+    norm_w = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def block(x):
+        b, s, _ = x.shape
+        h = F.rms_norm(x, (d,), norm_w)
+        q, k, v = (w(h).view(b, s, heads, d // heads).transpose(1, 2) for w in (wq, wk, wv))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = x + wo(a)
+        h = F.rms_norm(x, (d,), norm_w)
+        return x + wd(F.silu(wg(h)) * wu(h))
+
+    x = torch.randn(2, 128, d, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, code = compiled_run(block, x)
+        ref = block(x)
+    assert code.count(OUR_CALL) >= 5
+    assert_close(out, ref)
+
+
+def test_bmm_and_baddbmm_attention_shapes():
+    q = torch.randn(16, 200, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(16, 64, 200, device="cuda", dtype=torch.float16)
+    bias = torch.randn(16, 200, 200, device="cuda", dtype=torch.float16)
+
+    def scores(q, k, bias):
+        return torch.bmm(q, k), torch.baddbmm(bias, q, k, alpha=0.125, beta=0.5)
+
+    (s, sb), code = compiled_run(scores, q, k, bias)
+    assert code.count(OUR_CALL) == 2
+    assert_close(s, torch.bmm(q.float(), k.float()))
+    assert_close(sb, torch.baddbmm(bias.float(), q.float(), k.float(), alpha=0.125, beta=0.5))
+
+
+def test_dynamic_tokens_one_kernel_for_every_m():
+    model = nn.Linear(1024, 2048).cuda().bfloat16()
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.mark_dynamic(x, 0)
+    with inductor_cute.enable(), inductor_config.patch(max_autotune_gemm_backends="ICUTE"):
+        fn = torch.compile(model, mode="max-autotune-no-cudagraphs")
+        _, codes = run_and_get_code(fn, x)
+        kernels = len(CompiledKernelCache().entries())
+        for m in (1, 77, 256, 1500):
+            y = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+            assert_close(fn(y), model(y))
+    assert OUR_CALL in "\n".join(codes)
+    assert len(CompiledKernelCache().entries()) == kernels, "a new M compiled another kernel"
+
+
+def test_cuda_graphs_mode():
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512)).cuda().bfloat16()
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    with inductor_cute.enable(), inductor_config.patch(max_autotune_gemm_backends="ICUTE"):
+        fn = torch.compile(model, mode="max-autotune")
+        for _ in range(3):  # warm-up, record, replay
+            out = fn(x)
+        x.copy_(torch.randn_like(x))
+        out = fn(x).clone()
+    assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("case", ["fp32", "odd_k"])
+def test_unsupported_gemms_fall_back(case):
+    dtype, k = (torch.float32, 512) if case == "fp32" else (torch.bfloat16, 1001)
+    model = nn.Linear(k, 256).cuda().to(dtype)
+    x = torch.randn(100, k, device="cuda", dtype=dtype)
+    out, code = compiled_run(model, x, backends="ATEN,ICUTE")
+    assert OUR_CALL not in code
+    assert_close(out, model(x), tol=2e-2 if dtype != torch.float32 else 1e-3)
+
+
+WARM_SCRIPT = textwrap.dedent("""
+    import json, time, torch
+    import inductor_cute
+    from inductor_cute.runtime import CompiledKernelCache
+    inductor_cute.enable()
+    torch._inductor.config.max_autotune_gemm_backends = "ICUTE"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).cuda().bfloat16()
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    out = torch.compile(model, mode="max-autotune-no-cudagraphs")(x)
+    torch.cuda.synchronize()
+    err = ((out.float() - model(x).float()).norm() / model(x).float().norm()).item()
+    print(json.dumps({"seconds": time.perf_counter() - start, "kernels": len(CompiledKernelCache().entries()),
+                      "fx_hits": counters["inductor"]["fxgraph_cache_hit"], "err": err}))
+""")
+
+
+def test_second_process_reuses_fx_graph_and_kernels(tmp_path):
+    import json
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               INDUCTOR_CUTE_CACHE_DIR=str(tmp_path / "cute"), TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", WARM_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["kernels"] > 0 and warm["kernels"] == cold["kernels"], "the warm process compiled kernels"
+    assert warm["fx_hits"] >= 1, "the warm process did not reuse the compiled graph"
+    assert cold["err"] < 2e-2 and warm["err"] < 2e-2
+    print(f"cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s")

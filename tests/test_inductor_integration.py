@@ -1,0 +1,160 @@
+"""The torch.compile integration on the CPU: enabling, the choices hook, argument routing of the
+runtime entry point, candidate configs. End-to-end GPU runs are in tests/gpu/test_inductor_gpu.py."""
+
+import pickle
+
+import pytest
+import torch
+from torch._inductor import config as inductor_config
+
+import inductor_cute
+from inductor_cute.inductor import choices as choices_mod
+from inductor_cute.inductor import choices_factory, is_enabled, runtime
+from inductor_cute.kernels.gemm_candidates import candidate_configs
+from inductor_cute.kernels.gemm_config import GemmConfig, GemmProblem, config_error, default_config
+
+
+def test_off_by_default_enable_adds_token_once_and_disable_restores():
+    before = (inductor_config.inductor_choices_class, inductor_config.max_autotune_gemm_backends)
+    assert not is_enabled()
+    with inductor_cute.enable():
+        assert is_enabled()
+        inductor_cute.enable()  # nested: still one token
+        assert inductor_config.max_autotune_gemm_backends.upper().split(",").count("ICUTE") == 1
+        inductor_cute.disable()
+        assert is_enabled()
+    assert (inductor_config.inductor_choices_class, inductor_config.max_autotune_gemm_backends) == before
+    inductor_cute.disable()  # not enabled: nothing to undo
+    assert not is_enabled()
+
+
+def test_enable_refuses_to_replace_another_choices_class():
+    from torch._inductor.choices import InductorChoices
+
+    with inductor_config.patch(inductor_choices_class=InductorChoices):
+        with pytest.raises(RuntimeError, match="inductor_choices_class is already set"):
+            inductor_cute.enable()
+        assert inductor_config.inductor_choices_class is InductorChoices
+        assert "ICUTE" not in inductor_config.max_autotune_gemm_backends
+
+
+def test_choices_factory_is_picklable_and_tags_the_cache_key():
+    factory = choices_factory()
+    assert pickle.loads(pickle.dumps(factory)).keywords == factory.keywords  # torch 2.11 pickles it
+    tag = factory().uuid()  # torch 2.13 asks the instance
+    assert tag.startswith(f"inductor-cute-{inductor_cute.__version__}-") and len(tag) > 25
+
+
+def test_backend_requested_needs_token_and_max_autotune():
+    with inductor_config.patch(max_autotune_gemm_backends="ATEN,ICUTE", max_autotune=False, max_autotune_gemm=False):
+        assert not choices_mod.backend_requested()
+    with inductor_config.patch(max_autotune_gemm_backends="ATEN, icute", max_autotune=True):
+        assert choices_mod.backend_requested()
+    with inductor_config.patch(max_autotune_gemm_backends="ATEN,TRITON", max_autotune=True):
+        assert not choices_mod.backend_requested()
+
+
+class _Graph:  # what V.graph must offer the hook: identity, weak-referenceable
+    cpp_wrapper = False
+
+
+class _Template:
+    def __init__(self, uid):
+        self.uid = uid
+
+
+class _Inputs:
+    def __init__(self, a, b):
+        self._ab = (a, b)
+
+    def mat1mat2(self):
+        return self._ab
+
+
+def test_attaches_once_per_gemm_at_the_main_template_call():
+    from torch._inductor.virtualized import V
+
+    chooser = choices_mod.CuteChoices(tag="t")
+    a, b, other = object(), object(), object()
+    with V.set_graph_handler(_Graph()):
+        assert not chooser._first_ask(_Inputs(a, b), [_Template("aten::addmm_contiguous")], "addmm")
+        assert chooser._first_ask(_Inputs(a, b), [_Template("aten::addmm"), _Template("aten::bias_addmm")], "addmm")
+        assert not chooser._first_ask(_Inputs(a, b), [_Template("mm")], "addmm")  # 2.13's Triton call
+        assert chooser._first_ask(_Inputs(a, other), [], "mm")  # only our backend enabled
+        assert chooser._first_ask(_Inputs(a, b), [_Template("aten::mm")], "mm")  # another op
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, a, b, **kw):
+        self.calls.append(kw)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(runtime.ops, "mm", rec)
+    monkeypatch.setattr(runtime.ops, "bmm", rec)
+    return rec
+
+
+CFG = tuple(GemmConfig().as_params().values())
+
+
+def test_runtime_routes_addmm_bias_rows_and_residuals(recorded):
+    a, b, out = torch.randn(4, 8), torch.randn(8, 16), torch.empty(4, 16)
+    row = torch.randn(16)
+    runtime.gemm(row, a, b, out=out, op="addmm", config=CFG)  # torch 2.13: 1-D bias
+    runtime.gemm(row.expand(4, 16), a, b, out=out, op="addmm", config=CFG)  # 2.11: expanded bias
+    runtime.gemm(row, a, b, out=out, op="addmm", config=CFG, alpha=2.0, beta=0.5)  # scaled: C
+    full = torch.randn(4, 16)
+    runtime.gemm(full, a, b, out=out, op="addmm", config=CFG)
+    first, expanded, scaled, residual = recorded.calls
+    assert first["bias"] is not None and first["c"] is None and torch.equal(first["bias"], row)
+    assert torch.equal(expanded["bias"], row) and expanded["c"] is None
+    assert scaled["bias"] is None and scaled["c"] is row and scaled["beta"] == 0.5 and scaled["alpha"] == 2.0
+    assert residual["c"] is full and residual["beta"] == 1.0
+    assert all(call["config"] == GemmConfig() and call["out"] is out for call in recorded.calls)
+
+
+def test_runtime_routes_bmm_and_baddbmm(recorded):
+    a, b, out = torch.randn(2, 4, 8), torch.randn(2, 8, 16), torch.empty(2, 4, 16)
+    runtime.gemm(a, b, out=out, op="bmm", config=CFG)
+    runtime.gemm(torch.randn(16).expand(2, 4, 16), a, b, out=out, op="baddbmm", config=CFG)
+    runtime.gemm(torch.randn(2, 1, 16).expand(2, 4, 16), a, b, out=out, op="baddbmm", config=CFG)
+    plain, row, per_batch = recorded.calls
+    assert plain["bias"] is None and plain["c"] is None
+    assert row["bias"] is not None and row["bias"].shape == (16,)
+    assert per_batch["c"] is not None and per_batch["bias"] is None  # differs across the batch
+
+
+@pytest.mark.parametrize("sizes,strides,expected", [
+    ((16,), (1,), True), ((4, 16), (0, 1), True), ((1, 16), (16, 1), True), ((2, 4, 16), (0, 0, 1), True),
+    ((4, 16), (16, 1), False), ((4, 16), (1, 4), False), ((2, 4, 16), (16, 0, 1), False), ((8,), (1,), False)])
+def test_is_bias_row(sizes, strides, expected):
+    assert runtime.is_bias_row(sizes, strides, 16) is expected
+
+
+@pytest.mark.parametrize("m,n", [(16, 4096), (128, 14336), (1000, 1000), (8192, 8192)])
+def test_candidate_configs_are_valid_distinct_and_start_with_the_default(m, n):
+    problem = GemmProblem("bfloat16", "bfloat16", "k", "k", has_bias=True)
+    configs = candidate_configs(m, n, problem)
+    assert configs[0] == default_config(m, n, problem)
+    assert len(configs) == len(set(configs)) >= 3
+    assert all(config_error(c, problem) is None for c in configs)
+    exhaustive = candidate_configs(m, n, problem, exhaustive=True)
+    assert len(exhaustive) > 3 * len(configs) and all(config_error(c, problem) is None for c in exhaustive)
+
+
+def test_compiled_cpu_model_is_untouched_by_our_hook(caplog):
+    model = torch.nn.Linear(64, 32)
+    x = torch.randn(8, 64)
+    with inductor_cute.enable(), inductor_config.patch(max_autotune_gemm_backends="ATEN,ICUTE",
+                                                       fx_graph_cache=False), caplog.at_level("INFO", "inductor_cute"):
+        torch._dynamo.reset()
+        out = torch.compile(model, mode="max-autotune-no-cudagraphs")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, model(x))
+    assert "inductor-cute skips addmm 8x32x64: device cpu is not CUDA" in caplog.text
