@@ -19,6 +19,12 @@ VARIANTS = {
     "a-row-major-b-n-major": (GemmProblem("float16", "float16", "k", "n"), SMALL),
     "a-col-major-b-k-major": (GemmProblem("float16", "float32", "m", "k"), SMALL),
     "bias-residual-gelu": (GemmProblem("bfloat16", "bfloat16", "k", "k", True, True, "gelu_tanh"), SMALL),
+    "pingpong-cluster2x1": (BF16, GemmConfig(128, 128, 64, 2, 1, 6, 2, True, True)),
+    "pingpong-64x256": (BF16, GemmConfig(64, 256, 64, 1, 1, 5, 2, True, True)),
+    "pingpong-fp16-fp32-out-a-col-major-b-n-major": (GemmProblem("float16", "float32", "m", "n"),
+                                                     GemmConfig(128, 128, 64, 1, 1, 5, 2, True, True)),
+    "pingpong-bias-residual-gelu": (GemmProblem("bfloat16", "bfloat16", "k", "k", True, True, "gelu_tanh"),
+                                    GemmConfig(128, 128, 64, 1, 1, 5, 2, True, True)),
 }
 
 
@@ -50,6 +56,14 @@ def test_cluster_variant_multicasts():
     assert ".multicast::cluster" in ptx
 
 
+def test_pingpong_warp_groups_hand_turns_over():
+    problem, config = VARIANTS["pingpong-bias-residual-gelu"]
+    ptx = compile_spec(gemm_spec(problem, config), "sm_90a", keep_ptx=True).ptx
+    # slot 1 hands slot 0 its first mainloop (barrier 3) and epilogue (barrier 5) turns
+    assert re.search(r"bar\.arrive\s+3, 256;", ptx) and re.search(r"bar\.arrive\s+5, 256;", ptx)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
 def test_default_configs_fit_and_follow_the_shape():
     big, small = default_config(8192, 8192, BF16), default_config(16, 4096, BF16)
     assert (big.tile_m, big.tile_n, big.persistent) == (128, 256, True)
@@ -63,6 +77,24 @@ def test_invalid_configs_are_named():
     assert "shared memory" in config_error(GemmConfig(128, 256, 128, 1, 1, 8, 2, True), BF16)
     assert "tile_m" in config_error(GemmConfig(96, 128, 64, 1, 1, 4, 2, True), BF16)
     assert "cluster" in config_error(GemmConfig(128, 128, 64, 4, 4, 4, 2, True), BF16)
+
+
+def test_invalid_pingpong_configs_are_named():
+    assert "consumer_warpgroups=2" in config_error(GemmConfig(128, 128, 64, 1, 1, 4, 1, True, True), BF16)
+    assert "persistent" in config_error(GemmConfig(128, 128, 64, 1, 1, 4, 2, False, True), BF16)
+    assert "tile_m" in config_error(GemmConfig(256, 64, 64, 1, 1, 4, 2, True, True), BF16)
+    assert "accumulator" in config_error(GemmConfig(128, 256, 64, 1, 1, 3, 2, True, True), BF16)
+    # each ping-pong warp group stages its own D subtiles: twice what one 64-row warp group needs
+    fp32_out = GemmProblem("bfloat16", "float32", "k", "k")
+    assert config_error(GemmConfig(64, 256, 64, 1, 1, 5, 1, True), fp32_out) is None
+    assert "shared memory" in config_error(GemmConfig(64, 256, 64, 1, 1, 5, 2, True, True), fp32_out)
+    for tile in ((128, 128), (64, 256), (64, 192), (128, 96), (64, 128)):
+        assert config_error(GemmConfig(*tile, 64, 1, 1, 4, 2, True, True), BF16) is None
+
+
+def test_pingpong_is_part_of_the_kernel_spec():
+    plain, pingpong = GemmConfig(128, 128, 64, 1, 1, 4, 2, True), GemmConfig(128, 128, 64, 1, 1, 4, 2, True, True)
+    assert gemm_spec(BF16, plain).name != gemm_spec(BF16, pingpong).name
 
 
 def test_mm_refuses_cpu_tensors():

@@ -25,6 +25,19 @@ class GemmConfig:
     stages: int = 4
     consumer_warpgroups: int = 2
     persistent: bool = True
+    # ping-pong: the two consumer warp groups take alternate whole tiles, so one's epilogue
+    # overlaps the other's mainloop; otherwise both share every tile ("cooperative")
+    pingpong: bool = False
+
+    @property
+    def tile_warpgroups(self) -> int:
+        """Consumer warp groups that share one tile (its MMA and its epilogue)."""
+        return 1 if self.pingpong else self.consumer_warpgroups
+
+    @property
+    def slots(self) -> int:
+        """Consumer slots: warp groups owning separate tiles, each with its own epilogue buffers."""
+        return 2 if self.pingpong else 1
 
     def as_params(self) -> dict:
         return dataclasses.asdict(self)
@@ -48,9 +61,10 @@ class GemmProblem:
 
 def smem_bytes(cfg: GemmConfig, ab_bytes: int, out_bytes: int, has_c: bool, has_bias: bool = False) -> int:
     ab = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes * cfg.stages
-    epi = 64 * cfg.consumer_warpgroups * EPI_N * out_bytes
-    total = 1024 + ab + epi * EPI_STAGES + (epi * C_STAGES if has_c else 16)  # 1 KB for mbarriers
-    total += 4 * cfg.tile_n if has_bias else 16  # the tile's bias row
+    epi = 64 * cfg.tile_warpgroups * EPI_N * out_bytes  # one epilogue subtile
+    # 1 KB for mbarriers; one C pipeline serves the epilogues in tile order
+    total = 1024 + ab + epi * EPI_STAGES * cfg.slots + (epi * C_STAGES if has_c else 16)
+    total += 4 * cfg.tile_n * cfg.slots if has_bias else 16  # the tile's bias row
     return -(-total // 1024) * 1024  # the shared-storage struct is 1 KB aligned
 
 
@@ -70,13 +84,19 @@ def config_error(c: GemmConfig, p: GemmProblem) -> str | None:
     """Why `c` cannot run `p` (a short reason), or None when it can."""
     if c.consumer_warpgroups not in (1, 2):
         return "consumer_warpgroups must be 1 or 2"
-    if c.tile_m % (64 * c.consumer_warpgroups) or not 64 <= c.tile_m <= 256:
+    if c.pingpong and c.consumer_warpgroups != 2:
+        return "pingpong needs consumer_warpgroups=2"
+    if c.pingpong and not c.persistent:
+        return "pingpong needs persistent=True (each warp group takes every other tile)"
+    if c.pingpong and c.tile_m not in (64, 128):
+        return "pingpong tile_m must be 64 or 128"
+    if c.tile_m % (64 * c.tile_warpgroups) or not 64 <= c.tile_m <= 256:
         return "tile_m must be a multiple of 64 * consumer_warpgroups, at most 256"
     if c.tile_n % EPI_N or not EPI_N <= c.tile_n <= 256:
         return f"tile_n must be a multiple of {EPI_N} in [{EPI_N}, 256]"
     if c.tile_k % 16 or not 16 <= c.tile_k <= 128:
         return "tile_k must be a multiple of 16 in [16, 128]"
-    if c.tile_m * c.tile_n // (128 * c.consumer_warpgroups) > 128:
+    if c.tile_m * c.tile_n // (128 * c.tile_warpgroups) > 128:
         return "accumulator exceeds 128 fp32 registers per thread"
     if c.cluster_m not in (1, 2, 4) or c.cluster_n not in (1, 2, 4) or c.cluster_m * c.cluster_n > 4:
         return "cluster dims must be 1, 2 or 4 with at most 4 CTAs"

@@ -5,11 +5,18 @@
 Design (one CTA):
   * warp group 0 is the producer: after shrinking its register budget, warp 0 streams
     A/B k-tiles with TMA into a `stages`-deep swizzled smem ring (PipelineTmaAsync
-    full/empty mbarriers) and, when C is present, streams C epilogue subtiles through a
-    second small TMA pipeline.
+    full/empty mbarriers); when C is present, warp 1 walks the same tiles and streams C
+    epilogue subtiles through a second small TMA pipeline, so that A/B loads never wait
+    for an epilogue to drain C.
   * warp groups 1..W are consumers: they grow their register budget, issue WGMMA on the
     ring (one wgmma batch kept in flight), then run the epilogue subtile by subtile:
     registers -> epilogue_fn in fp32 -> convert -> stmatrix to smem -> TMA store.
+  * cooperative schedule (default): all consumer warp groups share each tile, 64 rows each.
+    Ping-pong (config.pingpong, 2 consumers): warp group 1 + s owns the CTA's tiles j with
+    j % 2 == s whole. Named "turn" barriers make the two alternate their mainloops and their
+    epilogues, so one's epilogue overlaps the other's mainloop and the tensor cores stay busy.
+    Both read the one A/B ring (each stage by one warp group) and the one C pipeline in tile
+    order; each has its own D staging buffers, bias row, epilogue barrier and store warp.
   * tiles are walked by a grouped ("swizzled") raster; with persistent=True the grid is
     sized to the SM count and each CTA loops over tiles, otherwise each CTA gets one tile.
   * clusters (cluster_m, cluster_n) multicast B along M and A along N.
@@ -36,7 +43,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from .gemm_config import C_STAGES, EPI_N, EPI_STAGES, GemmConfig, GemmProblem, config_error, problem_error
+from .gemm_config import (C_STAGES, EPI_N, EPI_STAGES, GemmConfig, GemmProblem, config_error, problem_error,
+                          smem_bytes)
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
 
@@ -103,24 +111,27 @@ class HopperGemm:
         self.cluster_size = config.cluster_m * config.cluster_n
         # non-persistent runs one tile per cluster; 65535 is the gridDim.z limit
         self.max_clusters = num_sms // self.cluster_size if config.persistent else 65535
+        self.pingpong = config.pingpong
         self.num_consumers = config.consumer_warpgroups
         self.threads = 128 * (1 + self.num_consumers)
-        self.consumer_threads = 128 * self.num_consumers
+        self.tile_wgs = config.tile_warpgroups  # consumer warp groups sharing one tile
+        self.epi_threads = 128 * self.tile_wgs
         self.producer_regs = 40
         self.consumer_regs = 232 if self.num_consumers == 2 else 240
-        self.epi_tile = (64 * self.num_consumers, EPI_N)
-        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.consumer_threads)
+        self.epi_tile = (64 * self.tile_wgs, EPI_N)
 
     def _setup(self):
         tm, tn, tk = self.tile_mnk
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, self.a_layout.sm90_mma_major_mode(),
-            self.b_layout.sm90_mma_major_mode(), Float32, (self.num_consumers, 1, 1),
+            self.b_layout.sm90_mma_major_mode(), Float32, (self.tile_wgs, 1, 1),
             tiler_mn=(64, tn))
         st = self.cfg.stages
         self.sA_layout = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, st)
         self.sB_layout = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, st)
-        self.sD_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, EPI_STAGES)
+        # EPI_STAGES buffers per consumer slot
+        self.sD_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile,
+                                                         EPI_STAGES * self.cfg.slots)
         self.sC_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, C_STAGES)
         # A is shared by CTAs of the same cluster row (multicast along N), B along M
         self.mcast_a, self.mcast_b = self.cluster_mn[1], self.cluster_mn[0]
@@ -130,7 +141,7 @@ class HopperGemm:
         ab_t, d_t = self.ab_dtype, self.d_dtype
         # without C keep a 16-byte placeholder instead of another 1 KB-aligned buffer
         n_c, c_align = (cute.cosize(lay_c), 1024) if self.has_c else (8, 16)
-        n_bias = self.tile_mnk[1] if self.has_bias else 4  # the tile's bias row, as fp32
+        n_bias = self.tile_mnk[1] * self.cfg.slots if self.has_bias else 4  # bias rows, as fp32
 
         @cute.struct
         class SharedStorage:
@@ -169,6 +180,9 @@ class HopperGemm:
                       * cute.ceil_div(cute.ceil_div(mD.shape[1], tn), cn) * mD.shape[2])
         grid_z = cutlass.min(n_clusters, self.max_clusters)
         self.shared_storage = self._shared_storage()
+        # config_error budgets with smem_bytes: keep it exact
+        assert self.shared_storage.size_in_bytes() == smem_bytes(
+            self.cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8, self.has_c, self.has_bias)
         self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, tma_c, gC, mBias, alpha, beta,
                     self.tiled_mma, self.sA_layout, self.sB_layout, self.sD_layout, self.sC_layout
                     ).launch(grid=[cm, cn, grid_z], block=[self.threads, 1, 1],
@@ -187,6 +201,12 @@ class HopperGemm:
         cl_m = first_m + within % rows
         cl_n = within // rows
         return cl_m * self.cluster_mn[0] + cta_m, cl_n * self.cluster_mn[1] + cta_n, l
+
+    @staticmethod
+    def _turn(phase: int, slot) -> pipeline.NamedBarrier:
+        """Ping-pong turn of consumer `slot` for its mainloop (phase 0) or epilogue (phase 1): that
+        warp group syncs on it, the other arrives when it hands the turn over (ids 3..6)."""
+        return pipeline.NamedBarrier(barrier_id=3 + 2 * phase + slot, num_threads=256)
 
     @staticmethod
     def _column_groups(coords0, n_vals):
@@ -225,12 +245,12 @@ class HopperGemm:
         # --- pipelines (barrier init is fenced and synced once below)
         ab_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
-        # every consumer warp releases a stage once per CTA that wrote into it
+        # every warp of the warp groups that read a stage releases it once per CTA that wrote into it
         mcast_peers = self.mcast_a + self.mcast_b - 1
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.cfg.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_peers * 4 * self.num_consumers),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_peers * 4 * self.tile_wgs),
             tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)), defer_sync=True)
         c_pipe = None
         sC = None
@@ -239,7 +259,7 @@ class HopperGemm:
             c_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.c_bars.data_ptr(), num_stages=C_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumers),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.tile_wgs),
                 tx_count=cute.size_in_bytes(self.d_dtype, cute.slice_(sC_layout, (None, None, 0))),
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         cute.arch.mbarrier_init_fence()
@@ -254,6 +274,7 @@ class HopperGemm:
         n_cl_m = cute.ceil_div(cute.size(gD, mode=[2]), cm)
         n_cl_n = cute.ceil_div(cute.size(gD, mode=[3]), cn)
         total_work = n_cl_m * n_cl_n * cute.size(gD, mode=[4])
+        # the grid never exceeds total_work: every CTA has at least one tile
         _, _, first_work = cute.arch.block_idx()
         _, _, work_stride = cute.arch.grid_dim()
 
@@ -277,7 +298,6 @@ class HopperGemm:
                 a_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=1) if self.mcast_a > 1 else 0
                 b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0) if self.mcast_b > 1 else 0
                 ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
-                c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, C_STAGES)
                 work = first_work
                 while work < total_work:
                     tile_m, tile_n, l = self._tile_coord(work, n_cl_m, n_cl_n, cta_coord[0], cta_coord[1])
@@ -292,7 +312,16 @@ class HopperGemm:
                                   tma_bar_ptr=bar, mcast_mask=b_mask)
                         ab_pipe.producer_commit(ab_state)
                         ab_state.advance()
-                    if cutlass.const_expr(self.has_c):
+                    work += work_stride
+                # do not exit while peers may still signal our barriers
+                ab_pipe.producer_tail(ab_state)
+            if cutlass.const_expr(self.has_c):
+                # C needs no tail: only this CTA's consumers arrive on its barriers
+                if warp_idx == 1:
+                    c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, C_STAGES)
+                    work = first_work
+                    while work < total_work:
+                        tile_m, tile_n, l = self._tile_coord(work, n_cl_m, n_cl_n, cta_coord[0], cta_coord[1])
                         gC_t = cute.local_tile(mC, (tm, tn), (tile_m, tile_n, l))
                         bsC, bgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                                                          cute.zipped_divide(gC_t, self.epi_tile))
@@ -302,14 +331,17 @@ class HopperGemm:
                                       bsC[(None, c_state.index)], tma_bar_ptr=c_pipe.producer_get_barrier(c_state))
                             c_pipe.producer_commit(c_state)
                             c_state.advance()
-                    work += work_stride
-                # do not exit while peers may still signal our barriers
-                ab_pipe.producer_tail(ab_state)
+                        work += work_stride
 
         # ================================================================ consumers
         if wg_idx > 0:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            ctid = tidx - 128
+            # the consumer slot this warp group belongs to (cooperative: all in slot 0)
+            slot = Int32(0)
+            if cutlass.const_expr(self.pingpong):
+                slot = wg_idx - 1
+            ctid = tidx - 128 * (1 + slot)  # thread index among the warp groups sharing a tile
+            epi_barrier = pipeline.NamedBarrier(barrier_id=1 + slot, num_threads=self.epi_threads)
             thr_mma = tiled_mma.get_slice(ctid)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -341,29 +373,43 @@ class HopperGemm:
                 # column 0), so group fragment slots by column and read each column once
                 bias_groups = self._column_groups(r2s.get_slice(0).partition_S(
                     cute.make_identity_tensor(self.epi_tile)), n_vals)
-                sBias = storage.sBias.get_tensor(cute.make_layout(tn))
-                bias_per_thread = -(-tn // self.consumer_threads)
+                sBias = storage.sBias.get_tensor(cute.make_layout((tn, self.cfg.slots)))[(None, slot)]
+                bias_per_thread = -(-tn // self.epi_threads)
                 rBiasRow = cute.make_rmem_tensor(cute.make_layout(bias_per_thread), Float32)
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads))
-            is_store_warp = warp_idx == 4
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
+            is_store_warp = warp_idx == 4 * (1 + slot)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
             c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, C_STAGES)
-            n_done = Int32(0)
             work = first_work
+            if cutlass.const_expr(self.pingpong):
+                # Slot 1 starts at the CTA's second tile, past the first tile's ring stages and C
+                # subtiles; slot 0 owns the first tile, so slot 1 hands it both first turns.
+                work += slot * work_stride
+                read_state.advance(Int32(slot * k_tiles))
+                release_state.advance(Int32(slot * k_tiles))
+                c_state.advance(Int32(slot * n_epi))
+                if slot == 1:
+                    self._turn(0, 0).arrive()
+                    self._turn(1, 0).arrive()
+            n_done = Int32(0)
             while work < total_work:
                 tile_m, tile_n, l = self._tile_coord(work, n_cl_m, n_cl_n, cta_coord[0], cta_coord[1])
+                # a turn is handed over only if the CTA has a next tile, so no arrive is left pending
+                has_next = work + work_stride < total_work
                 if cutlass.const_expr(self.has_bias):
                     # Issue the tile's bias loads now; the mainloop hides their latency.
                     for i in cutlass.range_constexpr(bias_per_thread):
-                        col = tile_n * tn + ctid + i * self.consumer_threads
+                        col = tile_n * tn + ctid + i * self.epi_threads
                         rBiasRow[i] = Float32(0.0)
-                        if col < mBias.shape[0] and ctid + i * self.consumer_threads < tn:
+                        if col < mBias.shape[0] and ctid + i * self.epi_threads < tn:
                             rBiasRow[i] = mBias[col].to(Float32)
                 # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
+                if cutlass.const_expr(self.pingpong):
+                    self._turn(0, slot).arrive_and_wait()
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
@@ -378,6 +424,10 @@ class HopperGemm:
                         warpgroup.wait_group(1)
                         ab_pipe.consumer_release(release_state)
                         release_state.advance()
+                if cutlass.const_expr(self.pingpong):
+                    # all wgmmas are issued: the other warp group may queue its own behind them
+                    if has_next:
+                        self._turn(0, 1 - slot).arrive()
                 warpgroup.wait_group(0)
                 if k_tiles > 0:
                     ab_pipe.consumer_release(release_state)
@@ -385,11 +435,14 @@ class HopperGemm:
                 if cutlass.const_expr(self.has_bias):
                     # The previous tile's epilogue ended on a consumer barrier, so the row is free.
                     for i in cutlass.range_constexpr(bias_per_thread):
-                        if ctid + i * self.consumer_threads < tn:
-                            sBias[ctid + i * self.consumer_threads] = rBiasRow[i]
-                    self.epi_barrier.arrive_and_wait()
+                        if ctid + i * self.epi_threads < tn:
+                            sBias[ctid + i * self.epi_threads] = rBiasRow[i]
+                    epi_barrier.arrive_and_wait()
 
-                # ---- epilogue, one (64*W x 32) subtile at a time
+                # ---- epilogue, one (64 * tile_wgs x 32) subtile at a time
+                if cutlass.const_expr(self.pingpong):
+                    # epilogues run in tile order: the shared C pipeline is consumed in that order
+                    self._turn(1, slot).arrive_and_wait()
                 gD_t = cute.zipped_divide(gD[(None, None, tile_m, tile_n, l)], self.epi_tile)
                 bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1),
                                                  cute.group_modes(sD, 0, 2), gD_t)
@@ -414,28 +467,35 @@ class HopperGemm:
                         bias_val = rBias.load()
                     out = self.epilogue_fn(tRS_rD.load(), alpha=alpha, beta=beta, bias=bias_val, c=c_val)
                     tRS_rOut.store(out.to(self.d_dtype))
-                    buf = (n_done * n_epi + e) % EPI_STAGES
+                    buf = slot * EPI_STAGES + (n_done * n_epi + e) % EPI_STAGES
                     cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)])
                     # make the generic-proxy smem writes visible to the TMA unit
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    self.epi_barrier.arrive_and_wait()
+                    epi_barrier.arrive_and_wait()
                     if is_store_warp:
                         cute.copy(tma_d, bsD[(None, buf)], bgD[(None, e_coord)])
                         store_pipe.producer_commit()
                         store_pipe.producer_acquire()
-                    self.epi_barrier.arrive_and_wait()
+                    epi_barrier.arrive_and_wait()
+                if cutlass.const_expr(self.pingpong):
+                    if has_next:
+                        self._turn(1, 1 - slot).arrive()
+                    # pass over the other warp group's tile in the shared pipelines
+                    read_state.advance(Int32(k_tiles))
+                    release_state.advance(Int32(k_tiles))
+                    c_state.advance(n_epi)
                 n_done += 1
-                work += work_stride
+                work += self.cfg.slots * work_stride
             store_pipe.producer_tail()
 
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation,
-          tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent,
+          tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent, pingpong=False,
           num_sms=132, raster_group=8, epilogue_fn=None):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = GemmProblem(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation)
-    cfg = GemmConfig(tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent)
+    cfg = GemmConfig(tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent, pingpong)
     err = problem_error(problem) or config_error(cfg, problem)
     if err:
         raise ValueError(err)

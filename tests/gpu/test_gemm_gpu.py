@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from inductor_cute import UnsupportedError, ops
+from inductor_cute.kernels.gemm_config import GemmConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -62,6 +63,45 @@ def cases():
 
 CASES = list(cases())
 
+PINGPONG = {
+    "128x128-cluster2x1": GemmConfig(128, 128, 64, 2, 1, 6, 2, True, True),
+    "64x256": GemmConfig(64, 256, 64, 1, 1, 5, 2, True, True),
+    "128x96": GemmConfig(128, 96, 64, 1, 1, 5, 2, True, True),
+}
+# (config, A/B dtype, out dtype, a_major, b_major, m, n, k, epilogue). On 132 SMs most shapes give
+# each CTA 2-4 tiles, so both consumer warp groups alternate; M=65 leaves the second one idle.
+PINGPONG_CASES = [
+    ("128x128-cluster2x1", torch.bfloat16, torch.bfloat16, "k", "k", 3000, 2048, 4096, "plain"),
+    ("128x128-cluster2x1", torch.bfloat16, torch.bfloat16, "m", "n", 1000, 3000, 1000, "bias+residual+silu"),
+    ("128x128-cluster2x1", torch.float16, torch.float16, "k", "n", 3000, 2048, 4096, "bias+gelu_tanh"),
+    ("64x256", torch.bfloat16, torch.bfloat16, "k", "k", 3000, 2048, 4096, "residual"),
+    ("64x256", torch.bfloat16, torch.bfloat16, "k", "n", 65, 4096, 4096, "bias+gelu_tanh"),
+    ("64x256", torch.float16, torch.float16, "m", "k", 3000, 2048, 1000, "plain"),
+    ("128x96", torch.float16, torch.float32, "m", "n", 3000, 1000, 127, "bias+residual+silu"),
+    ("128x96", torch.bfloat16, torch.bfloat16, "m", "n", 3000, 1000, 4095, "plain"),
+]
+
+
+def epilogue_args(kind, m, n, dtype):
+    """ops.mm keyword arguments for one epilogue kind (bias and C in `dtype`)."""
+    kw = {}
+    if "bias" in kind:
+        kw["bias"] = torch.randn(n, device="cuda", dtype=dtype)
+    if "residual" in kind:
+        kw.update(c=torch.randn(m, n, device="cuda", dtype=dtype), alpha=0.5, beta=-2.0)
+    kw["activation"] = kind.split("+")[-1] if kind.split("+")[-1] in ACTS else "identity"
+    return kw
+
+
+def c_operand_config(pingpong):
+    return GemmConfig(128, 128, 64, 1, 1, 5, 2, True, pingpong)
+
+
+def pingpong_inputs(case):
+    name, dtype, out_dtype, am, bm, m, n, k, kind = case
+    a, b = operand_a(m, k, am, dtype), operand_b(k, n, bm, dtype)
+    return a, b, epilogue_args(kind, m, n, out_dtype), dict(config=PINGPONG[name], out_dtype=out_dtype)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _precompile():
@@ -78,6 +118,13 @@ def _precompile():
         specs[ops.gemm_spec_for(a, b, bias=bias, activation=act)] = True
     specs[ops.gemm_spec_for(a, b, c=c.bfloat16(), alpha=0.5, beta=-2.0)] = True
     specs[ops.gemm_spec_for(a, b, bias=bias, c=c, out_dtype=torch.float32, activation="silu")] = True
+    for case in PINGPONG_CASES:
+        a, b, epi, opts = pingpong_inputs(case)
+        specs[ops.gemm_spec_for(a, b, **epi, **opts)] = True
+    for pingpong in (False, True):
+        a, b = operand_a(3000, 1024, "k", torch.bfloat16), operand_b(1024, 2048, "k", torch.bfloat16)
+        specs[ops.gemm_spec_for(a, b, c=torch.randn(3000, 2048, device="cuda", dtype=torch.bfloat16),
+                                config=c_operand_config(pingpong))] = True
     failed = [r for r in precompile(list(specs)) if r.status == "failed"]
     assert not failed, failed[0].error
 
@@ -140,3 +187,30 @@ def test_unaligned_sizes_are_refused():
                torch.randn(1001, 64, device="cuda", dtype=torch.bfloat16).t().contiguous().t())
     with pytest.raises(UnsupportedError, match="bfloat16 or float16"):
         ops.mm(torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda"))
+
+
+@pytest.mark.parametrize("case", PINGPONG_CASES,
+                         ids=[f"{c[0]}-{str(c[1])[6:]}-{str(c[2])[6:]}-A{c[3]}-B{c[4]}-{c[5]}x{c[6]}x{c[7]}-{c[8]}"
+                              for c in PINGPONG_CASES])
+def test_pingpong_schedule(case):
+    a, b, epi, opts = pingpong_inputs(case)
+    m, n, out_dtype = a.shape[0], b.shape[1], opts["out_dtype"]
+    out = ops.mm(a, b, **epi, **opts, out=poisoned((m, n), out_dtype))
+    check(out, reference(a, b, bias=epi.get("bias"), c=epi.get("c"), alpha=epi.get("alpha", 1.0),
+                         beta=epi.get("beta", 1.0), act=epi["activation"]), out_dtype)
+
+
+@pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "pingpong"])
+def test_c_operand_streams_through_its_own_producer_warp(pingpong):
+    """Several tiles per CTA, each with a C tile to load while A/B of the next tile stream in."""
+    a, b = operand_a(3000, 1024, "k", torch.bfloat16), operand_b(1024, 2048, "k", torch.bfloat16)
+    c = torch.randn(3000, 2048, device="cuda", dtype=torch.bfloat16)
+    out = ops.mm(a, b, c=c, alpha=0.5, beta=-2.0, config=c_operand_config(pingpong),
+                 out=poisoned((3000, 2048), torch.bfloat16))
+    check(out, reference(a, b, c=c, alpha=0.5, beta=-2.0), torch.bfloat16)
+
+
+def test_pingpong_config_is_checked():
+    a, b = operand_a(256, 256, "k", torch.bfloat16), operand_b(256, 256, "k", torch.bfloat16)
+    with pytest.raises(UnsupportedError, match="pingpong needs persistent"):
+        ops.mm(a, b, config=GemmConfig(128, 128, 64, 1, 1, 4, 2, False, True))
