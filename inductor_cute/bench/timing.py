@@ -11,6 +11,11 @@ _L2_FLUSH_BYTES = 256 << 20  # larger than any Hopper L2 (50-60 MB)
 def time_us(fn, reps: int = 100, warmup: int = 10) -> float:
     """Median GPU time of `fn()` in microseconds, with L2 flushed before each run.
 
+    The flush *reads* a buffer larger than L2, leaving it full of clean lines. A write flush
+    (`buffer.zero_()`, as triton's do_bench does) leaves dirty lines that the timed kernel must
+    write back while it reads, which added 3-8 us to every memory-bound GEMM below 50 us
+    (benchmarks/results/l2-flush-effect-h200-20261202.txt).
+
     CUDA events bracket each call. The GPU is first held in a sleep long enough for the host to
     queue every run, so events measure device time only and a backend's host overhead (dynamo
     guards, argument conversion) does not leak in; `host_overhead_us` reports that separately.
@@ -22,13 +27,13 @@ def time_us(fn, reps: int = 100, warmup: int = 10) -> float:
         fn()
     torch.cuda.synchronize()
     host_per_call_s = (time.perf_counter() - start) / warmup
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     head_start_us = 2 * reps * (host_per_call_s * 1e6 + 20) + 1000
     torch.cuda._sleep(int(head_start_us * 2000))  # ~2000 cycles per us at H200 clocks; more is harmless
     for i in range(reps):
-        flush.zero_()
+        flush.sum()
         starts[i].record()
         fn()
         ends[i].record()
