@@ -25,6 +25,8 @@ SMALL_CONFIGS = [
 LARGE_CONFIGS = [
     G(128, 256, 64, 2, 1, 4, 2, True), G(128, 256, 64, 1, 2, 4, 2, True), G(256, 128, 64, 2, 1, 4, 2, True),
     G(256, 128, 64, 1, 2, 4, 2, True), G(128, 192, 64, 2, 1, 5, 2, True), G(128, 256, 64, 2, 1, 4, 2, False),
+    G(128, 128, 64, 2, 1, 6, 2, True, True), G(128, 128, 64, 1, 2, 6, 2, True, True), G(64, 256, 64, 2, 1, 5, 2, True, True),
+    G(128, 128, 64, 1, 1, 6, 2, True, True),
 ]
 
 
@@ -65,7 +67,8 @@ def main(which, b_majors):
         floor_us = 2 * (m * k + k * n + m * n) / (ceil["copy_TBps"] * 1e6)
         tf = 2 * m * n * k / t / 1e6
         c = cfg
-        tag = f"{c.tile_m}x{c.tile_n}x{c.tile_k} c{c.cluster_m}x{c.cluster_n} s{c.stages} w{c.consumer_warpgroups} {'P' if c.persistent else 'NP'}"
+        tag = (f"{c.tile_m}x{c.tile_n}x{c.tile_k} c{c.cluster_m}x{c.cluster_n} s{c.stages} w{c.consumer_warpgroups} "
+               f"{'P' if c.persistent else 'NP'}{' pingpong' if c.pingpong else ''}")
         print(f"{m}x{n}x{k} B{b_major} {tag:32} {t:8.1f} us {tf:6.1f} TF/s bytes-floor {floor_us / t:5.1%}"
               f" | cuBLAS {t_cublas:8.1f} us  ratio {t_cublas / t:5.3f}  relerr {err:.1e}", flush=True)
 

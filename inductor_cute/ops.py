@@ -220,13 +220,18 @@ def bmm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity",
     return _gemm("bmm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config)
 
 
-def gemm_spec_for(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None,
-                  out=None, config=None):
-    """The KernelSpec that `mm` (2-D inputs) or `bmm` (3-D) would run on these inputs, for precompiling."""
-    from .kernels.gemm_config import gemm_spec
-
+def gemm_plan(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None,
+              out=None, config=None):
+    """(GemmProblem, GemmConfig, SM count) that `mm` (2-D inputs) or `bmm` (3-D) would run."""
     name = "mm" if a.dim() == 2 else "bmm"
     plan = _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config, launch=False)
     if plan is None:
         raise UnsupportedError(f"{name}: an empty output needs no kernel")
-    return gemm_spec(*plan)
+    return plan
+
+
+def gemm_spec_for(a, b, **kwargs):
+    """The KernelSpec that `mm` or `bmm` would run on these inputs (same arguments), for precompiling."""
+    from .kernels.gemm_config import gemm_spec
+
+    return gemm_spec(*gemm_plan(a, b, **kwargs))
