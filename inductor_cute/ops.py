@@ -193,13 +193,57 @@ def _batched(name, a, b, bias, c, out):
     return a, b, c, out
 
 
+# Calls whose checks passed and whose kernel operands are plain views of the caller's tensors
+# are remembered by their argument layout, so a repeat (a compiled graph's GEMM, a training
+# step) skips the checks and only restrides: ~60 us of host time down to a few.
+_FAST_PATHS: dict[tuple, tuple] = {}
+_FAST_PATHS_MAX = 4096
+
+
+def _layout(t):
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % _ALIGN_BYTES == 0)
+
+
+def _view_of(view, t):
+    """(sizes, strides) that make `view` from `t` with as_strided, or None if it is not a view of t."""
+    if view is None or t is None or view.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() \
+            or view.storage_offset() != t.storage_offset() or view.dtype != t.dtype:
+        return None
+    return tuple(view.shape), tuple(view.stride())
+
+
+def _remember(key, kernel, kernel_args, a, b, c, out, bias):
+    a3, b3, d3, c3, bias_arg = kernel_args[:5]
+    views = [_view_of(a3, a), _view_of(b3, b), _view_of(d3, out)]
+    if None in views or (c is not None and _view_of(c3, c) is None) or bias_arg is not bias:
+        return
+    if len(_FAST_PATHS) >= _FAST_PATHS_MAX:
+        _FAST_PATHS.clear()
+    _FAST_PATHS[key] = (kernel, views, _view_of(c3, c) if c is not None else None, kernel_args[5:])
+
+
 def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, launch=True):
-    a, b, c, out3 = _batched(name, a, b, bias, c, out)
-    plan, kernel_args, out3 = _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out3, config)
+    key = None
+    if launch and out is not None:
+        key = (name, _layout(a), _layout(b), _layout(c), _layout(bias), _layout(out), alpha, beta, activation,
+               out_dtype, config)
+        hit = _FAST_PATHS.get(key)
+        if hit is not None:
+            kernel, views, c_view, scalars = hit
+            c3 = c.as_strided(*c_view) if c is not None else None
+            kernel(a.as_strided(*views[0]), b.as_strided(*views[1]), out.as_strided(*views[2]), c3, bias, *scalars)
+            return out
+    a3d, b3d, c3d, out3 = _batched(name, a, b, bias, c, out)
+    plan, kernel_args, out3 = _prepare_gemm(name, a3d, b3d, bias, c3d, alpha, beta, activation, out_dtype, out3, config)
     if not launch:
         return plan
     if plan is not None:
-        _gemm_kernel(*plan)(*kernel_args)
+        kernel = _gemm_kernel(*plan)
+        kernel(*kernel_args)
+        if key is not None:
+            _remember(key, kernel, kernel_args, a, b, c, out, bias)
     return out3[0] if name == "mm" else out3
 
 

@@ -90,6 +90,8 @@ def test_invalid_pingpong_configs_are_named():
     assert "shared memory" in config_error(GemmConfig(64, 256, 64, 1, 1, 5, 2, True, True), fp32_out)
     for tile in ((128, 128), (64, 256), (64, 192), (128, 96), (64, 128)):
         assert config_error(GemmConfig(*tile, 64, 1, 1, 4, 2, True, True), BF16) is None
+    fp32_residual = GemmProblem("float16", "float32", "m", "n", has_c=True)
+    assert "fp32 C operand" in config_error(GemmConfig(128, 96, 64, 1, 1, 4, 2, True, True), fp32_residual)
 
 
 def test_pingpong_is_part_of_the_kernel_spec():

@@ -90,6 +90,9 @@ def config_error(c: GemmConfig, p: GemmProblem) -> str | None:
         return "pingpong needs persistent=True (each warp group takes every other tile)"
     if c.pingpong and c.tile_m not in (64, 128):
         return "pingpong tile_m must be 64 or 128"
+    if c.pingpong and p.has_c and p.out_dtype_name == "float32":
+        # measured wrong on the H200 (128x96 tiles, 2026-12-02): refused until fixed
+        return "pingpong with an fp32 C operand is not supported"
     if c.tile_m % (64 * c.tile_warpgroups) or not 64 <= c.tile_m <= 256:
         return "tile_m must be a multiple of 64 * consumer_warpgroups, at most 256"
     if c.tile_n % EPI_N or not EPI_N <= c.tile_n <= 256:

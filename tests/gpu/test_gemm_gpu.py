@@ -77,7 +77,8 @@ PINGPONG_CASES = [
     ("64x256", torch.bfloat16, torch.bfloat16, "k", "k", 3000, 2048, 4096, "residual"),
     ("64x256", torch.bfloat16, torch.bfloat16, "k", "n", 65, 4096, 4096, "bias+gelu_tanh"),
     ("64x256", torch.float16, torch.float16, "m", "k", 3000, 2048, 1000, "plain"),
-    ("128x96", torch.float16, torch.float32, "m", "n", 3000, 1000, 127, "bias+residual+silu"),
+    ("128x96", torch.float16, torch.float32, "m", "n", 3000, 1000, 127, "bias+silu"),
+    ("128x96", torch.float16, torch.float16, "m", "n", 3000, 1000, 127, "bias+residual+silu"),
     ("128x96", torch.bfloat16, torch.bfloat16, "m", "n", 3000, 1000, 4095, "plain"),
 ]
 
@@ -214,3 +215,27 @@ def test_pingpong_config_is_checked():
     a, b = operand_a(256, 256, "k", torch.bfloat16), operand_b(256, 256, "k", torch.bfloat16)
     with pytest.raises(UnsupportedError, match="pingpong needs persistent"):
         ops.mm(a, b, config=GemmConfig(128, 128, 64, 1, 1, 4, 2, False, True))
+    with pytest.raises(UnsupportedError, match="fp32 C operand"):
+        ops.mm(a, b, c=torch.randn(256, 256, device="cuda"), out_dtype=torch.float32,
+               config=GemmConfig(128, 96, 64, 1, 1, 4, 2, True, True))
+
+
+def test_repeat_calls_take_the_fast_path_and_stay_correct():
+    ops._FAST_PATHS.clear()
+    a, b = operand_a(1000, 1024, "k", torch.bfloat16), operand_b(1024, 2048, "k", torch.bfloat16)
+    bias, c = torch.randn(2048, device="cuda", dtype=torch.bfloat16), torch.randn(1000, 2048, device="cuda",
+                                                                                 dtype=torch.bfloat16)
+    out = poisoned((1000, 2048), torch.bfloat16)
+    ops.mm(a, b, bias=bias, c=c, out=out)
+    assert len(ops._FAST_PATHS) == 1
+    for t in (a, b, bias, c):  # fresh values in the same buffers, then a poisoned output
+        t.copy_(torch.randn_like(t))
+    out.fill_(float("nan"))
+    ops.mm(a, b, bias=bias, c=c, out=out)
+    assert len(ops._FAST_PATHS) == 1
+    check(out, reference(a, b, bias=bias, c=c), torch.bfloat16)
+    # an operand that must be copied (odd row stride) never takes the fast path
+    wide = torch.randn(1000, 1027, device="cuda", dtype=torch.bfloat16)[:, :1024]
+    ops.mm(wide, b, out=out)
+    assert len(ops._FAST_PATHS) == 1
+    check(out, reference(wide, b), torch.bfloat16)

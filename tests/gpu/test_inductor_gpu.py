@@ -151,6 +151,7 @@ WARM_SCRIPT = textwrap.dedent("""
     import json, time, torch
     import inductor_cute
     from inductor_cute.runtime import CompiledKernelCache
+    from torch._dynamo.utils import counters
     inductor_cute.enable()
     torch._inductor.config.max_autotune_gemm_backends = "ICUTE"
     torch.manual_seed(0)
