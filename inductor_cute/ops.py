@@ -121,7 +121,7 @@ def _gemm_kernel(problem, config, num_sms: int):
     return get_kernel(gemm_spec(problem, config, num_sms))
 
 
-def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None):
+def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue=""):
     """Checks and TMA views for one GEMM: ((problem, config, num_sms), kernel arguments, out);
     the plan and arguments are None when the output is empty."""
     from .kernels.gemm_config import GemmProblem, config_error, default_config, problem_error
@@ -167,7 +167,7 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, 
             raise UnsupportedError(f"{name}: bias must have shape ({n},), got {tuple(bias.shape)}")
         bias = bias.to(out_dtype).contiguous()
     problem = GemmProblem(_GEMM_INPUT[a.dtype], _DTYPE_NAMES[out_dtype], a_major, b_major,
-                          bias is not None, c is not None, activation)
+                          bias is not None, c is not None, activation, epilogue or "")
     error = problem_error(problem)
     if error:
         raise UnsupportedError(f"{name}: {error}")
@@ -224,11 +224,11 @@ def _remember(key, kernel, kernel_args, a, b, c, out, bias):
     _FAST_PATHS[key] = (kernel, views, _view_of(c3, c) if c is not None else None, kernel_args[5:])
 
 
-def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, launch=True):
+def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue="", launch=True):
     key = None
     if launch and out is not None:
         key = (name, _layout(a), _layout(b), _layout(c), _layout(bias), _layout(out), alpha, beta, activation,
-               out_dtype, config)
+               out_dtype, config, epilogue)
         hit = _FAST_PATHS.get(key)
         if hit is not None:
             kernel, views, c_view, scalars = hit
@@ -236,7 +236,8 @@ def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=N
             kernel(a.as_strided(*views[0]), b.as_strided(*views[1]), out.as_strided(*views[2]), c3, bias, *scalars)
             return out
     a3d, b3d, c3d, out3 = _batched(name, a, b, bias, c, out)
-    plan, kernel_args, out3 = _prepare_gemm(name, a3d, b3d, bias, c3d, alpha, beta, activation, out_dtype, out3, config)
+    plan, kernel_args, out3 = _prepare_gemm(name, a3d, b3d, bias, c3d, alpha, beta, activation, out_dtype, out3, config,
+                                            epilogue)
     if not launch:
         return plan
     if plan is not None:
@@ -248,27 +249,29 @@ def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=N
 
 
 def mm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None,
-       config=None):
+       config=None, epilogue=""):
     """D = activation(alpha * a @ b + bias + beta * c) for 2-D a (M, K) and b (K, N).
 
     bf16/fp16 inputs, fp32 accumulation, output in `out_dtype` (default: a's dtype). Any layout
     of a and b is accepted (nn.Linear weights as `w.t()` are read in place); `c` broadcasts to
     (M, N) and `beta` defaults to 1 when it is given; `bias` has shape (N,). `config` (a
-    kernels.gemm_config.GemmConfig) overrides the default tile configuration."""
-    return _gemm("mm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config)
+    kernels.gemm_config.GemmConfig) overrides the default tile configuration. `epilogue` (a
+    kernels.epilogue_program text) replaces alpha/beta/activation: the program computes the output
+    from the accumulator, `bias` (its "row") and `c` (its "full")."""
+    return _gemm("mm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue)
 
 
 def bmm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None,
-        config=None):
+        config=None, epilogue=""):
     """The batched form of `mm`: a (L, M, K), b (L, K, N), any batch strides; returns (L, M, N)."""
-    return _gemm("bmm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config)
+    return _gemm("bmm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue)
 
 
 def gemm_plan(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None,
-              out=None, config=None):
+              out=None, config=None, epilogue=""):
     """(GemmProblem, GemmConfig, SM count) that `mm` (2-D inputs) or `bmm` (3-D) would run."""
     name = "mm" if a.dim() == 2 else "bmm"
-    plan = _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config, launch=False)
+    plan = _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue, launch=False)
     if plan is None:
         raise UnsupportedError(f"{name}: an empty output needs no kernel")
     return plan

@@ -54,6 +54,7 @@ class GemmProblem:
     has_bias: bool = False
     has_c: bool = False
     activation: str = "identity"
+    epilogue: str = ""  # a kernels.epilogue_program text; replaces alpha/bias/C/activation when set
 
     def as_params(self) -> dict:
         return dataclasses.asdict(self)
@@ -77,6 +78,17 @@ def problem_error(p: GemmProblem) -> str | None:
         return "a_major must be 'k' or 'm' and b_major 'k' or 'n'"
     if p.activation not in ACTIVATIONS:
         return f"activation {p.activation!r} is not one of {', '.join(ACTIVATIONS)}"
+    if p.epilogue:
+        from .epilogue_program import loads, operands
+
+        if p.activation != "identity":
+            return "an epilogue program and an activation cannot be combined"
+        try:
+            used = operands(loads(p.epilogue))
+        except ValueError as e:
+            return str(e)
+        if ("row" in used) != p.has_bias or ("full" in used) != p.has_c:
+            return "the epilogue program's row/full operands must match has_bias/has_c"
     return None
 
 

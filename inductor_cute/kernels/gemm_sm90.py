@@ -492,9 +492,9 @@ class HopperGemm:
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation,
           tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent, pingpong=False,
-          num_sms=132, raster_group=8, epilogue_fn=None):
+          num_sms=132, raster_group=8, epilogue="", epilogue_fn=None):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
-    problem = GemmProblem(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation)
+    problem = GemmProblem(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation, epilogue)
     cfg = GemmConfig(tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent, pingpong)
     err = problem_error(problem) or config_error(cfg, problem)
     if err:
@@ -518,7 +518,12 @@ def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activat
     c = make_fake_tensor(d_t, (M, N, L), stride=(ld(), 1, ld()), assumed_align=16) if has_c else None
     bias = make_fake_tensor(d_t, (N,), stride=(1,)) if has_bias else None
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    epilogue_fn = epilogue_fn or make_epilogue(activation, fast=out_dtype_name == "bfloat16")
+    fast = out_dtype_name == "bfloat16"
+    if epilogue:
+        from .epilogue_program import make_epilogue_fn
+
+        epilogue_fn = make_epilogue_fn(epilogue, fast)
+    epilogue_fn = epilogue_fn or make_epilogue(activation, fast=fast)
     fn = HopperGemm(cfg, a_major, b_major, has_bias, has_c, epilogue_fn,
                     num_sms=num_sms, raster_group=raster_group)
     return fn, (a, b, d, c, bias, Float32(1.0), Float32(0.0), stream)
