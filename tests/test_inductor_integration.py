@@ -158,3 +158,25 @@ def test_compiled_cpu_model_is_untouched_by_our_hook(caplog):
     torch._dynamo.reset()
     torch.testing.assert_close(out, model(x))
     assert "inductor-cute skips addmm 8x32x64: device cpu is not CUDA" in caplog.text
+
+
+def test_fusion_installs_our_cuda_scheduling_and_restores_everything():
+    from torch._inductor.codegen import common
+
+    from inductor_cute.inductor.extern import fusion_enabled
+    from inductor_cute.inductor.template import CuteCUDAScheduling, scheduling_installed
+
+    if not common.device_codegens:
+        common.init_backend_registration()
+    stock = common.device_codegens["cuda"]
+    before = inductor_config.benchmark_epilogue_fusion
+    with inductor_cute.enable(fuse_epilogues=True):
+        assert scheduling_installed() and fusion_enabled()
+        assert common.device_codegens["cuda"].scheduling is CuteCUDAScheduling
+        assert common.device_codegens["cuda"].wrapper_codegen is stock.wrapper_codegen
+        assert inductor_config.benchmark_epilogue_fusion is False
+        assert inductor_config.inductor_choices_class().uuid().endswith("fuse1")
+    assert common.device_codegens["cuda"] is stock and not fusion_enabled()
+    assert inductor_config.benchmark_epilogue_fusion == before
+    with inductor_cute.enable():
+        assert not scheduling_installed() and not fusion_enabled()

@@ -20,16 +20,23 @@ import logging
 from .choices import BACKEND_TOKEN, CuteChoices
 
 log = logging.getLogger(__name__)
-_saved: list[tuple[object, str]] = []
+_saved: list[tuple] = []
 
 
-def choices_factory() -> functools.partial:
-    """The value for `config.inductor_choices_class`: a picklable factory whose tag (our version
-    and kernel sources) enters Inductor's FX-graph cache key."""
+def choices_factory(fuse_epilogues: bool = False) -> functools.partial:
+    """The value for `config.inductor_choices_class`: a picklable factory whose tag (our version,
+    kernel sources and settings) enters Inductor's FX-graph cache key."""
+    import hashlib
+    from pathlib import Path
+
     from .. import __version__
     from ..runtime.spec import source_hash
 
-    return functools.partial(CuteChoices, tag=f"inductor-cute-{__version__}-{source_hash(f'{__name__}.runtime')[:16]}")
+    h = hashlib.sha256(source_hash(f"{__name__}.runtime").encode())  # kernels + runtime calling convention
+    for path in sorted(Path(__file__).parent.glob("*.py")):  # lowering, fusion and code generation
+        h.update(path.read_bytes())
+    code = h.hexdigest()[:16]
+    return functools.partial(CuteChoices, tag=f"inductor-cute-{__version__}-{code}-fuse{int(fuse_epilogues)}")
 
 
 def _reset_thread_choices() -> None:
@@ -50,16 +57,27 @@ class _Enabled:
         disable()
 
 
-def enable() -> _Enabled:
-    """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm)."""
+def enable(fuse_epilogues: bool = False) -> _Enabled:
+    """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
+
+    With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
+    epilogue. That needs Inductor's `benchmark_epilogue_fusion` off (otherwise only Triton
+    templates are fused), which also changes how Triton templates pick their fusions."""
     from torch._inductor import config
+
+    from .extern import fusion_enabled, set_fusion
+    from .template import install_scheduling
 
     current = config.inductor_choices_class
     if current is not None and getattr(current, "func", current) is not CuteChoices:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
                            f"({current!r}); inductor-cute needs to install its own")
-    _saved.append((current, config.max_autotune_gemm_backends))
-    config.inductor_choices_class = choices_factory()
+    _saved.append((current, config.max_autotune_gemm_backends, config.benchmark_epilogue_fusion, fusion_enabled()))
+    config.inductor_choices_class = choices_factory(fuse_epilogues)
+    set_fusion(fuse_epilogues)
+    if fuse_epilogues:
+        install_scheduling()
+        config.benchmark_epilogue_fusion = False
     backends = [b.strip() for b in config.max_autotune_gemm_backends.split(",") if b.strip()]
     if BACKEND_TOKEN not in (b.upper() for b in backends):
         config.max_autotune_gemm_backends = ",".join([*backends, BACKEND_TOKEN])
@@ -72,9 +90,15 @@ def disable() -> None:
     """Undo the last enable(); a no-op when not enabled."""
     from torch._inductor import config
 
+    from .extern import set_fusion
+    from .template import uninstall_scheduling
+
     if not _saved:
         return
-    config.inductor_choices_class, config.max_autotune_gemm_backends = _saved.pop()
+    config.inductor_choices_class, config.max_autotune_gemm_backends, config.benchmark_epilogue_fusion, fused = _saved.pop()
+    set_fusion(fused)
+    if not fused:
+        uninstall_scheduling()
     _reset_thread_choices()
 
 

@@ -118,6 +118,7 @@ def gemm_choices(kernel_inputs, op_name) -> list:
                 f"stages {cfg.stages}{' pingpong' if getattr(cfg, 'pingpong', False) else ''}"
                 f"{' persistent' if cfg.persistent else ''}")
         choices.append(CUTE_GEMM.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=desc,
+                                      problem=problem, num_sms=num_sms,
                                       op=op_name, config=tuple(cfg.as_params().values()), **scalars))
     log.info("inductor-cute offers %d of %d configs for %s %dx%dx%d (batch %d)",
              len(choices), len(configs), op_name, m, n, k, batch)

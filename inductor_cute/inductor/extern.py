@@ -26,10 +26,11 @@ class CuteGemmOut(ir.ExternKernelOut):
 
 
 class CuteGemmCaller(ExternKernelCaller):
-    def __init__(self, choice, input_nodes, layout, kwargs, spec_key: str, description: str):
+    def __init__(self, choice, input_nodes, layout, kwargs, spec_key: str, description: str, problem, num_sms: int):
         super().__init__(choice, input_nodes, layout, kwargs, has_out_variant=True)
         self.spec_key = spec_key  # covers kernel source, config, arch and versions
         self.description = description
+        self.problem, self.num_sms = problem, num_sms
 
     def __str__(self) -> str:
         return f"inductor_cute_gemm({self.description})"
@@ -49,17 +50,35 @@ class CuteGemmCaller(ExternKernelCaller):
         return {"backend": "inductor_cute", "kernel_name": self.name, "config": self.description}
 
     def output_node(self):
+        from .template import CuteGemmTemplateBuffer, scheduling_installed
+
         log.info("inductor-cute %s chosen for %s", self.description, self.kwargs["op"])
-        node = CuteGemmOut(layout=self.layout, inputs=self.input_nodes, kwargs=self.kwargs,
-                           python_kernel_name=f"{RUNTIME}.gemm")
+        if fusion_enabled() and scheduling_installed():
+            # a template node, so that the scheduler can fuse pointwise epilogues into it
+            node = CuteGemmTemplateBuffer(self.layout, self.input_nodes, op=self.kwargs["op"], kwargs=self.kwargs,
+                                          problem=self.problem, num_sms=self.num_sms)
+        else:
+            node = CuteGemmOut(layout=self.layout, inputs=self.input_nodes, kwargs=self.kwargs,
+                               python_kernel_name=f"{RUNTIME}.gemm")
         return ir.TensorBox.create(node)
 
 
 class CuteGemmChoice(ExternKernelChoice):
     def bind(self, input_nodes, layout, ordered_kwargs_for_cpp_kernel=(), *, spec_key: str = "",
-             description: str = "", **kwargs):
+             description: str = "", problem=None, num_sms: int = 0, **kwargs):
         self.ordered_kwargs_for_cpp_kernel = ordered_kwargs_for_cpp_kernel
-        return CuteGemmCaller(self, input_nodes, layout, kwargs, spec_key, description)
+        return CuteGemmCaller(self, input_nodes, layout, kwargs, spec_key, description, problem, num_sms)
+
+
+_fusion = [False]
+
+
+def fusion_enabled() -> bool:
+    return _fusion[-1]
+
+
+def set_fusion(enabled: bool) -> None:
+    _fusion[-1] = enabled
 
 
 def _make_choice() -> CuteGemmChoice:

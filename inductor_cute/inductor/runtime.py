@@ -23,8 +23,15 @@ def is_bias_row(sizes, strides, n: int) -> bool:
 
 
 def gemm(*inputs: torch.Tensor, out: torch.Tensor, op: str, config: tuple, alpha: float = 1.0,
-         beta: float = 1.0) -> None:
-    """out = alpha * a @ b (+ beta * inp for addmm/baddbmm) with one GemmConfig (given as a tuple)."""
+         beta: float = 1.0, epilogue: str = "", row: torch.Tensor | None = None,
+         full: torch.Tensor | None = None) -> None:
+    """out = alpha * a @ b (+ beta * inp for addmm/baddbmm) with one GemmConfig (given as a tuple);
+    with a fused `epilogue` program, out = program(a @ b, row, full) instead."""
+    run = ops.bmm if op in BATCHED else ops.mm
+    if epilogue:
+        a, b = inputs
+        run(a, b, bias=row, c=full, out=out, config=GemmConfig(*config), epilogue=epilogue)
+        return
     bias = c = None
     if op in WITH_INPUT:
         inp, a, b = inputs
@@ -34,6 +41,5 @@ def gemm(*inputs: torch.Tensor, out: torch.Tensor, op: str, config: tuple, alpha
             c = inp
     else:
         a, b = inputs
-    run = ops.bmm if op in BATCHED else ops.mm
     run(a, b, bias=bias, c=c, alpha=alpha, beta=beta if c is not None else None, out=out,
         config=GemmConfig(*config))

@@ -239,3 +239,20 @@ def test_repeat_calls_take_the_fast_path_and_stay_correct():
     ops.mm(wide, b, out=out)
     assert len(ops._FAST_PATHS) == 1
     check(out, reference(wide, b), torch.bfloat16)
+
+
+def test_epilogue_program_with_row_and_full_operands():
+    from inductor_cute.kernels.epilogue_program import dumps
+
+    program = dumps([["v0", "add", "acc", "row"], ["v1", "sigmoid", "v0"], ["v2", "mul", "v0", "v1"],
+                     ["v3", "maximum", "v2", "full"], ["v4", "gt", "v0", 0.5], ["v5", "where", "v4", "v3", "full"]])
+    a, b = operand_a(1000, 1024, "k", torch.bfloat16), operand_b(1024, 2048, "k", torch.bfloat16)
+    row, full = torch.randn(2048, device="cuda", dtype=torch.bfloat16), torch.randn(1000, 2048, device="cuda",
+                                                                                  dtype=torch.bfloat16)
+    full[3, 7] = float("nan")  # maximum propagates NaN like torch
+    out = ops.mm(a, b, bias=row, c=full, epilogue=program, out=poisoned((1000, 2048), torch.bfloat16))
+    x = a.float() @ b.float() + row.float()
+    ref = torch.where(x > 0.5, torch.maximum(F.silu(x), full.float()), full.float())
+    assert torch.equal(out.isnan(), ref.isnan())
+    keep = ~ref.isnan()
+    assert ((out.float()[keep] - ref[keep]).norm() / ref[keep].norm()).item() < TOL[torch.bfloat16]

@@ -182,3 +182,25 @@ def test_second_process_reuses_fx_graph_and_kernels(tmp_path):
     assert warm["fx_hits"] >= 1, "the warm process did not reuse the compiled graph"
     assert cold["err"] < 2e-2 and warm["err"] < 2e-2
     print(f"cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s")
+
+
+EPILOGUES = {
+    "linear+gelu_tanh": lambda m, x, r: F.gelu(m(x), approximate="tanh"),
+    "linear+silu*2+residual": lambda m, x, r: F.silu(m(x)) * 2 + r,
+    "linear+relu+residual": lambda m, x, r: torch.relu(m(x)) + r,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EPILOGUES))
+def test_pointwise_epilogues_fuse_into_our_gemm(name):
+    fn = EPILOGUES[name]
+    model = nn.Linear(1024, 2048).cuda().bfloat16()
+    x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(1000, 2048, device="cuda", dtype=torch.bfloat16)
+    with inductor_cute.enable(fuse_epilogues=True), inductor_config.patch(max_autotune_gemm_backends="ICUTE"):
+        out, codes = run_and_get_code(torch.compile(lambda x, r: fn(model, x, r), mode="max-autotune-no-cudagraphs"),
+                                      x, r)
+    code = "\n".join(codes)
+    assert code.count(OUR_CALL) == 1 and "epilogue=" in code, code[-3000:]
+    assert "triton_" not in code.split("def call(")[-1], "a pointwise kernel was left outside the GEMM"
+    assert_close(out, fn(model, x, r))

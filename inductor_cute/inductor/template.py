@@ -1,0 +1,170 @@
+"""Our GEMM as a template node that pointwise epilogues fuse into.
+
+When our choice wins autotuning it enters the graph as a CuteGemmTemplateBuffer. Inductor's
+scheduler then asks the CUDA backend whether a following pointwise node may fuse; our scheduling
+(installed in place of CUDACombinedScheduling for "cuda") says yes when the node translates into
+an epilogue program (inductor/epilogue.py), and at code generation writes one call of our runtime
+with that program. Everything else is delegated to the stock CUDA scheduling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from torch._inductor import ir
+from torch._inductor.codegen import common
+from torch._inductor.codegen.cuda_combined_scheduling import CUDACombinedScheduling
+from torch._inductor.scheduler import BaseScheduling
+from torch._inductor.virtualized import V
+
+from ..kernels.gemm_config import GemmConfig, config_error, gemm_spec
+from .epilogue import Operand, translate
+
+log = logging.getLogger(__name__)
+RUNTIME = "inductor_cute.inductor.runtime"
+
+
+class CuteGemmTemplateBuffer(ir.TemplateBuffer):
+    def __init__(self, layout, inputs, *, op: str, kwargs: dict, problem, num_sms: int):
+        super().__init__(layout, inputs, None)
+        self.op = op
+        self.kwargs = kwargs  # what the unfused call passes: op, config, alpha, beta
+        self.alpha = float(kwargs.get("alpha", 1.0))
+        self.beta = float(kwargs.get("beta", 1.0))
+        self.problem = problem  # GemmProblem of the unfused GEMM
+        self.num_sms = num_sms
+
+    def fused_problem(self, epi):
+        return dataclasses.replace(self.problem, out_dtype_name=str(epi.out.get_dtype()).removeprefix("torch."),
+                                   has_bias=epi.row is not None, has_c=epi.full is not None,
+                                   activation="identity", epilogue=epi.program)
+
+
+def _ours(node) -> CuteGemmTemplateBuffer | None:
+    template = node.get_template_node() if node is not None else None
+    return template if isinstance(template, CuteGemmTemplateBuffer) else None
+
+
+def _operand_arg(operand: Operand | None, size) -> str:
+    if operand is None:
+        return "None"
+    wrapper = V.graph.wrapper_code
+    sizes = [size[-1]] if all(s == 0 for s in operand.strides[:-1]) else list(size)
+    strides = [1] if len(sizes) == 1 else list(operand.strides)
+    return (f"reinterpret_tensor({operand.name}, {wrapper.codegen_shape_tuple(sizes)}, "
+            f"{wrapper.codegen_shape_tuple(strides)}, {operand.offset})")
+
+
+class CuteGemmScheduling(BaseScheduling):
+    def can_fuse_vertical(self, node1, node2) -> bool:
+        template = _ours(node1)
+        if template is None or _ours(node2) is not None:
+            return False
+        fused = [*(n for n in node1.get_nodes() if not n.is_template()), *node2.get_nodes()]
+        try:
+            epi = translate(template, fused)
+        except NotImplementedError as e:
+            log.debug("inductor-cute does not fuse %s into %s: %s", node2.get_name(), template.get_name(), e)
+            return False
+        names = {n.get_name() for n in (*node1.get_nodes(), *node2.get_nodes())}
+        intermediates = [template.get_name(), *epi.written[:-1]]
+        outputs = set(V.graph.get_output_names())
+        for buf in intermediates:
+            if buf in outputs or not self.scheduler.can_buffer_be_removed_through_fusion(buf, names):
+                log.debug("inductor-cute does not fuse %s: %s is used elsewhere", node2.get_name(), buf)
+                return False
+        error = config_error(GemmConfig(*template.kwargs["config"]), template.fused_problem(epi))
+        if error:
+            log.debug("inductor-cute does not fuse %s: %s", node2.get_name(), error)
+            return False
+        log.debug("inductor-cute fuses %s into %s", node2.get_name(), template.get_name())
+        return True
+
+    def can_fuse_horizontal(self, node1, node2) -> bool:
+        return False
+
+    def codegen_template(self, template_node, epilogue_nodes, prologue_nodes):
+        from ..runtime import precompile
+
+        assert not prologue_nodes
+        template = _ours(template_node)
+        wrapper = V.graph.wrapper_code
+        wrapper.add_import_once(f"import {RUNTIME}")
+        kw = template.kwargs
+        if epilogue_nodes:
+            epi = translate(template, list(epilogue_nodes))
+            names = {n.get_name() for n in (template_node, *epilogue_nodes)}
+            for buf in (template.get_name(), *epi.written[:-1]):
+                if self.scheduler.can_buffer_be_removed_through_fusion(buf, names):
+                    V.graph.removed_buffers.add(buf)
+            problem = template.fused_problem(epi)
+            precompile([gemm_spec(problem, GemmConfig(*kw["config"]), template.num_sms)])
+            out = epi.out
+            mats = template.inputs[-2:]
+            size = template.get_size()
+            args = [m.codegen_reference() for m in mats]
+            call = (f"{RUNTIME}.gemm({', '.join(args)}, out={out.codegen_reference()}, "
+                    f"op={'bmm' if len(size) == 3 else 'mm'!r}, config={tuple(kw['config'])!r}, "
+                    f"epilogue={epi.program!r}, row={_operand_arg(epi.row, size)}, "
+                    f"full={_operand_arg(epi.full, size)})")
+            log.info("inductor-cute fused %d epilogue node(s) into %s", len(epilogue_nodes), template.get_name())
+        else:
+            args = [inp.codegen_reference() for inp in template.inputs]
+            extra = "".join(f", {k}={v!r}" for k, v in kw.items())
+            call = f"{RUNTIME}.gemm({', '.join(args)}, out={template.codegen_reference()}{extra})"
+        for node in (template_node, *epilogue_nodes):
+            node.mark_run()
+        wrapper.writeline(call)
+        self.free_buffers_in_scheduler()
+
+
+class CuteCUDAScheduling(CUDACombinedScheduling):
+    """The stock CUDA scheduling, with our template nodes handled by CuteGemmScheduling."""
+
+    def __init__(self, scheduler) -> None:
+        super().__init__(scheduler)
+        self._cute_scheduling = CuteGemmScheduling(scheduler)
+
+    def choose_node_backend(self, node):
+        return self._cute_scheduling if _ours(node) is not None else super().choose_node_backend(node)
+
+    def can_fuse_vertical(self, node1, node2) -> bool:
+        if _ours(node1) is not None or _ours(node2) is not None:
+            return self._cute_scheduling.can_fuse_vertical(node1, node2)
+        return super().can_fuse_vertical(node1, node2)
+
+    def can_fuse_horizontal(self, node1, node2) -> bool:
+        if _ours(node1) is not None or _ours(node2) is not None:
+            return False
+        return super().can_fuse_horizontal(node1, node2)
+
+    def codegen_template(self, template_node, epilogue_nodes, prologue_nodes):
+        if _ours(template_node) is not None:
+            return self._cute_scheduling.codegen_template(template_node, epilogue_nodes, prologue_nodes)
+        return super().codegen_template(template_node, epilogue_nodes, prologue_nodes)
+
+
+_previous: list = []
+
+
+def install_scheduling() -> None:
+    """Make our scheduling the CUDA backend's (idempotent; `uninstall_scheduling` restores)."""
+    if not common.device_codegens:
+        common.init_backend_registration()
+    current = common.device_codegens["cuda"]
+    if current.scheduling is CuteCUDAScheduling:
+        return
+    _previous.append(current)
+    common.device_codegens["cuda"] = dataclasses.replace(current, scheduling=CuteCUDAScheduling)
+
+
+def uninstall_scheduling() -> None:
+    if _previous and common.device_codegens.get("cuda") is not None \
+            and common.device_codegens["cuda"].scheduling is CuteCUDAScheduling:
+        common.device_codegens["cuda"] = _previous.pop()
+
+
+def scheduling_installed() -> bool:
+    entry = common.device_codegens.get("cuda")
+    return entry is not None and entry.scheduling is CuteCUDAScheduling
