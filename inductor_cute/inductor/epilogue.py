@@ -66,11 +66,10 @@ def _row_major(size, stride) -> bool:
 class _Recorder(DefaultHandler):
     """Ops handler that turns a pointwise body into program steps."""
 
-    def __init__(self, epi: Epilogue, gemm_name: str, gemm_value: str, gemm_size, out_dtypes):
+    def __init__(self, epi: Epilogue, gemm_name: str, gemm_value: str):
         self.epi = epi
         self.values = {gemm_name: gemm_value}  # buffer -> program value
         self.gemm_name = gemm_name
-        self.gemm_size = list(gemm_size)
         self.index_vars = None
         self.counter = itertools.count()
 
@@ -185,7 +184,7 @@ def translate(template, nodes) -> Epilogue:
     """The epilogue program of `template` followed by the scheduler `nodes` (in order)."""
     epi = Epilogue()
     gemm_value = base_steps(epi, template)
-    recorder = _Recorder(epi, template.get_name(), gemm_value, template.get_size(), None)
+    recorder = _Recorder(epi, template.get_name(), gemm_value)
     size = list(template.get_size())
     with V.set_ops_handler(recorder):
         for snode in nodes:
