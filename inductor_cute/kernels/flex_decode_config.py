@@ -1,0 +1,146 @@
+"""Split-KV attention decoding (FlexAttention decode) on Hopper: compile-time configuration, limits
+and the split heuristic. Plain Python, usable without the CuTe DSL.
+
+One CTA owns (64 packed query rows, batch, KV head, KV split). The packed rows are the
+`q_per_kv * Lq` queries that share one KV head, so K and V are read once per split, not once
+per query head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPES = ("bfloat16", "float16")
+ROWS = 64  # packed query rows per CTA: the M of one WGMMA
+MAX_Q_LEN = 64  # decoding and speculative decoding; longer queries belong to a prefill kernel
+SMEM_BUDGET = 227 * 1024
+MAX_STAGES = 8
+MAX_SPLITS = 256
+MIN_BLOCKS_PER_SPLIT = 4  # each split streams at least this many KV blocks (hides the pipeline fill)
+
+# (head_dim_qk, head_dim_v) -> (kv_block, consumer warp groups). A WGMMA's N is at most 256, so
+# V 512 is split over two warp groups, each holding 256 output columns (128 fp32 registers).
+HEAD_DIMS = {
+    (64, 64): (128, 1),
+    (128, 128): (128, 1),
+    (256, 256): (64, 1),
+    (192, 128): (64, 1),  # DeepSeek MLA, not absorbed
+    (576, 512): (32, 2),  # absorbed MLA: one KV head, 512 latent + 64 rope dims
+}
+
+
+@dataclass(frozen=True)
+class FlexDecodeConfig:
+    head_dim_qk: int
+    head_dim_v: int
+    dtype_name: str
+    q_per_kv: int  # query heads per KV head (GQA group), packed into the rows of one CTA
+    kv_block: int  # KV rows per pipeline stage
+    stages: int  # depth of the TMA ring: bytes in flight per SM = stages * stage_bytes
+    v_warpgroups: int  # consumer warp groups; each owns head_dim_v / v_warpgroups output columns
+    has_kv_len: bool  # a per-batch int32 length tensor masks the tail of each sequence
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.v_warpgroups)  # one producer warp group + consumers
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def stage_bytes(head_dim_qk: int, head_dim_v: int, kv_block: int) -> int:
+    return kv_block * (head_dim_qk + head_dim_v) * 2
+
+
+def smem_bytes(cfg: FlexDecodeConfig) -> int:
+    """Shared memory of one CTA: mbarriers, Q, and the K/V ring (each buffer 1 KB aligned)."""
+    q = ROWS * cfg.head_dim_qk * 2
+    k = cfg.stages * cfg.kv_block * cfg.head_dim_qk * 2
+    v = cfg.stages * cfg.kv_block * cfg.head_dim_v * 2
+    return _align(16 * cfg.stages, 1024) + _align(q, 1024) + _align(k, 1024) + v
+
+
+def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int = 1,
+                       q_len: int = 1) -> str | None:
+    """Why a problem has no decode kernel, in one line for the user; None when supported."""
+    if dtype_name not in DTYPES:
+        return f"dtype {dtype_name} is not supported (use bfloat16 or float16)"
+    if (head_dim_qk, head_dim_v) not in HEAD_DIMS:
+        dims = ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS)
+        return f"head dims {head_dim_qk}/{head_dim_v} (qk/v) are not supported (supported: {dims})"
+    if q_per_kv < 1:
+        return f"query heads per KV head must be at least 1, got {q_per_kv}"
+    if not 1 <= q_len <= MAX_Q_LEN:
+        return f"query length {q_len} is outside the decode kernel's range 1..{MAX_Q_LEN}"
+    return None
+
+
+def default_config(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
+                   has_kv_len: bool = False) -> FlexDecodeConfig:
+    """As many stages as shared memory holds: decoding is bound by the bytes kept in flight."""
+    kv_block, wgs = HEAD_DIMS[(head_dim_qk, head_dim_v)]
+    cfg = FlexDecodeConfig(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, 1, wgs, has_kv_len)
+    stages = 1
+    while stages < MAX_STAGES and smem_bytes(dataclasses.replace(cfg, stages=stages + 1)) <= SMEM_BUDGET:
+        stages += 1
+    return dataclasses.replace(cfg, stages=stages)
+
+
+def config_error(cfg: FlexDecodeConfig) -> str | None:
+    """Why an explicit configuration cannot be compiled; None when it can."""
+    problem = unsupported_reason(cfg.head_dim_qk, cfg.head_dim_v, cfg.dtype_name, cfg.q_per_kv)
+    if problem:
+        return problem
+    if cfg.kv_block % 16 or not 16 <= cfg.kv_block <= 256:
+        return f"kv_block {cfg.kv_block} must be a multiple of 16 in 16..256 (WGMMA N and K)"
+    if cfg.v_warpgroups not in (1, 2) or cfg.head_dim_v // cfg.v_warpgroups > 256:
+        return f"{cfg.v_warpgroups} consumer warp groups cannot hold {cfg.head_dim_v} output columns"
+    if cfg.stages < 1:
+        return "stages must be at least 1"
+    if smem_bytes(cfg) > SMEM_BUDGET:
+        return f"{smem_bytes(cfg)} bytes of shared memory exceed the {SMEM_BUDGET} available"
+    return None
+
+
+def m_tiles(q_per_kv: int, q_len: int) -> int:
+    return -(-(q_per_kv * q_len) // ROWS)
+
+
+def num_splits(batch: int, kv_heads: int, row_tiles: int, kv_len: int, kv_block: int,
+               num_sms: int = 132) -> int:
+    """KV splits per (batch, KV head, row tile), chosen at run time from the problem size.
+
+    Every SM should stream K/V: take at least enough splits for one CTA per SM, then among the
+    candidates minimise waves x (blocks per split + 1), the time model of a kernel that keeps
+    one CTA per SM busy streaming (the +1 stands for a CTA's fixed cost: Q load, pipeline fill,
+    writing partials). Splits never get fewer than MIN_BLOCKS_PER_SPLIT blocks.
+    """
+    blocks = max(1, -(-kv_len // kv_block))
+    base = max(1, batch * kv_heads * row_tiles)
+    most = max(1, min(MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
+    least = min(most, -(-num_sms // base))
+
+    def cost(s):
+        return -(-base * s // num_sms) * (-(-blocks // s) + 1)
+
+    return min(range(least, most + 1), key=lambda s: (cost(s), s))
+
+
+KERNEL_MODULE = "inductor_cute.kernels.flex_decode_sm90"
+
+
+def flex_decode_spec(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
+                     has_kv_len: bool = False, config: FlexDecodeConfig | None = None):
+    """The KernelSpec of the split-KV decode kernel (with its combine step) for these parameters."""
+    from ..runtime.spec import KernelSpec
+
+    config = config or default_config(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len)
+    error = config_error(config)
+    if error:
+        raise ValueError(error)
+    return KernelSpec.make(KERNEL_MODULE, **config.as_params())

@@ -1,0 +1,394 @@
+"""Split-KV attention decoding for Hopper (sm_90a) in CuTe DSL: the FlexAttention decode path.
+
+    out[b, h, i] = softmax(scale * q[b, h, i] . k[b, h // G]^T) v[b, h // G]     (G = q_per_kv)
+
+Two kernels launched back to back by one exported function:
+
+  * split kernel, one CTA per (64 packed query rows, KV split, batch * KV head). The rows are
+    the G * Lq queries that share a KV head (row p is query head p % G of the group, query
+    position p // G), so K and V are read once per split. Warp group 0 is the producer: one
+    warp streams (K, V) blocks of the split's KV range into a `stages`-deep TMA ring. The
+    consumer warp groups compute S = Q K^T with WGMMA (Q in shared memory), an online softmax
+    in fp32 registers with exp2 (scale * log2(e) folded into one multiply), and O += P V with
+    P taken straight from registers (RS WGMMA). Each consumer owns head_dim_v / v_warpgroups
+    output columns and recomputes S itself: cheaper than passing P between warp groups.
+    Partial results go to an fp32 workspace: O_s normalised by its own row sum, and
+    lse_s = log2(sum_j exp2(x_j)) in log2 units (x = scaled score * log2(e)).
+  * combine kernel, one warp per output row: lse = log2(sum_s 2^lse_s),
+    out = sum_s 2^(lse_s - lse) O_s, and lse returned in natural-log units (lse * ln 2), the
+    units torch.nn.attention.flex_attention returns. Rows with nothing to attend (kv_len 0)
+    get out = 0 and lse = -inf, as flex_attention gives.
+
+Tensor conventions (torch order, any strides with the last dim contiguous, 16-byte aligned):
+    q (B, Hq, Lq, Dqk)   k (B, Hkv, Lkv, Dqk)   v (B, Hkv, Lkv, Dv)   kv_len (B,) int32 or None
+    o_part (S, B, Hq, Lq, Dv) fp32 and lse_part (S, B, Hq, Lq) fp32: workspace, S = #splits
+    out (B, Hq, Lq, Dv) in q's dtype and lse (B, Hq, Lq) fp32, both contiguous
+Exported entry: kernel(q, k, v, kv_len_or_None, o_part, lse_part, out, lse, scale_log2).
+"""
+
+import math
+import operator
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+from cutlass.tensor_utils import LayoutEnum
+
+from .flex_decode_config import ROWS, FlexDecodeConfig, config_error
+
+CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+LN2 = math.log(2.0)
+NEG_INF = -math.inf
+COMBINE_WARPS = 4
+
+
+class FlexDecodeSm90:
+    def __init__(self, cfg: FlexDecodeConfig):
+        self.cfg = cfg
+        self.dtype = CUTE_DTYPES[cfg.dtype_name]
+        self.dqk, self.dv, self.kvb = cfg.head_dim_qk, cfg.head_dim_v, cfg.kv_block
+        self.group = cfg.q_per_kv
+        self.wgs = cfg.v_warpgroups
+        self.consumer_threads = 128 * self.wgs
+        self.producer_regs = 40
+        self.consumer_regs = 232 if self.wgs == 2 else 240
+
+    def _setup(self):
+        dt, st = self.dtype, self.cfg.stages
+        k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        self.mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32, (1, 1, 1),
+                                                        tiler_mn=(ROWS, self.kvb))
+        # P is the A operand straight from registers; the consumers split V's columns (N)
+        self.mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32, (1, self.wgs, 1),
+                                                        tiler_mn=(ROWS, self.dv // self.wgs),
+                                                        a_source=warpgroup.OperandSource.RMEM)
+        self.sQ_layout = cute.slice_(sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (ROWS, self.kvb, self.dqk), dt, 1), (None, None, 0))
+        self.sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (ROWS, self.kvb, self.dqk), dt, st)
+        self.sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (ROWS, self.dv, self.kvb), dt, st)
+
+        @cute.struct
+        class SharedStorage:
+            kv_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvLen: Optional[cute.Tensor],
+                 mOp: cute.Tensor, mLp: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor,
+                 scale_log2: Float32, stream: cuda.CUstream):
+        self._setup()
+        self._check_acc_layout(self.mma_qk, (ROWS, self.kvb))
+        self._check_acc_layout(self.mma_pv, (ROWS, self.dv // self.wgs))
+        # TMA views with the contiguous dim where each operand's MMA wants it:
+        # K as (Lkv, Dqk, Hkv, B) (K-major B of S = Q K^T), V as (Dv, Lkv, Hkv, B) (MN-major B of O = P V)
+        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 3, 1, 0]))
+        mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 2, 1, 0]))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, gK = cpasync.make_tiled_tma_atom(g2s, mK_t, cute.slice_(self.sK_layout, (None, None, 0)),
+                                                (self.kvb, self.dqk))
+        tma_v, gV = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.slice_(self.sV_layout, (None, None, 0)),
+                                                (self.dv, self.kvb))
+        batch, kv_heads, q_len = mQ.shape[0], mK.shape[1], mQ.shape[2]
+        row_tiles = cute.ceil_div(q_len * self.group, ROWS)
+        self.split_kernel(mQ, tma_k, gK, tma_v, gV, mKvLen, mOp, mLp, scale_log2,
+                          self.mma_qk, self.mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout
+                          ).launch(grid=[row_tiles, mOp.shape[0], batch * kv_heads],
+                                   block=[128 + self.consumer_threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+        rows = batch * mQ.shape[1] * q_len
+        self.combine_kernel(mOp, mLp, mOut, mLse).launch(
+            grid=[cute.ceil_div(rows, COMBINE_WARPS), 1, 1], block=[32 * COMBINE_WARPS, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------------------ split kernel
+    @cute.kernel
+    def split_kernel(self, mQ: cute.Tensor, tma_k: cute.CopyAtom, gK_full: cute.Tensor, tma_v: cute.CopyAtom,
+                     gV_full: cute.Tensor, mKvLen: Optional[cute.Tensor], mOp: cute.Tensor, mLp: cute.Tensor,
+                     scale_log2: Float32, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+                     sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        row_tile, split, bh = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        kv_heads = gK_full.shape[2]
+        b, hkv = bh // kv_heads, bh % kv_heads
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0))) + \
+            cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_bars.data_ptr(), num_stages=self.cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs),  # one arrive per warp
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+
+        # The split's KV blocks: this batch's length cut into blocks, dealt out evenly over splits.
+        seq_len = gK_full.shape[0]
+        if const_expr(self.cfg.has_kv_len):
+            seq_len = cutlass.max(cutlass.min(mKvLen[b], seq_len), 0)
+        n_blocks = cute.ceil_div(seq_len, self.kvb)
+        per_split = cute.ceil_div(n_blocks, mOp.shape[0])
+        first_block = split * per_split
+        my_blocks = cutlass.max(cutlass.min(n_blocks - first_block, per_split), 0)
+        cute.arch.sync_threads()
+
+        # ================================================================ producer
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                gK = cute.local_tile(gK_full, (self.kvb, self.dqk), (None, None, None, None))
+                gV = cute.local_tile(gV_full, (self.dv, self.kvb), (None, None, None, None))
+                tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                   cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                   cute.group_modes(gV, 0, 2))
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
+                for i in range(my_blocks):
+                    blk = first_block + i
+                    kv_pipe.producer_acquire(state)
+                    bar = kv_pipe.producer_get_barrier(state)
+                    cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b)], tKsK[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b)], tVsV[(None, state.index)], tma_bar_ptr=bar)
+                    kv_pipe.producer_commit(state)
+                    state.advance()
+
+        # ================================================================ consumers
+        if wg_idx > 0:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            ctid = tidx - 128  # thread index among the consumers
+            n_rows = mQ.shape[2] * self.group
+            row0 = row_tile * ROWS
+            self._load_q(mQ, sQ, ctid, b, hkv, row0, n_rows)
+
+            thr_qk = mma_qk.get_slice(ctid % 128)  # every consumer computes all of S
+            thr_pv = mma_pv.get_slice(ctid)
+            tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+            tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+            tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
+            tScS = thr_qk.partition_C(cute.make_identity_tensor((ROWS, self.kvb)))
+            tOcO = thr_pv.partition_C(cute.make_identity_tensor((ROWS, self.dv)))
+            acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
+            acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
+            acc_o.fill(0.0)
+            r_p = cute.make_rmem_tensor(tScS.shape, self.dtype)
+            tOrP = cute.make_tensor(r_p.iterator, self._acc_as_operand_a(acc_s.layout))
+            # Each thread holds two rows of S and O (r and r + 8 of its warp's 16); value v of a
+            # fragment belongs to row half (v // 2) % 2 (checked at trace time in __call__).
+            row_max = cute.make_rmem_tensor((2,), Float32)
+            row_sum = cute.make_rmem_tensor((2,), Float32)
+            row_max.fill(NEG_INF)
+            row_sum.fill(0.0)
+
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+            for i in range(my_blocks):
+                blk = first_block + i
+                kv_pipe.consumer_wait(state)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    mma_qk.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(mma_qk, acc_s, tSrQ[(None, None, kb)], tSrK[(None, None, kb, state.index)], acc_s)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # only the block that holds the end of the sequence has columns to mask
+                if (blk + 1) * self.kvb > seq_len:
+                    for v in cutlass.range_constexpr(cute.size(acc_s)):
+                        if blk * self.kvb + tScS[v][1] >= seq_len:
+                            acc_s[v] = Float32(NEG_INF)
+                self._online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
+
+                r_p.store(acc_s.load().to(self.dtype))
+                warpgroup.fence()
+                mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.gemm(mma_pv, acc_o, tOrP[(None, None, kb)], tOrV[(None, None, kb, state.index)], acc_o)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                kv_pipe.consumer_release(state)
+                state.advance()
+
+            self._store_partials(acc_o, tOcO, row_max, row_sum, mOp, mLp, split, b, hkv, row0, n_rows)
+
+    @cute.jit
+    def _load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, ctid: Int32, b: Int32, hkv: Int32, row0: Int32,
+                n_rows: Int32):
+        """Gather the tile's packed query rows into shared memory with 16-byte cp.async; rows past
+        the last query keep stale data: their outputs are never written."""
+        vec = 8
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
+        tpr = 8  # threads per 64-column stretch of a row
+        copy = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((self.consumer_threads // tpr, tpr), order=(1, 0)),
+                                       cute.make_layout((1, vec)))
+        thr = copy.get_slice(ctid)
+        tQsQ = thr.partition_D(sQ)
+        tQcQ = thr.partition_D(cute.make_identity_tensor((ROWS, self.dqk)))
+        for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            p = row0 + tQcQ[(0, m, 0)][0]
+            if p < n_rows:
+                row = mQ[(b, hkv * self.group + p % self.group, p // self.group, None)]
+                row = cute.make_tensor(cute.make_ptr(self.dtype, row.iterator.toint(), cute.AddressSpace.gmem,
+                                                     assumed_align=16), cute.make_layout(self.dqk))
+                row_vecs = cute.tiled_divide(row, (vec,))
+                for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
+                    cute.copy(atom, row_vecs[(None, tQcQ[(0, 0, k)][1] // vec)], tQsQ[(None, m, k)])
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        # cp.async writes through the generic proxy; WGMMA reads through the async proxy
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(barrier_id=1, num_threads=self.consumer_threads).arrive_and_wait()
+
+    @staticmethod
+    def _acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
+        """The S accumulator ((2, 2, N/8), 1, 1) seen as P, the A operand of a k16 WGMMA:
+        ((2, 2, 2), 1, N/16). A k-block's 8 values are two neighbouring 8-column groups of the
+        accumulator, in the order WGMMA's register fragment expects."""
+        v = acc_layout.shape[0][2]
+        assert cute.size(acc_layout) == 4 * v and v % 2 == 0
+        return cute.make_layout(((2, 2, 2), 1, v // 2), stride=((1, 2, 4), 0, 8))
+
+    @staticmethod
+    def _check_acc_layout(mma: cute.TiledMma, tile):
+        # Trace time, on thread 0's static coordinates: value v of an accumulator sits on row
+        # 8 * ((v // 2) % 2) and column v % 2 + 8 * (v // 4), what the softmax row halves and
+        # _acc_as_operand_a rely on.
+        coords = mma.get_slice(0).partition_C(cute.make_identity_tensor(tile))
+        for v in range(cute.size(coords)):
+            assert tuple(coords[v]) == (8 * ((v // 2) % 2), v % 2 + 8 * (v // 4)), "unexpected WGMMA accumulator layout"
+
+    @cute.jit
+    def _online_softmax(self, acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor,
+                        row_sum: cute.Tensor, scale_log2: Float32):
+        """acc_s becomes P = 2^(x - m) with x = s * scale * log2(e) and m the running row max;
+        acc_o and the per-thread partial row sums are rescaled by 2^(m_old - m)."""
+        n_s, n_o = cute.size(acc_s), cute.size(acc_o)
+        for v in cutlass.range_constexpr(n_s):
+            acc_s[v] = acc_s[v] * scale_log2  # multiply first: right for any sign of scale
+        for h in cutlass.range_constexpr(2):
+            m = row_max[h]
+            for v in cutlass.range_constexpr(n_s):
+                if const_expr((v // 2) % 2 == h):
+                    m = cute.arch.fmax(m, acc_s[v])
+            # the 4 threads of a quad hold one row between them
+            m = cute.arch.warp_reduction(m, cute.arch.fmax, threads_in_group=4)
+            # a row with nothing unmasked yet keeps m = -inf; 0 avoids (-inf) - (-inf)
+            base = m
+            if m == NEG_INF:
+                base = Float32(0.0)
+            correction = cute.arch.exp2(row_max[h] - base)
+            row_max[h] = m
+            part = row_sum[h] * correction
+            for v in cutlass.range_constexpr(n_s):
+                if const_expr((v // 2) % 2 == h):
+                    p = cute.arch.exp2(acc_s[v] - base)
+                    acc_s[v] = p
+                    part += p
+            row_sum[h] = part
+            for v in cutlass.range_constexpr(n_o):
+                if const_expr((v // 2) % 2 == h):
+                    acc_o[v] = acc_o[v] * correction
+
+    @cute.jit
+    def _store_partials(self, acc_o: cute.Tensor, tOcO: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                        mOp: cute.Tensor, mLp: cute.Tensor, split: Int32, b: Int32, hkv: Int32, row0: Int32,
+                        n_rows: Int32):
+        """O_s = acc / rowsum and lse_s = m + log2(rowsum) for the tile's real rows; an empty row
+        (empty split, or everything masked) gives O_s = 0 and lse_s = -inf."""
+        for h in cutlass.range_constexpr(2):
+            total = cute.arch.warp_reduction(row_sum[h], operator.add, threads_in_group=4)
+            inv = Float32(0.0)
+            lse2 = Float32(NEG_INF)
+            if total > 0.0:
+                inv = 1.0 / total
+                lse2 = row_max[h] + cute.math.log2(total, fastmath=True)
+            p = row0 + tOcO[0][0] + 8 * h
+            if p < n_rows:
+                head, pos = hkv * self.group + p % self.group, p // self.group
+                o_row = mOp[(split, b, head, pos, None)]
+                for v in cutlass.range_constexpr(cute.size(acc_o)):
+                    if const_expr((v // 2) % 2 == h):
+                        o_row[tOcO[v][1]] = acc_o[v] * inv
+                if tOcO[0][1] == 0:  # one thread per row, in the first consumer warp group
+                    mLp[(split, b, head, pos)] = lse2
+
+    # ------------------------------------------------------------------------------ combine kernel
+    @cute.kernel
+    def combine_kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        splits, batch, heads, q_len = mOp.shape[0], mOp.shape[1], mOp.shape[2], mOp.shape[3]
+        row = bidx * COMBINE_WARPS + tidx // 32
+        if row < batch * heads * q_len:
+            pos = row % q_len
+            head = (row // q_len) % heads
+            b = row // (q_len * heads)
+            m = Float32(NEG_INF)
+            for s in range(lane, splits, 32):
+                m = cute.arch.fmax(m, mLp[(s, b, head, pos)])
+            m = cute.arch.warp_reduction(m, cute.arch.fmax)
+            base = m
+            if m == NEG_INF:
+                base = Float32(0.0)
+            total = Float32(0.0)
+            for s in range(lane, splits, 32):
+                total += cute.arch.exp2(mLp[(s, b, head, pos)] - base)
+            total = cute.arch.warp_reduction(total, operator.add)
+            # weights 2^(lse_s - lse) sum to 1; with no split holding anything, all are 2^-inf = 0
+            lse2 = Float32(NEG_INF)
+            norm = Float32(0.0)
+            if total > 0.0:
+                lse2 = base + cute.math.log2(total, fastmath=True)
+                norm = lse2
+            cols = self.dv // 32
+            acc = cute.make_rmem_tensor((cols,), Float32)
+            acc.fill(0.0)
+            for s in range(splits):
+                w = cute.arch.exp2(mLp[(s, b, head, pos)] - norm)
+                part = cute.local_tile(mOp[(s, b, head, pos, None)], (cols,), (lane,))
+                acc.store(acc.load() + part.load() * w)
+            out = cute.local_tile(mOut[(b, head, pos, None)], (cols,), (lane,))
+            out.store(acc.load().to(self.dtype))
+            if lane == 0:
+                mLse[(b, head, pos)] = lse2 * LN2
+
+
+def build(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_warpgroups, has_kv_len):
+    """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
+    cfg = FlexDecodeConfig(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_warpgroups,
+                           has_kv_len)
+    err = config_error(cfg)
+    if err:
+        raise ValueError(err)
+    dt = CUTE_DTYPES[dtype_name]
+    # One symbol per extent shared by every tensor, so the FFI checks that they agree.
+    B, Hq, Hkv, Lq, Lkv, S = (cute.sym_int() for _ in range(6))
+
+    def strides():
+        return (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+
+    q = make_fake_tensor(dt, (B, Hq, Lq, head_dim_qk), stride=strides(), assumed_align=16)
+    k = make_fake_tensor(dt, (B, Hkv, Lkv, head_dim_qk), stride=strides(), assumed_align=16)
+    v = make_fake_tensor(dt, (B, Hkv, Lkv, head_dim_v), stride=strides(), assumed_align=16)
+    kv_len = make_fake_compact_tensor(cutlass.Int32, (B,)) if has_kv_len else None
+    o_part = make_fake_compact_tensor(Float32, (S, B, Hq, Lq, head_dim_v), stride_order=(4, 3, 2, 1, 0),
+                                      assumed_align=16)
+    lse_part = make_fake_compact_tensor(Float32, (S, B, Hq, Lq), stride_order=(3, 2, 1, 0))
+    out = make_fake_compact_tensor(dt, (B, Hq, Lq, head_dim_v), stride_order=(3, 2, 1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(Float32, (B, Hq, Lq), stride_order=(2, 1, 0))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return FlexDecodeSm90(cfg), (q, k, v, kv_len, o_part, lse_part, out, lse, Float32(1.0), stream)
