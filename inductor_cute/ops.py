@@ -282,3 +282,95 @@ def gemm_spec_for(a, b, **kwargs):
     from .kernels.gemm_config import gemm_spec
 
     return gemm_spec(*gemm_plan(a, b, **kwargs))
+
+
+# ---------------------------------------------------------------------------- attention decoding
+
+_LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=256)
+def _flex_decode_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int, has_kv_len: bool):
+    from .kernels.flex_decode_config import flex_decode_spec
+
+    return get_kernel(flex_decode_spec(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len))
+
+
+def _decode_operand(name: str, t: torch.Tensor, copy_ok: bool) -> torch.Tensor:
+    """`t` (4-D) as TMA and 16-byte loads need it: unit last stride, other strides multiples of 8
+    elements, 16-byte aligned base. Modes of extent 1 get a packed stride. A layout that does not
+    fit is copied when `copy_ok` (q is small) and refused otherwise (k and v are the cache)."""
+    sizes, strides = list(t.shape), list(t.stride())
+    if strides[3] == 1:
+        packed = -(-max(sz * st for sz, st in zip(sizes, strides)) // 8) * 8
+        strides[:3] = [packed if sz == 1 else st for sz, st in zip(sizes[:3], strides[:3])]
+        if t.data_ptr() % _ALIGN_BYTES == 0 and all(st % 8 == 0 and st > 0 for st in strides[:3]):
+            return t.as_strided(sizes, strides)
+    if copy_ok:
+        return t.clone(memory_format=torch.contiguous_format)
+    raise UnsupportedError(f"flex_decode: {name} must have a contiguous last dim, other strides multiples of "
+                           f"8 elements and a 16-byte aligned start; got strides {tuple(t.stride())}")
+
+
+def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                kv_len: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None):
+    """Attention for decoding, split over the KV length: softmax(scale * q k^T) v per query head.
+
+    q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv), bf16 or fp16, Hq a multiple of
+    Hkv (GQA/MQA: query head h reads KV head h // (Hq // Hkv)), Lq at most 64. `kv_len` (B,)
+    limits each batch's keys to its first kv_len[b]; a row with no key gets out 0 and lse -inf.
+    `scale` defaults to 1/sqrt(Dqk). With `return_lse`, also returns the fp32 logsumexp (B, Hq,
+    Lq) of the scaled scores in natural-log units, as torch's flex_attention returns it.
+    `num_splits` overrides the number of KV splits chosen from the problem size.
+    """
+    from .kernels import flex_decode_config as fdc
+
+    _check_cuda("flex_decode", q, k, v, *(t for t in (kv_len,) if t is not None))
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise UnsupportedError(f"flex_decode: q, k and v must all be bfloat16 or float16, got {q.dtype}, "
+                               f"{k.dtype} and {v.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise UnsupportedError(f"flex_decode: expected 4-D q, k, v (batch, heads, length, dim), got "
+                               f"{q.dim()}-D, {k.dim()}-D and {v.dim()}-D")
+    batch, heads, q_len, dqk = q.shape
+    kv_heads, seq = k.shape[1], k.shape[2]
+    dv = v.shape[3]
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise UnsupportedError(f"flex_decode: batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[3] != dqk or v.shape[1] != kv_heads or v.shape[2] != seq:
+        raise UnsupportedError(f"flex_decode: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                               "do not match")
+    if kv_heads == 0 or heads % kv_heads:
+        raise UnsupportedError(f"flex_decode: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    group = heads // kv_heads
+    problem = fdc.unsupported_reason(dqk, dv, _DTYPE_NAMES[q.dtype], group, max(q_len, 1))
+    if problem:
+        raise UnsupportedError(f"flex_decode: {problem}")
+    if kv_len is not None:
+        if kv_len.shape != (batch,) or kv_len.dtype not in (torch.int32, torch.int64):
+            raise UnsupportedError(f"flex_decode: kv_len must be an int32 tensor of shape ({batch},), got "
+                                   f"{kv_len.dtype} of shape {tuple(kv_len.shape)}")
+        kv_len = kv_len.to(torch.int32).contiguous()
+    if batch * kv_heads > 65535:
+        raise UnsupportedError(f"flex_decode: batch * KV heads = {batch * kv_heads} exceeds 65535 (grid limit)")
+    if num_splits is not None and not 1 <= num_splits <= fdc.MAX_SPLITS:
+        raise UnsupportedError(f"flex_decode: num_splits must be in 1..{fdc.MAX_SPLITS}, got {num_splits}")
+
+    out = torch.empty(batch, heads, q_len, dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
+    if out.numel() == 0 or seq == 0:  # nothing to attend to: flex_attention's empty rows
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
+    q4 = _decode_operand("q", q, copy_ok=True)
+    k4, v4 = _decode_operand("k", k, copy_ok=False), _decode_operand("v", v, copy_ok=False)
+    kernel = _flex_decode_kernel(dqk, dv, _DTYPE_NAMES[q.dtype], group, kv_len is not None)
+    if num_splits is None:
+        kv_block = fdc.HEAD_DIMS[(dqk, dv)][0]
+        num_splits = fdc.num_splits(batch, kv_heads, fdc.m_tiles(group, q_len), seq, kv_block,
+                                    _sm_count(q.device.index or 0))
+    o_part = torch.empty(num_splits, batch, heads, q_len, dv, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(num_splits, batch, heads, q_len, device=q.device, dtype=torch.float32)
+    scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
+    kernel(q4, k4, v4, kv_len, o_part, lse_part, out, lse, scale * _LOG2E)
+    return (out, lse) if return_lse else out

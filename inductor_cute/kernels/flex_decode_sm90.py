@@ -48,6 +48,12 @@ NEG_INF = -math.inf
 COMBINE_WARPS = 4
 
 
+def _row_half(n_values: int, h: int) -> list[int]:
+    """Indices of the accumulator values on a thread's row h (0: row r, 1: row r + 8); unrolled
+    at trace time."""
+    return [v for v in range(n_values) if (v // 2) % 2 == h]
+
+
 class FlexDecodeSm90:
     def __init__(self, cfg: FlexDecodeConfig):
         self.cfg = cfg
@@ -61,7 +67,7 @@ class FlexDecodeSm90:
 
     def _setup(self):
         dt, st = self.dtype, self.cfg.stages
-        k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         self.mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32, (1, 1, 1),
                                                         tiler_mn=(ROWS, self.kvb))
         # P is the A operand straight from registers; the consumers split V's columns (N)
@@ -207,7 +213,7 @@ class FlexDecodeSm90:
 
                 # only the block that holds the end of the sequence has columns to mask
                 if (blk + 1) * self.kvb > seq_len:
-                    for v in cutlass.range_constexpr(cute.size(acc_s)):
+                    for v in cutlass.range(cute.size(acc_s), unroll_full=True):
                         if blk * self.kvb + tScS[v][1] >= seq_len:
                             acc_s[v] = Float32(NEG_INF)
                 self._online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
@@ -276,31 +282,27 @@ class FlexDecodeSm90:
         """acc_s becomes P = 2^(x - m) with x = s * scale * log2(e) and m the running row max;
         acc_o and the per-thread partial row sums are rescaled by 2^(m_old - m)."""
         n_s, n_o = cute.size(acc_s), cute.size(acc_o)
-        for v in cutlass.range_constexpr(n_s):
-            acc_s[v] = acc_s[v] * scale_log2  # multiply first: right for any sign of scale
+        acc_s.store(acc_s.load() * scale_log2)  # multiply first: right for any sign of scale
         for h in cutlass.range_constexpr(2):
             m = row_max[h]
-            for v in cutlass.range_constexpr(n_s):
-                if const_expr((v // 2) % 2 == h):
-                    m = cute.arch.fmax(m, acc_s[v])
+            for v in _row_half(n_s, h):
+                m = cute.arch.fmax(m, acc_s[v])
             # the 4 threads of a quad hold one row between them
             m = cute.arch.warp_reduction(m, cute.arch.fmax, threads_in_group=4)
             # a row with nothing unmasked yet keeps m = -inf; 0 avoids (-inf) - (-inf)
             base = m
             if m == NEG_INF:
                 base = Float32(0.0)
-            correction = cute.arch.exp2(row_max[h] - base)
+            correction = cute.math.exp2(row_max[h] - base, fastmath=True)
             row_max[h] = m
             part = row_sum[h] * correction
-            for v in cutlass.range_constexpr(n_s):
-                if const_expr((v // 2) % 2 == h):
-                    p = cute.arch.exp2(acc_s[v] - base)
-                    acc_s[v] = p
-                    part += p
+            for v in _row_half(n_s, h):
+                p = cute.math.exp2(acc_s[v] - base, fastmath=True)
+                acc_s[v] = p
+                part += p
             row_sum[h] = part
-            for v in cutlass.range_constexpr(n_o):
-                if const_expr((v // 2) % 2 == h):
-                    acc_o[v] = acc_o[v] * correction
+            for v in _row_half(n_o, h):
+                acc_o[v] = acc_o[v] * correction
 
     @cute.jit
     def _store_partials(self, acc_o: cute.Tensor, tOcO: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
@@ -319,9 +321,8 @@ class FlexDecodeSm90:
             if p < n_rows:
                 head, pos = hkv * self.group + p % self.group, p // self.group
                 o_row = mOp[(split, b, head, pos, None)]
-                for v in cutlass.range_constexpr(cute.size(acc_o)):
-                    if const_expr((v // 2) % 2 == h):
-                        o_row[tOcO[v][1]] = acc_o[v] * inv
+                for v in _row_half(cute.size(acc_o), h):
+                    o_row[tOcO[v][1]] = acc_o[v] * inv
                 if tOcO[0][1] == 0:  # one thread per row, in the first consumer warp group
                     mLp[(split, b, head, pos)] = lse2
 
@@ -346,7 +347,7 @@ class FlexDecodeSm90:
                 base = Float32(0.0)
             total = Float32(0.0)
             for s in range(lane, splits, 32):
-                total += cute.arch.exp2(mLp[(s, b, head, pos)] - base)
+                total += cute.math.exp2(mLp[(s, b, head, pos)] - base, fastmath=True)
             total = cute.arch.warp_reduction(total, operator.add)
             # weights 2^(lse_s - lse) sum to 1; with no split holding anything, all are 2^-inf = 0
             lse2 = Float32(NEG_INF)
@@ -358,7 +359,7 @@ class FlexDecodeSm90:
             acc = cute.make_rmem_tensor((cols,), Float32)
             acc.fill(0.0)
             for s in range(splits):
-                w = cute.arch.exp2(mLp[(s, b, head, pos)] - norm)
+                w = cute.math.exp2(mLp[(s, b, head, pos)] - norm, fastmath=True)
                 part = cute.local_tile(mOp[(s, b, head, pos, None)], (cols,), (lane,))
                 acc.store(acc.load() + part.load() * w)
             out = cute.local_tile(mOut[(b, head, pos, None)], (cols,), (lane,))

@@ -1,0 +1,126 @@
+"""The split-KV decode kernel compiled for sm_90a on the CPU: every head-dim variant checked in PTX
+and in ptxas's resource report; the configuration limits and the split heuristic."""
+
+import re
+
+import pytest
+
+from inductor_cute.kernels.flex_decode_config import (HEAD_DIMS, SMEM_BUDGET, FlexDecodeConfig, config_error,
+                                                      default_config, flex_decode_spec, m_tiles, num_splits,
+                                                      smem_bytes, unsupported_reason)
+from inductor_cute.runtime.compiler import compile_spec
+
+# (head_dim_qk, head_dim_v, dtype, q_per_kv, has_kv_len)
+VARIANTS = {
+    "d64-gqa8": (64, 64, "bfloat16", 8, True),
+    "d128-gqa8": (128, 128, "bfloat16", 8, True),
+    "d128-fp16-mha-no-kv-len": (128, 128, "float16", 1, False),
+    "d256-gqa4": (256, 256, "bfloat16", 4, True),
+    "mla-192-128": (192, 128, "bfloat16", 1, False),
+    "absorbed-mla-576-512": (576, 512, "bfloat16", 128, True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def compiled(request):
+    return compile_spec(flex_decode_spec(*VARIANTS[request.param]), "sm_90a", keep_ptx=True)
+
+
+def test_uses_wgmma_tma_mbarriers_and_exp2(compiled):
+    ptx = compiled.ptx
+    assert re.search(r"^\.target sm_90a\b", ptx, re.M)
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx  # the K/V ring
+    assert re.search(r"cp\.async\.c[ag]\.shared\.global", ptx)  # the packed Q rows
+    assert "ex2.approx" in ptx and "lg2.approx" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+
+
+def test_both_kernels_are_in_the_object(compiled):
+    entries = re.findall(r"^\.visible \.entry (\S+)\(", compiled.ptx, re.M)
+    assert len(entries) == 2
+    assert any("split_kernel" in e for e in entries) and any("combine_kernel" in e for e in entries)
+
+
+def test_ptxas_reports_no_spills_and_no_stack(compiled):
+    report = compiled.ptxas_report
+    assert report and report.count("Used") == 2
+    assert len(re.findall(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report)) == 2
+    assert not re.search(r"[1-9]\d* bytes spill", report)
+    assert "setmaxnreg' ignored" not in report.replace("''", "'")
+
+
+def test_pv_uses_p_from_registers():
+    # the S -> P conversion feeds WGMMA's A operand from registers: no P round trip through smem
+    ptx = compile_spec(flex_decode_spec(*VARIANTS["d128-gqa8"]), "sm_90a", keep_ptx=True).ptx
+    rs = [line for line in ptx.splitlines() if "wgmma.mma_async" in line and "m64n128k16" in line]
+    assert rs and "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_default_configs_fit_and_keep_bytes_in_flight():
+    for (dqk, dv), (kv_block, wgs) in HEAD_DIMS.items():
+        cfg = default_config(dqk, dv, "bfloat16", 8)
+        assert config_error(cfg) is None
+        assert smem_bytes(cfg) <= SMEM_BUDGET
+        assert (cfg.kv_block, cfg.v_warpgroups) == (kv_block, wgs)
+        assert cfg.stages >= 2, (dqk, dv)
+        assert dv // wgs <= 256  # one WGMMA's N
+    assert default_config(64, 64, "bfloat16", 1).stages >= 6
+
+
+def test_unsupported_problems_are_named_in_one_line():
+    assert "dtype float32" in unsupported_reason(128, 128, "float32")
+    assert "head dims 96/96" in unsupported_reason(96, 96, "bfloat16")
+    assert "query length 65" in unsupported_reason(128, 128, "bfloat16", 8, 65)
+    assert "at least 1" in unsupported_reason(128, 128, "bfloat16", 0)
+    for reason in (unsupported_reason(96, 96, "bfloat16"), unsupported_reason(128, 128, "int8")):
+        assert "\n" not in reason
+    assert unsupported_reason(576, 512, "float16", 128, 64) is None
+
+
+def test_invalid_configs_are_named():
+    base = default_config(128, 128, "bfloat16", 8)
+    assert "shared memory" in config_error(FlexDecodeConfig(128, 128, "bfloat16", 8, 128, 4, 1, False))
+    assert "kv_block" in config_error(FlexDecodeConfig(128, 128, "bfloat16", 8, 24, 2, 1, False))
+    assert "output columns" in config_error(FlexDecodeConfig(576, 512, "bfloat16", 1, 32, 1, 1, False))
+    assert config_error(base) is None
+    with pytest.raises(ValueError, match="shared memory"):
+        flex_decode_spec(128, 128, "bfloat16", 8, config=FlexDecodeConfig(128, 128, "bfloat16", 8, 128, 4, 1, False))
+
+
+def test_splits_fill_the_sms():
+    # B8 Hq64 Hkv8 d128 KV8192: 64 (batch, KV head) pairs alone would leave 68 SMs idle
+    s = num_splits(8, 8, m_tiles(8, 1), 8192, 128)
+    assert 8 * 8 * s >= 132 and 8192 // 128 // s >= 4
+    # B1 Hkv8 KV131072: long sequences split widely
+    s = num_splits(1, 8, 1, 131072, 128)
+    assert 8 * s >= 132 and 131072 // 128 // s >= 4
+    # B4 Hq48 Hkv8 KV32768
+    assert 4 * 8 * num_splits(4, 8, 1, 32768, 128) >= 132
+    # absorbed MLA: 128 query heads on one KV head fill two row tiles
+    assert m_tiles(128, 1) == 2 and 8 * 2 * num_splits(8, 1, 2, 8192, 32) >= 132
+
+
+def test_splits_stay_whole_blocks_and_vanish_for_short_or_wide_problems():
+    assert num_splits(1, 1, 1, 128, 128) == 1  # tiny KV: one block, one split
+    assert num_splits(1, 1, 1, 1, 128) == 1
+    assert num_splits(1, 1, 1, 1000, 128) <= 2  # 8 blocks: at least 4 per split
+    assert num_splits(64, 8, 1, 4096, 128) == 1  # 512 CTAs already cover the SMs
+    for args in [(1, 8, 1, 131072, 128), (2, 2, 1, 10**6, 128), (3, 5, 2, 7777, 64)]:
+        s = num_splits(*args)
+        assert 1 <= s <= 256 and -(-args[3] // args[4]) // s >= 4
+
+
+def test_split_count_follows_the_sm_count():
+    assert num_splits(1, 8, 1, 131072, 128, num_sms=66) < num_splits(1, 8, 1, 131072, 128, num_sms=132)
+
+
+def test_flex_decode_refuses_cpu_tensors():
+    import torch
+
+    from inductor_cute import UnsupportedError, ops
+
+    q = torch.randn(1, 8, 1, 128, dtype=torch.bfloat16)
+    kv = torch.randn(1, 1, 16, 128, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedError, match="^flex_decode: tensors must be on a CUDA device, got cpu$"):
+        ops.flex_decode(q, kv, kv)
