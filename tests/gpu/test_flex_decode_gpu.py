@@ -1,0 +1,148 @@
+"""The split-KV decode kernel on a Hopper GPU against an fp64 math reference: head dims, GQA ratios,
+KV lengths around the block size, batches, query lengths, per-batch lengths with an empty
+sequence, forced split counts. The allocator is poisoned with NaN first, so an output or
+workspace element the kernels never write shows."""
+
+import math
+
+import pytest
+import torch
+
+from inductor_cute import UnsupportedError, ops
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LSE_TOL = 2e-3
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill a freed block of the caching allocator with NaN so that the next torch.empty calls
+    (our output and workspace) are likely to start from NaN, not zeros."""
+    junk = torch.full((nbytes // 4 + 1,), float("nan"), device="cuda", dtype=torch.float32)
+    del junk
+
+
+def reference(q, k, v, scale=None, kv_len=None):
+    """fp64 softmax(scale q k^T) v with GQA expansion; rows with no key give out 0, lse -inf."""
+    b, hq, lq, dqk = q.shape
+    hkv, lkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(dqk) if scale is None else scale
+    kk = k.double().repeat_interleave(hq // hkv, dim=1)
+    vv = v.double().repeat_interleave(hq // hkv, dim=1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    if kv_len is not None:
+        cols = torch.arange(lkv, device=q.device)
+        s = s.masked_fill(cols[None, None, None, :] >= kv_len.long()[:, None, None, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return p @ vv, lse
+
+
+def check(q, k, v, scale=None, kv_len=None, num_splits=None):
+    ref_out, ref_lse = reference(q, k, v, scale, kv_len)
+    poison_allocator(64 * ref_out.numel() + (1 << 20))
+    out, lse = ops.flex_decode(q, k, v, scale=scale, kv_len=kv_len, return_lse=True, num_splits=num_splits)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert not out.isnan().any(), "unwritten (poisoned) or NaN elements in the output"
+    assert not lse.isnan().any(), "unwritten (poisoned) or NaN elements in the lse"
+    tol = TOL[q.dtype]
+    err = (out.double() - ref_out).abs().max().item()
+    assert err < tol * max(1.0, ref_out.abs().max().item()), f"out max error {err:.2e}"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] < 0).all(), "-inf lse rows differ"
+    assert (out[empty] == 0).all(), "rows with nothing to attend must be 0"
+    lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
+    assert lse_err < LSE_TOL * max(1.0, ref_lse[~empty].abs().max().item()), f"lse max error {lse_err:.2e}"
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128), (576, 512)]
+KV_LENS = [1, 7, 127, 128, 129, 1000, 8192]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("dqk,dv", HEAD_DIMS)
+@pytest.mark.parametrize("kv", KV_LENS)
+def test_head_dims_and_kv_lengths(dqk, dv, kv):
+    hq, hkv = (16, 1) if dqk == 576 else (8, 2)
+    check(rand(2, hq, 1, dqk), rand(2, hkv, kv, dqk), rand(2, hkv, kv, dv))
+
+
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+@pytest.mark.parametrize("q_len", [1, 4, 64])
+def test_gqa_ratios_and_query_lengths(group, q_len):
+    hkv = 2
+    check(rand(3, hkv * group, q_len, 128), rand(3, hkv, 1000, 128), rand(3, hkv, 1000, 128))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 16, 64])
+def test_batches(batch):
+    check(rand(batch, 32, 1, 128), rand(batch, 8, 777, 128), rand(batch, 8, 777, 128))
+
+
+def test_absorbed_mla_many_heads_one_kv_head():
+    # 128 query heads x Lq 2 = 256 packed rows: four row tiles reading the same KV
+    check(rand(2, 128, 2, 576), rand(2, 1, 3000, 576), rand(2, 1, 3000, 512))
+
+
+def test_long_sequence():
+    check(rand(1, 64, 1, 128), rand(1, 8, 131072, 128), rand(1, 8, 131072, 128))
+
+
+@pytest.mark.parametrize("dqk,dv", [(128, 128), (576, 512)])
+def test_per_batch_lengths_with_an_empty_sequence(dqk, dv):
+    hq, hkv = (16, 1) if dqk == 576 else (16, 4)
+    kv_len = torch.tensor([0, 1, 129, 1000, 2048, 2047], device="cuda", dtype=torch.int32)
+    check(rand(6, hq, 4, dqk), rand(6, hkv, 2048, dqk), rand(6, hkv, 2048, dv), kv_len=kv_len)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_forced_split_counts(num_splits):
+    # more splits than blocks leaves empty splits: they must contribute nothing
+    kv_len = torch.tensor([5000, 300], device="cuda", dtype=torch.int32)
+    check(rand(2, 8, 1, 128), rand(2, 1, 5000, 128), rand(2, 1, 5000, 128), kv_len=kv_len, num_splits=num_splits)
+
+
+def test_fp16_and_custom_scale():
+    check(rand(4, 8, 2, 128, dtype=torch.float16), rand(4, 8, 500, 128, dtype=torch.float16),
+          rand(4, 8, 500, 128, dtype=torch.float16), scale=0.3)
+    check(rand(2, 8, 1, 64), rand(2, 2, 300, 64), rand(2, 2, 300, 64), scale=-0.1)
+
+
+def test_strided_views_of_a_cache():
+    # q from a (B, Lq, H, D) projection, k/v the first 1000 slots of a longer (B, Lmax, H, D) cache
+    q = rand(2, 4, 32, 128).transpose(1, 2)
+    cache_k, cache_v = rand(2, 4096, 8, 128), rand(2, 4096, 8, 128)
+    check(q, cache_k[:, :1000].transpose(1, 2), cache_v[:, :1000].transpose(1, 2))
+
+
+def test_matches_torch_flex_attention_including_lse_units():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = rand(2, 16, 1, 128), rand(2, 4, 1024, 128), rand(2, 4, 1024, 128)
+    ref_out, ref_lse = flex_attention(q, k, v, enable_gqa=True, return_lse=True)
+    out, lse = ops.flex_decode(q, k, v, return_lse=True)
+    assert (out.float() - ref_out.float()).abs().max().item() < 2e-2
+    assert (lse - ref_lse.float()).abs().max().item() < LSE_TOL * ref_lse.abs().max().item()
+
+
+def test_unsupported_inputs_are_refused_in_one_line():
+    q, kv = rand(1, 8, 1, 128), rand(1, 3, 16, 128)
+    with pytest.raises(UnsupportedError, match="^flex_decode: 8 query heads are not a multiple of 3 KV heads$"):
+        ops.flex_decode(q, kv, kv)
+    with pytest.raises(UnsupportedError, match="head dims 96/96"):
+        ops.flex_decode(rand(1, 8, 1, 96), rand(1, 8, 16, 96), rand(1, 8, 16, 96))
+    with pytest.raises(UnsupportedError, match="must all be bfloat16 or float16"):
+        ops.flex_decode(q.float(), kv.float(), kv.float())
+    with pytest.raises(UnsupportedError, match="strides"):
+        k = rand(1, 8, 16, 129)[..., :128]  # rows 129 elements apart: not 16-byte aligned
+        ops.flex_decode(q, k, k)
