@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from .flex_decode_config import ROWS, FlexDecodeConfig, config_error
+from .flex_decode_config import ROWS, FlexDecodeConfig, config_error, smem_bytes
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 LN2 = math.log(2.0)
@@ -93,6 +93,7 @@ class FlexDecodeSm90:
                  mOp: cute.Tensor, mLp: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor,
                  scale_log2: Float32, stream: cuda.CUstream):
         self._setup()
+        assert self.shared_storage.size_in_bytes() == smem_bytes(self.cfg)  # config_error budgets with it
         self._check_acc_layout(self.mma_qk, (ROWS, self.kvb))
         self._check_acc_layout(self.mma_pv, (ROWS, self.dv // self.wgs))
         # TMA views with the contiguous dim where each operand's MMA wants it:
