@@ -211,13 +211,15 @@ class FlexDecodeSm90:
                     cute.gemm(mma_qk, acc_s, tSrQ[(None, None, kb)], tSrK[(None, None, kb, state.index)], acc_s)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                # scale before masking: a negative scale would turn a masked -inf into +inf
+                acc_s.store(acc_s.load() * scale_log2)
 
                 # only the block that holds the end of the sequence has columns to mask
                 if (blk + 1) * self.kvb > seq_len:
                     for v in cutlass.range(cute.size(acc_s), unroll_full=True):
                         if blk * self.kvb + tScS[v][1] >= seq_len:
                             acc_s[v] = Float32(NEG_INF)
-                self._online_softmax(acc_s, acc_o, row_max, row_sum, scale_log2)
+                self._online_softmax(acc_s, acc_o, row_max, row_sum)
 
                 r_p.store(acc_s.load().to(self.dtype))
                 warpgroup.fence()
@@ -279,11 +281,10 @@ class FlexDecodeSm90:
 
     @cute.jit
     def _online_softmax(self, acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor,
-                        row_sum: cute.Tensor, scale_log2: Float32):
-        """acc_s becomes P = 2^(x - m) with x = s * scale * log2(e) and m the running row max;
-        acc_o and the per-thread partial row sums are rescaled by 2^(m_old - m)."""
+                        row_sum: cute.Tensor):
+        """acc_s (already x = s * scale * log2(e), masked) becomes P = 2^(x - m) with m the running
+        row max; acc_o and the per-thread partial row sums are rescaled by 2^(m_old - m)."""
         n_s, n_o = cute.size(acc_s), cute.size(acc_o)
-        acc_s.store(acc_s.load() * scale_log2)  # multiply first: right for any sign of scale
         for h in cutlass.range_constexpr(2):
             m = row_max[h]
             for v in _row_half(n_s, h):
