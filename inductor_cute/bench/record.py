@@ -89,6 +89,9 @@ def markdown(record: dict) -> str:
                      f"{_fmt(t.get('aten'))} | {_fmt(st, 2)}x | {_fmt(sa, 2)}x | {_fmt(roof and roof * 100, 0)}% | "
                      f"{case.get('notes') or ''} |")
     lines += ["", f"Geomean speedup: {_fmt(geomean(vs_triton), 2)}x vs triton, {_fmt(geomean(vs_aten), 2)}x vs aten."]
+    extra = [(case["name"], k, v) for case in record["cases"] for k, v in case["times_us"].items() if k not in BACKENDS]
+    if extra:  # a suite's additional runners (e.g. the two stock modes behind "triton")
+        lines += ["", "Other runners (us): " + "; ".join(f"{name}: {k} {_fmt(v)}" for name, k, v in extra) + "."]
     if record.get("host_overhead_us"):
         costs = ", ".join(f"{k} {v} us" for k, v in record["host_overhead_us"].items())
         lines += ["", f"Host cost per call on a one-row input (back-to-back calls, wall clock): {costs}."]
