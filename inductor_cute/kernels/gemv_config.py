@@ -1,0 +1,143 @@
+"""Decode GEMM ("GEMV", M <= 16) on Hopper: configuration, limits, split heuristic and workspace
+sizes. Plain Python, usable without the CuTe DSL.
+
+    D (M, N) = epilogue(A (M, K) @ W (N, K)^T)     W an nn.Linear weight, read exactly once
+
+One CTA streams `16 * warps` rows of W over one K slice of `k_slice` elements; a K longer than
+the slice is split over CTAs (grid = N blocks x splits) whose fp32 partials the last CTA to
+finish an N block sums in split order (deterministic) before the epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .gemm_config import ELEMENT_BYTES, GemmProblem, problem_error
+
+MAX_M = 16
+K_STEP = 32  # K elements one warp consumes per pipeline stage (a 16-byte vector per thread and row)
+SMEM_PER_SM = 228 * 1024  # shared memory of one SM, of which the runtime keeps 1 KB per CTA
+SMEM_BUDGET = 227 * 1024  # what one CTA may use
+MAX_THREADS_PER_SM = 2048
+MAX_REGISTERS = 64  # per thread; tests hold ptxas to it, the occupancy estimate relies on it
+MAX_SPLITS = 64
+MIN_SLICE = 512  # K per split the heuristic keeps: 16 pipeline steps amortize a CTA's prologue
+MAX_A_SLICE_BYTES = 32 * 1024  # the heuristic's A slice cap: keeps >= 4 CTAs (48 KB in flight) per SM
+KERNEL_MODULE = "inductor_cute.kernels.gemv_sm90"
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    warps: int = 4  # each warp owns 16 rows of W (an mma.sync M of 16)
+    k_slice: int = 512  # K elements per CTA; K > k_slice splits K over CTAs
+    stages: int = 4  # cp.async ring depth: 32 bytes of W per thread and stage in flight
+    m_tiles: int = 1  # 8 tokens per tile (the mma.sync N); 2 covers M up to 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def n_block(self) -> int:
+        return 16 * self.warps
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def smem_bytes(cfg: GemvConfig, ab_bytes: int = 2) -> int:
+    """W ring (two 16-byte vectors per thread and stage), the A slice, and a 16-byte flag."""
+    ring = cfg.stages * cfg.threads * 2 * 16
+    a_slice = 8 * cfg.m_tiles * cfg.k_slice * ab_bytes
+    return ring + a_slice + 16
+
+
+def ctas_per_sm(cfg: GemvConfig) -> int:
+    """Resident CTAs per SM, from shared memory, threads and the register cap."""
+    by_smem = SMEM_PER_SM // (smem_bytes(cfg) + 1024)
+    by_threads = MAX_THREADS_PER_SM // cfg.threads
+    by_regs = 65536 // (MAX_REGISTERS * cfg.threads)
+    return max(1, min(by_smem, by_threads, by_regs, 32))
+
+
+def splits(k: int, cfg: GemvConfig) -> int:
+    return _ceil_div(k, cfg.k_slice)
+
+
+def unsupported_reason(m: int, n: int, k: int, p: GemmProblem) -> str | None:
+    """Why this kernel cannot run a problem, in one line; None when it can."""
+    err = problem_error(p)
+    if err:
+        return err
+    if p.a_major != "k" or p.b_major != "k":
+        return "gemv needs A row-major (M, K) and B = W.t() for a row-major W (N, K)"
+    if not 1 <= m <= MAX_M:
+        return f"gemv handles M in 1..{MAX_M}, got M={m}"
+    if n < 1 or k < 1 or n % 8 or k % 8:
+        return f"gemv needs N and K positive multiples of 8 (16-byte rows), got N={n}, K={k}"
+    return None
+
+
+def config_error(c: GemvConfig, p: GemmProblem, m: int | None = None, k: int | None = None) -> str | None:
+    """Why `c` cannot run `p` (and, when given, M tokens and depth K); None when it can."""
+    if c.warps not in (1, 2, 4, 8):
+        return "warps must be 1, 2, 4 or 8"
+    if c.m_tiles not in (1, 2):
+        return "m_tiles must be 1 (M <= 8) or 2 (M <= 16)"
+    if c.k_slice % K_STEP or c.k_slice < K_STEP:
+        return f"k_slice must be a positive multiple of {K_STEP}"
+    if c.stages < 2:
+        return "at least 2 pipeline stages"
+    need = smem_bytes(c, ELEMENT_BYTES[p.dtype_name])
+    if need > SMEM_BUDGET:
+        return f"shared memory {need} B exceeds {SMEM_BUDGET} B"
+    if m is not None and m > 8 * c.m_tiles:
+        return f"M={m} needs m_tiles={_ceil_div(m, 8)}"
+    if k is not None and splits(k, c) > MAX_SPLITS:
+        return f"K={k} over k_slice={c.k_slice} gives more than {MAX_SPLITS} splits"
+    return None
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """Fill one wave: as many K splits as keep every CTA resident at once (so all of W is in
+    flight together and no SM idles in a tail), with slices of at least MIN_SLICE; never an A
+    slice over MAX_A_SLICE_BYTES (occupancy), even where the N blocks alone fill the SMs."""
+    m_tiles = 1 if m <= 8 else 2
+    base = GemvConfig(warps=4, stages=4, m_tiles=m_tiles)
+    n_blocks = _ceil_div(n, base.n_block)
+    steps = _ceil_div(k, K_STEP)
+    max_slice = MAX_A_SLICE_BYTES // (2 * 8 * m_tiles)
+    slices = sorted({_ceil_div(steps, s) * K_STEP for s in range(1, MAX_SPLITS + 1)}, reverse=True)
+    slices = [ks for ks in slices if ks <= max_slice] or slices[-1:]
+    best = dataclasses.replace(base, k_slice=slices[0])  # the fewest splits within the A cap
+    for ks in slices[1:]:
+        cfg = dataclasses.replace(base, k_slice=ks)
+        if ks < MIN_SLICE or n_blocks * splits(k, cfg) > num_sms * ctas_per_sm(cfg):
+            break
+        best = cfg
+    return best
+
+
+def workspace_sizes(n: int, k: int, cfg: GemvConfig) -> tuple[int, int]:
+    """(fp32 partials, int32 counters) the kernel needs: one accumulator fragment per thread, N
+    block and split; one arrival counter per N block. Allocate the counters zeroed once: every
+    call leaves them zero again. The kernel always takes both; without a split it touches neither
+    (partials: any multiple of 8 elements, at least 8)."""
+    n_blocks = _ceil_div(n, cfg.n_block)
+    s = splits(k, cfg)
+    partials = s * n_blocks * cfg.threads * 4 * cfg.m_tiles if s > 1 else 8
+    return partials, n_blocks
+
+
+def gemv_spec(p: GemmProblem, config: GemvConfig):
+    """The KernelSpec of one GEMV kernel (`p` as for the GEMM, with a_major = b_major = "k")."""
+    from ..runtime.spec import KernelSpec
+
+    params = p.as_params()
+    del params["a_major"], params["b_major"]
+    return KernelSpec.make(KERNEL_MODULE, **params, **config.as_params())

@@ -1,0 +1,130 @@
+"""The decode GEMV compiled for sm_90a on the CPU: dtypes, epilogues and token tiles, checked in
+PTX and in ptxas's resource report; the config limits and the split heuristic."""
+
+import re
+
+import pytest
+
+from inductor_cute.kernels.epilogue_program import dumps
+from inductor_cute.kernels.gemm_config import GemmProblem
+from inductor_cute.kernels.gemv_config import (MAX_REGISTERS, MIN_SLICE, GemvConfig, config_error, ctas_per_sm,
+                                               default_config, gemv_spec, smem_bytes, splits, unsupported_reason,
+                                               workspace_sizes)
+from inductor_cute.runtime.compiler import compile_spec
+
+BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
+PROGRAM = dumps([["v0", "add", "acc", "row"], ["v1", "mul", "full", 0.5], ["v2", "add", "v0", "v1"],
+                 ["v3", "sigmoid", "v2"]])
+
+VARIANTS = {
+    "bf16-m8": (BF16, GemvConfig(4, 2048, 4, 1)),
+    "bf16-m16": (BF16, GemvConfig(4, 512, 4, 2)),
+    "fp16": (GemmProblem("float16", "float16", "k", "k"), GemvConfig(4, 512, 4, 1)),
+    "fp32-out": (GemmProblem("bfloat16", "float32", "k", "k"), GemvConfig(4, 512, 4, 2)),
+    "bias-residual-gelu": (GemmProblem("bfloat16", "bfloat16", "k", "k", True, True, "gelu_tanh"),
+                           GemvConfig(4, 1024, 4, 2)),
+    "fp16-bias-silu": (GemmProblem("float16", "float16", "k", "k", True, False, "silu"), GemvConfig(4, 512, 4, 1)),
+    "fp32-out-residual": (GemmProblem("bfloat16", "float32", "k", "k", False, True), GemvConfig(4, 512, 4, 1)),
+    "epilogue-program": (GemmProblem("bfloat16", "bfloat16", "k", "k", True, True, epilogue=PROGRAM),
+                         GemvConfig(4, 512, 4, 2)),
+    "8-warps-8-stages": (BF16, GemvConfig(8, 512, 8, 2)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def compiled(request):
+    problem, config = VARIANTS[request.param]
+    return compile_spec(gemv_spec(problem, config), "sm_90a", keep_ptx=True)
+
+
+def test_streams_w_with_cp_async_and_feeds_mma_sync(compiled):
+    ptx = compiled.ptx
+    assert re.search(r"^\.target sm_90a\b", ptx, re.M)
+    assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, 16;", ptx)
+    assert "cp.async.commit_group" in ptx and "cp.async.wait_group" in ptx
+    assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16\.bf16|f16\.f16)\.f32", ptx)
+    assert "ld.shared.v4.b32" in ptx  # operands come out of shared memory as 16-byte vectors
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_split_k_arrival_is_ordered_and_reads_l2(compiled):
+    ptx = compiled.ptx
+    assert "atom.global.acq_rel.add.u32" in ptx
+    assert ptx.count("fence.acq_rel.gpu") == 2  # publish before arriving, acquire after
+    assert "st.global.v4" in ptx and "ld.global.cg.v4" in ptx  # partials: whole fragments, never L1
+
+
+def test_ptxas_reports_no_spills_and_fits_the_register_cap(compiled):
+    report = compiled.ptxas_report
+    assert report and "Used" in report
+    assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report)
+    assert not re.search(r"[1-9]\d* bytes spill", report)
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= MAX_REGISTERS
+
+
+def test_token_tiles_issue_one_mma_pair_each():
+    for name, pairs in (("bf16-m8", 1), ("bf16-m16", 2)):
+        problem, config = VARIANTS[name]
+        ptx = compile_spec(gemv_spec(problem, config), "sm_90a", keep_ptx=True).ptx
+        assert ptx.count("mma.sync.aligned") == 2 * pairs
+
+
+def test_problems_outside_the_kernel_are_named():
+    assert unsupported_reason(8, 4096, 4096, BF16) is None
+    assert "M in 1..16" in unsupported_reason(17, 4096, 4096, BF16)
+    assert "M in 1..16" in unsupported_reason(0, 4096, 4096, BF16)
+    assert "multiples of 8" in unsupported_reason(8, 4100, 4096, BF16)
+    assert "multiples of 8" in unsupported_reason(8, 4096, 1001, BF16)
+    assert "row-major W" in unsupported_reason(8, 4096, 4096, GemmProblem("bfloat16", "bfloat16", "k", "n"))
+    assert "row-major W" in unsupported_reason(8, 4096, 4096, GemmProblem("bfloat16", "bfloat16", "m", "k"))
+    assert "dtype" in unsupported_reason(8, 4096, 4096, GemmProblem("float32", "float32", "k", "k"))
+
+
+def test_invalid_configs_are_named():
+    assert config_error(GemvConfig(), BF16) is None
+    assert "warps" in config_error(GemvConfig(warps=3), BF16)
+    assert "m_tiles" in config_error(GemvConfig(m_tiles=3), BF16)
+    assert "k_slice" in config_error(GemvConfig(k_slice=100), BF16)
+    assert "stages" in config_error(GemvConfig(stages=1), BF16)
+    assert "shared memory" in config_error(GemvConfig(k_slice=8192, m_tiles=2), BF16)
+    assert "m_tiles=2" in config_error(GemvConfig(m_tiles=1), BF16, m=9)
+    assert "splits" in config_error(GemvConfig(k_slice=32), BF16, k=4096)
+
+
+DECODE = [(16, 4096, 4096), (8, 14336, 4096), (8, 6144, 4096), (8, 4096, 14336), (1, 4096, 4096)]
+
+
+@pytest.mark.parametrize("m,n,k", DECODE + [(1, 8, 8), (16, 1000, 1000), (4, 128256, 4096), (2, 4096, 128000)])
+def test_default_config_fills_one_wave(m, n, k):
+    cfg = default_config(m, n, k, num_sms=132)
+    assert config_error(cfg, BF16, m=m, k=k) is None
+    assert cfg.m_tiles == (1 if m <= 8 else 2)
+    ctas = -(-n // cfg.n_block) * splits(k, cfg)
+    if splits(k, cfg) > 1:
+        # a split is taken only to fill the SMs, never past one wave, never below MIN_SLICE
+        assert ctas <= 132 * ctas_per_sm(cfg) or cfg.k_slice * 2 * 8 * cfg.m_tiles >= 32 * 1024
+        assert cfg.k_slice >= MIN_SLICE or smem_bytes(cfg) > 40 * 1024
+    if (m, n, k) in DECODE:
+        assert ctas >= 2 * 132  # every SM streams, with more than one CTA
+
+
+def test_decode_shapes_split_k_only_when_n_is_short():
+    assert splits(4096, default_config(16, 4096, 4096)) > 1
+    assert splits(14336, default_config(8, 4096, 14336)) > 1
+    assert splits(8, default_config(1, 8, 8)) == 1
+
+
+def test_workspace_covers_every_fragment():
+    cfg = GemvConfig(4, 512, 4, 2)
+    partials, counters = workspace_sizes(4096, 4096, cfg)
+    assert counters == 4096 // 64
+    assert partials == 8 * 64 * 128 * 8  # splits x N blocks x threads x fragment
+    assert workspace_sizes(4096, 512, cfg)[0] == 8  # one split: the kernel never touches it
+    assert workspace_sizes(4000, 4096, cfg)[1] == 63  # a ragged last N block has its own counter
+
+
+def test_spec_names_the_config_and_drops_operand_majors():
+    spec = gemv_spec(BF16, GemvConfig())
+    assert spec.module == "inductor_cute.kernels.gemv_sm90"
+    assert "a_major" not in spec.kwargs and spec.kwargs["k_slice"] == 512
+    assert gemv_spec(BF16, GemvConfig(m_tiles=2)).name != spec.name
