@@ -45,7 +45,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import make_fake_tensor
 
-from .gemm_config import GemmProblem
+from .gemm_config import GemmProblem, problem_error
 from .gemm_sm90 import CUTE_DTYPES, make_epilogue
 from .gemv_config import K_STEP, MAX_REGISTERS, GemvConfig, config_error, smem_bytes
 
@@ -106,7 +106,8 @@ class HopperGemv:
             (VEC, 2, self.threads, self.cfg.stages),
             stride=(1, VEC * self.threads, VEC, 2 * VEC * self.threads)))
         # A slice: (vector element, lane t, row, step), read by lanes (g, t) as 512 contiguous bytes
-        sA = storage.sA.get_tensor(cute.make_layout((VEC, 4, self.m_pad, self.steps), stride=(1, VEC, 4 * VEC, 4 * VEC * self.m_pad)))
+        sA = storage.sA.get_tensor(cute.make_layout((VEC, 4, self.m_pad, self.steps),
+                                                    stride=(1, VEC, 4 * VEC, 4 * VEC * self.m_pad)))
 
         # 16-byte vectors of the operands: (element, row, vector index along K)
         gW = cute.flat_divide(mW, (1, VEC))[(0, None, None, None)]
@@ -147,12 +148,12 @@ class HopperGemv:
         acc.fill(0.0)
         # register views in mma.sync fragment order (see the module docstring): MMA j of a step
         # takes elements 4j..4j+3 of each vector
-        frag_a = [cute.make_tensor(rW.iterator + 4 * j, cute.make_layout(((2, 2, 2), 1, 1), stride=((1, VEC, 2), 0, 0)))
-                  for j in range(2)]
-        frag_b = [[cute.make_tensor(rA.iterator + VEC * mt + 4 * j, cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0)))
-                   for j in range(2)] for mt in range(self.cfg.m_tiles)]
-        frag_c = [cute.make_tensor(acc.iterator + 4 * mt, cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0)))
+        quad = cute.make_layout(((2, 2, 2), 1, 1), stride=((1, VEC, 2), 0, 0))  # (k pair, row + 8, k + 8)
+        frag_a = [cute.make_tensor(rW.iterator + 4 * j, quad) for j in range(2)]
+        pair = cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0))
+        frag_b = [[cute.make_tensor(rA.iterator + VEC * mt + 4 * j, pair) for j in range(2)]
                   for mt in range(self.cfg.m_tiles)]
+        frag_c = [cute.make_tensor(acc.iterator + 4 * mt, pair) for mt in range(self.cfg.m_tiles)]
         for i in range(n_steps):
             cute.arch.cp_async_wait_group(self.cfg.stages - 2)
             slot = i % self.cfg.stages
@@ -246,8 +247,6 @@ def build(dtype_name, out_dtype_name, has_bias, has_c, activation, warps, k_slic
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = GemmProblem(dtype_name, out_dtype_name, "k", "k", has_bias, has_c, activation, epilogue)
     cfg = GemvConfig(warps, k_slice, stages, m_tiles)
-    from .gemm_config import problem_error
-
     err = problem_error(problem) or config_error(cfg, problem)
     if err:
         raise ValueError(err)
