@@ -146,6 +146,8 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, 
     if n % 8:
         raise UnsupportedError(f"{name}: N={n} must be a multiple of 8 (16-byte output rows for TMA)")
     a3, a_unit = _operand(a.permute(1, 2, 0), (1, 0))  # (M, K, L): K- or M-major
+    if a_unit == 0 and m % 8:  # M-major A needs 16-byte columns; a K-major copy may still work
+        a3, a_unit = _operand(a.permute(1, 2, 0), (1,))
     b3, b_unit = _operand(b.permute(2, 1, 0), (0, 1))  # (N, K, L): N- or K-major
     a_major, b_major = ("k" if a_unit == 1 else "m"), ("n" if b_unit == 0 else "k")
     if a3 is None or b3 is None or ("k" in (a_major, b_major) and k % 8) or (a_major == "m" and m % 8):

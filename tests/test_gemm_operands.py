@@ -101,3 +101,10 @@ def test_plan_refuses_what_tma_cannot_read(monkeypatch):
     with pytest.raises(UnsupportedError, match="activation 'swish'"):
         _plan(monkeypatch, torch.randn(1, 32, 64, dtype=torch.bfloat16), torch.randn(1, 64, 64, dtype=torch.bfloat16),
               None, None, 1.0, None, "swish", None, None)
+
+
+def test_column_major_a_with_an_odd_m_is_copied_k_major(monkeypatch):
+    a = torch.randn(1, 64, 13, dtype=torch.bfloat16).transpose(1, 2)  # (1, 13, 64), M-major, M % 8 != 0
+    b = torch.randn(1, 64, 32, dtype=torch.bfloat16)
+    plan, args, _ = _plan(monkeypatch, a, b, None, None, 1.0, None, "identity", None, None)
+    assert plan[0].a_major == "k" and args[0].stride(1) == 1 and torch.equal(args[0], a.permute(1, 2, 0))

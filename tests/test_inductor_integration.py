@@ -63,23 +63,36 @@ class _Template:
         self.uid = uid
 
 
+class _Buf:
+    def __init__(self, name):
+        self.name = name
+
+    def get_name(self):
+        return self.name
+
+
 class _Inputs:
-    def __init__(self, a, b):
+    def __init__(self, a, b, inp="bias"):
         self._ab = (a, b)
+        self._inp = _Buf(inp)
 
     def mat1mat2(self):
         return self._ab
+
+    def nodes(self):
+        return [self._inp, *self._ab]
 
 
 def test_attaches_once_per_gemm_at_the_main_template_call():
     from torch._inductor.virtualized import V
 
     chooser = choices_mod.CuteChoices(tag="t")
-    a, b, other = object(), object(), object()
+    a, b, other = _Buf("a"), _Buf("b"), _Buf("c")
     with V.set_graph_handler(_Graph()):
         assert not chooser._first_ask(_Inputs(a, b), [_Template("aten::addmm_contiguous")], "addmm")
         assert chooser._first_ask(_Inputs(a, b), [_Template("aten::addmm"), _Template("aten::bias_addmm")], "addmm")
-        assert not chooser._first_ask(_Inputs(a, b), [_Template("mm")], "addmm")  # 2.13's Triton call
+        assert not chooser._first_ask(_Inputs(a, b), [_Template("triton::mm")], "addmm")  # 2.13's Triton call
+        assert chooser._first_ask(_Inputs(a, b, inp="bias2"), [_Template("triton::mm")], "addmm")  # ATen off
         assert chooser._first_ask(_Inputs(a, other), [], "mm")  # only our backend enabled
         assert chooser._first_ask(_Inputs(a, b), [_Template("aten::mm")], "mm")  # another op
 
@@ -172,7 +185,7 @@ def test_fusion_installs_our_cuda_scheduling_and_restores_everything():
     before = inductor_config.benchmark_epilogue_fusion
     with inductor_cute.enable(fuse_epilogues=True):
         assert scheduling_installed() and fusion_enabled()
-        assert common.device_codegens["cuda"].scheduling is CuteCUDAScheduling
+        assert isinstance(common.device_codegens["cuda"].scheduling(None), CuteCUDAScheduling)
         assert common.device_codegens["cuda"].wrapper_codegen is stock.wrapper_codegen
         assert inductor_config.benchmark_epilogue_fusion is False
         assert inductor_config.inductor_choices_class().uuid().endswith("fuse1")

@@ -19,7 +19,7 @@ BACKEND_TOKEN = "ICUTE"
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
 # A call whose template list holds one of these (or is empty, when only our backend is enabled)
 # is where a lowering asks for its main choices; 2.13's addmm asks several times, we attach once.
-ANCHOR_UIDS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mm", "bmm"}
+ANCHOR_UIDS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "triton::mm", "triton::bmm"}
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -45,7 +45,10 @@ class CuteChoices(InductorChoices):
     def get_template_configs(self, kernel_inputs, templates, op_name, kwarg_overrides=None):
         choices = super().get_template_configs(kernel_inputs, templates, op_name, kwarg_overrides)
         if op_name in GEMM_OPS and backend_requested() and self._first_ask(kernel_inputs, templates, op_name):
-            choices.extend(gemm_choices(kernel_inputs, op_name))
+            try:
+                choices.extend(gemm_choices(kernel_inputs, op_name))
+            except Exception as e:  # our choices are optional: never fail the user's compile
+                log.warning("inductor-cute offers nothing for %s: %s", op_name, first_line(e))
         return choices
 
     def _first_ask(self, kernel_inputs, templates, op_name) -> bool:
@@ -53,6 +56,8 @@ class CuteChoices(InductorChoices):
             return False
         seen = self._attached.setdefault(V.graph, set())
         key = (op_name, *map(id, kernel_inputs.mat1mat2()))
+        if op_name in ("addmm", "baddbmm"):  # the same matrices with another input is another GEMM
+            key += (kernel_inputs.nodes()[0].get_name(),)
         if key in seen:
             return False
         seen.add(key)
@@ -114,10 +119,7 @@ def gemm_choices(kernel_inputs, op_name) -> list:
     layout = kernel_inputs.output_layout(flexible=False)
     choices = []
     for cfg, spec_key in ready:
-        desc = (f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} cluster {cfg.cluster_m}x{cfg.cluster_n} "
-                f"stages {cfg.stages}{' pingpong' if getattr(cfg, 'pingpong', False) else ''}"
-                f"{' persistent' if cfg.persistent else ''}")
-        choices.append(CUTE_GEMM.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=desc,
+        choices.append(CUTE_GEMM.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=cfg.describe(),
                                       problem=problem, num_sms=num_sms,
                                       op=op_name, config=tuple(cfg.as_params().values()), **scalars))
     log.info("inductor-cute offers %d of %d configs for %s %dx%dx%d (batch %d)",

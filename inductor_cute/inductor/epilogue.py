@@ -3,6 +3,11 @@
 The nodes' store functions run under a handler that records every op as a program step
 (kernels/epilogue_program.py). Anything the kernel cannot do raises NotImplementedError with the
 reason, which turns the fusion down: Inductor then runs the pointwise nodes as a Triton kernel.
+
+Index spaces: the GEMM output is (M, N) or (L, M, N), contiguous. An epilogue node may iterate
+the same elements with M split into several dimensions (a Linear on (B, S, D) is an mm on
+(B*S, D) viewed back as (B, S, N)); every index it uses must be affine in its loop variables and
+is mapped back onto the GEMM's (rows, N) grid.
 """
 
 from __future__ import annotations
@@ -14,19 +19,23 @@ import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor.ops_handler import DefaultHandler
+from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 
 from ..kernels.epilogue_program import ARITY, dumps
+from .runtime import input_role
 
-_OPS_AS_IS = set(ARITY)
+_OPS_AS_IS = set(ARITY) - {"relu"}
+_FLOATS = (torch.float32, torch.float64)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Operand:
-    """An extra input of the fused kernel: buffer `name` read with `strides` from `offset`."""
+    """An extra input of the fused kernel: buffer `name` seen as the GEMM output's shape with
+    `strides` (one per GEMM output dimension) from `offset`."""
 
     name: str
-    strides: tuple[int, ...]  # along (batch,) M, N of the output
+    strides: tuple[int, ...]
     offset: int
     dtype: torch.dtype
 
@@ -44,7 +53,7 @@ class Epilogue:
         return dumps(self.steps)
 
 
-def _static_ints(exprs) -> tuple[int, ...]:
+def _ints(exprs) -> tuple[int, ...]:
     out = []
     for e in exprs:
         e = sympy.sympify(e)
@@ -54,34 +63,73 @@ def _static_ints(exprs) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _row_major(size, stride) -> bool:
-    expected = 1
-    for sz, st in zip(reversed(list(size)), reversed(list(stride))):
-        if sz != 1 and not V.graph.sizevars.statically_known_equals(st, expected):
-            return False
-        expected = expected * sz
-    return True
+def _row_major_strides(sizes) -> list:
+    strides, step = [], sympy.S.One
+    for size in reversed(list(sizes)):
+        strides.append(step)
+        step = step * size
+    return strides[::-1]
+
+
+class _Space:
+    """The loop variables of one epilogue node and how they map onto the GEMM output."""
+
+    def __init__(self, node_sizes, gemm_sizes):
+        sizevars = V.graph.sizevars
+        self.sizes = list(node_sizes)
+        gemm_sizes = list(gemm_sizes)
+        if not sizevars.statically_known_equals(self.sizes[-1], gemm_sizes[-1]) or \
+                not sizevars.statically_known_equals(sympy_product(self.sizes), sympy_product(gemm_sizes)):
+            raise NotImplementedError("the epilogue iterates other elements than the GEMM output")
+        # leading node dims that make up the GEMM's leading dims (batch L, when the GEMM has one)
+        self.lead = 0
+        if len(gemm_sizes) == 3:
+            if len(self.sizes) < 3 or not sizevars.statically_known_equals(self.sizes[0], gemm_sizes[0]):
+                raise NotImplementedError("the epilogue regroups the GEMM's batch")
+            self.lead = 1
+        self.flat = None  # set per node: the row-major flat index of its loop variables
+
+    def gemm_strides(self, index, vars_) -> tuple[tuple[int, ...], int]:
+        """(strides over the GEMM output's dims, offset) of an affine index, or raise."""
+        sizevars = V.graph.sizevars
+        strides = list(sizevars.stride_vars(index, vars_))
+        offset = sizevars.offset_var(index, vars_)
+        if sympy.expand(index - offset - sum(s * v for s, v in zip(strides, vars_))) != 0:
+            raise NotImplementedError(f"index {index} is not affine in the loop variables")
+        strides, (offset,) = list(_ints(strides)), _ints([offset])
+        if any(s < 0 for s in strides):
+            raise NotImplementedError("negative stride")
+        # the node dims between the batch and N form the GEMM's M: they must merge into one
+        m_dims = list(range(self.lead, len(self.sizes) - 1))
+        for hi, lo in zip(m_dims, m_dims[1:]):
+            size_lo = self.sizes[lo]
+            if strides[hi] != strides[lo] * size_lo and not (strides[hi] == 0 and strides[lo] == 0):
+                raise NotImplementedError("an input's rows do not follow the GEMM's row order")
+        m_stride = strides[m_dims[-1]] if m_dims else 0
+        return (*strides[:self.lead], m_stride, strides[-1]), offset
 
 
 class _Recorder(DefaultHandler):
-    """Ops handler that turns a pointwise body into program steps."""
+    """Ops handler that turns pointwise bodies into program steps."""
 
-    def __init__(self, epi: Epilogue, gemm_name: str, gemm_value: str):
+    def __init__(self, epi: Epilogue, gemm, gemm_value: str):
         self.epi = epi
-        self.values = {gemm_name: gemm_value}  # buffer -> program value
-        self.gemm_name = gemm_name
-        self.index_vars = None
+        self.gemm = gemm
+        self.values = {gemm.get_name(): gemm_value}  # buffer -> program value
+        self.narrowed = set()  # values rounded to a 16-bit float: only a store may use them
+        self.space = None
+        self.vars = None
         self.counter = itertools.count()
 
     def step(self, op, *args):
+        if any(a in self.narrowed for a in args):
+            raise NotImplementedError("arithmetic on a value rounded to 16 bits")
         name = f"v{next(self.counter)}"
         self.epi.steps.append([name, op, *args])
         return name
 
     def _default(self, name, args, kwargs):
-        if name in _OPS_AS_IS:
-            if kwargs:
-                raise NotImplementedError(f"op {name} with keyword arguments")
+        if name in _OPS_AS_IS and not kwargs:
             if all(isinstance(a, float) for a in args) or (name == "where" and all(isinstance(a, float) for a in args[1:])):
                 raise NotImplementedError(f"{name} of constants only")
             return self.step(name, *args)
@@ -89,41 +137,53 @@ class _Recorder(DefaultHandler):
 
     # ---- ops with their own meaning
     def constant(self, value, dtype):
-        if not dtype.is_floating_point and dtype != torch.bool and not isinstance(value, (int, float)):
-            raise NotImplementedError(f"constant of {dtype}")
         value = float(value)
         if value != value or value in (float("inf"), float("-inf")):
             raise NotImplementedError("non-finite constant")
         return value
 
-    def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
-        # values are fp32 in the kernel; a cast to a float type only rounds (kept exact here)
-        if not dtype.is_floating_point:
-            raise NotImplementedError(f"cast to {dtype}")
-        return x
+    def relu(self, x):
+        return self.step("maximum", x, 0.0)  # propagates NaN, as torch.relu does
 
     def square(self, x):
         return self.step("mul", x, x)
 
-    def sigmoid(self, x):
-        return self.step("sigmoid", x)
+    def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
+        if x in self.narrowed:
+            raise NotImplementedError("a value rounded to 16 bits is used again")
+        if dtype in _FLOATS or isinstance(x, float):
+            return x
+        if dtype in (torch.float16, torch.bfloat16):
+            narrowed = self.step("mul", x, 1.0)  # the kernel rounds once, when it stores
+            self.narrowed.add(narrowed)
+            return narrowed
+        raise NotImplementedError(f"cast to {dtype}")
 
     def load(self, name, index):
+        if name == self.gemm.get_name():
+            if sympy.expand(index - self.space.flat) != 0:
+                raise NotImplementedError("the GEMM output is read with another indexing")
+            return self.values[name]
         if name in self.values:
-            if name == self.gemm_name:
-                expected = V.graph.get_buffer(name).get_layout().make_indexer()(self.index_vars)
-                if sympy.simplify(index - expected) != 0:
-                    raise NotImplementedError("the GEMM output is read with another indexing")
             return self.values[name]
         return self._operand(name, index)
 
     def _operand(self, name, index):
-        strides = _static_ints(V.graph.sizevars.stride_vars(index, self.index_vars))
-        offset = _static_ints([V.graph.sizevars.offset_var(index, self.index_vars)])[0]
+        strides, offset = self.space.gemm_strides(index, self.vars)
+        gemm_sizes = V.graph.sizevars.optimization_hints(self.gemm.get_size())
+        buf = V.graph.get_buffer(name) or V.graph.graph_inputs.get(name)
+        if buf is not None:  # every element the kernel will read must lie inside the buffer
+            last = offset + sum((size - 1) * s for size, s in zip(gemm_sizes, strides))
+            numel = V.graph.sizevars.optimization_hint(sympy_product(buf.get_size()))
+            if last >= numel + V.graph.sizevars.optimization_hint(buf.get_layout().offset):
+                raise NotImplementedError(f"input {name} would be read out of bounds")
+        if all(s == 0 for s in strides[:-1]) and strides[-1] == 1:
+            slot = "row"
+        elif strides[-1] == 1 and strides[-2] != 0:
+            slot = "full"
+        else:
+            raise NotImplementedError(f"input {name} is not a row or a full tensor (strides {strides})")
         operand = Operand(name, strides, offset, V.graph.get_dtype(name))
-        slot = "row" if all(s == 0 for s in strides[:-1]) and strides[-1] == 1 else "full"
-        if slot == "full" and strides[-1] != 1:
-            raise NotImplementedError(f"input {name} is not contiguous along N (strides {strides})")
         current = getattr(self.epi, slot)
         if current is not None and current != operand:
             raise NotImplementedError(f"more than one {slot} operand")
@@ -135,6 +195,9 @@ class _Recorder(DefaultHandler):
             raise NotImplementedError(f"store mode {mode}")
         if isinstance(value, float):
             raise NotImplementedError("a constant output")
+        self.narrowed.discard(value)
+        if not self.epi.steps or self.epi.steps[-1][0] != value:
+            value = self.step("mul", value, 1.0)  # the kernel stores the program's last step
         self.values[name] = value
         self.epi.written.append(name)
 
@@ -149,58 +212,59 @@ class _Recorder(DefaultHandler):
         raise NotImplementedError("masked")
 
 
-def base_steps(epi: Epilogue, template) -> str:
+def _base_steps(epi: Epilogue, template) -> str:
     """Steps for the GEMM's own result: alpha * acc (+ beta * its addmm/baddbmm input)."""
     value = "acc"
     if template.alpha != 1.0:
-        epi.steps.append(["g0", "mul", value, float(template.alpha)])
+        epi.steps.append(["g0", "mul", value, template.alpha])
         value = "g0"
-    if template.op in ("addmm", "baddbmm"):
-        inp = template.inputs[0]
-        layout = inp.get_layout()
-        size = V.graph.sizevars.optimization_hints(layout.size)
-        strides = _static_ints(layout.stride)
-        n = len(template.get_size())
-        strides = (0,) * (n - len(strides)) + strides  # broadcast leading dims
-        row = strides[-1] == 1 and all(s == 0 or sz == 1 for s, sz in zip(strides[:-1], size[:-1]))
-        operand = Operand(inp.get_name(), strides if not row else (0,) * (n - 1) + (1,),
-                          _static_ints([layout.offset])[0], inp.get_dtype())
-        if row and template.beta == 1.0:
-            epi.row = operand
-            epi.steps.append(["g1", "add", value, "row"])
-        else:
-            if strides[-1] != 1:
-                raise NotImplementedError("addmm input not contiguous along N")
-            epi.full = operand
-            epi.steps.append(["g1", "mul", "full", float(template.beta)])
-            epi.steps.append(["g2", "add", value, "g1"])
-            value = "g2"
-            return value
-        value = "g1"
-    return value
+    if template.op not in ("addmm", "baddbmm"):
+        return value
+    inp = template.inputs[0]
+    out_sizes = V.graph.sizevars.optimization_hints(template.get_size())
+    sizes = list(V.graph.sizevars.optimization_hints(inp.get_size()))
+    strides = list(_ints(inp.get_layout().stride))
+    pad = len(out_sizes) - len(sizes)
+    sizes, strides = [1] * pad + sizes, [0] * pad + strides  # broadcast leading dims
+    strides = [0 if size == 1 else s for size, s in zip(sizes, strides)]
+    role = input_role(sizes, strides, out_sizes[-1], template.beta)
+    if role is None:
+        return value
+    operand_strides = tuple(strides) if role == "full" else (0,) * (len(out_sizes) - 1) + (1,)
+    if role == "full" and (sizes != list(out_sizes) or strides[-1] != 1 or min(strides) < 0):
+        raise NotImplementedError("the addmm input broadcasts in a way the kernel cannot read")
+    operand = Operand(inp.get_name(), operand_strides, _ints([inp.get_layout().offset])[0], inp.get_dtype())
+    setattr(epi, role, operand)
+    if role == "row":
+        epi.steps.append(["g1", "add", value, "row"])
+        return "g1"
+    epi.steps.append(["g1", "mul", "full", template.beta])
+    epi.steps.append(["g2", "add", value, "g1"])
+    return "g2"
 
 
 def translate(template, nodes) -> Epilogue:
     """The epilogue program of `template` followed by the scheduler `nodes` (in order)."""
+    layout = template.get_layout()
+    if list(layout.stride) != _row_major_strides(layout.size):
+        raise NotImplementedError("the GEMM output is not contiguous")
     epi = Epilogue()
-    gemm_value = base_steps(epi, template)
-    recorder = _Recorder(epi, template.get_name(), gemm_value)
-    size = list(template.get_size())
+    recorder = _Recorder(epi, template, _base_steps(epi, template))
     with V.set_ops_handler(recorder):
         for snode in nodes:
             node = snode.node
             if not isinstance(node, ir.ComputedBuffer) or not isinstance(node.data, ir.Pointwise):
                 raise NotImplementedError(f"{snode.get_name()} is not a pointwise node")
-            if not V.graph.sizevars.statically_known_list_equals(node.get_size(), size):
-                raise NotImplementedError("epilogue iterates another shape than the GEMM output")
-            recorder.index_vars = node.data._index(node.data.ranges)
-            node.get_store_function()(recorder.index_vars)
+            recorder.space = _Space(node.get_size(), template.get_size())
+            recorder.vars = node.data._index(node.data.ranges)
+            recorder.space.flat = sum(v * s for v, s in zip(recorder.vars, _row_major_strides(node.get_size())))
+            out_layout = node.get_layout()
+            if list(out_layout.stride) != _row_major_strides(out_layout.size):
+                raise NotImplementedError(f"{node.get_name()} is not stored row-major")
+            node.get_store_function()(recorder.vars)
     if not epi.written:
         raise NotImplementedError("no epilogue output")
     epi.out = V.graph.get_buffer(epi.written[-1])
-    layout = epi.out.get_layout()
-    if not _row_major(layout.size, layout.stride):
-        raise NotImplementedError("the epilogue output is not row-major")
     out_dtype = epi.out.get_dtype()
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise NotImplementedError(f"output dtype {out_dtype}")

@@ -13,7 +13,7 @@ from ..errors import first_line
 from . import runtime
 
 log = logging.getLogger(__name__)
-RUNTIME = "inductor_cute.inductor.runtime"
+RUNTIME = runtime.MODULE
 
 
 class CuteGemmOut(ir.ExternKernelOut):
@@ -70,15 +70,16 @@ class CuteGemmChoice(ExternKernelChoice):
         return CuteGemmCaller(self, input_nodes, layout, kwargs, spec_key, description, problem, num_sms)
 
 
-_fusion = [False]
+_fuse_epilogues = False  # set by enable(fuse_epilogues=...)
 
 
 def fusion_enabled() -> bool:
-    return _fusion[-1]
+    return _fuse_epilogues
 
 
 def set_fusion(enabled: bool) -> None:
-    _fusion[-1] = enabled
+    global _fuse_epilogues
+    _fuse_epilogues = enabled
 
 
 def _make_choice() -> CuteGemmChoice:

@@ -11,15 +11,23 @@ import torch
 from .. import ops
 from ..kernels.gemm_config import GemmConfig
 
+MODULE = __name__  # what generated output code imports
 BATCHED = {"bmm", "baddbmm"}
 WITH_INPUT = {"addmm", "baddbmm"}
 
 
 def is_bias_row(sizes, strides, n: int) -> bool:
-    """Whether an addmm/baddbmm input of these sizes/strides is one contiguous (N,) row broadcast
-    over the output: then it is fed as our bias vector, anything else as the C operand."""
-    return (sizes[-1] == n and strides[-1] == 1
+    """Whether an input of these sizes/strides is one contiguous (N,) row broadcast over the output."""
+    return (len(sizes) > 0 and sizes[-1] == n and strides[-1] == 1
             and all(size == 1 or stride == 0 for size, stride in zip(sizes[:-1], strides[:-1])))
+
+
+def input_role(sizes, strides, n: int, beta: float) -> str | None:
+    """How an addmm/baddbmm input reaches the kernel: "row" (our bias vector), "full" (our C
+    operand, scaled by beta) or None when beta == 0 (torch ignores the input then, NaN included)."""
+    if beta == 0:
+        return None
+    return "row" if beta == 1 and is_bias_row(sizes, strides, n) else "full"
 
 
 def gemm(*inputs: torch.Tensor, out: torch.Tensor, op: str, config: tuple, alpha: float = 1.0,
@@ -35,9 +43,10 @@ def gemm(*inputs: torch.Tensor, out: torch.Tensor, op: str, config: tuple, alpha
     bias = c = None
     if op in WITH_INPUT:
         inp, a, b = inputs
-        if beta == 1 and is_bias_row(inp.shape, inp.stride(), out.shape[-1]):
+        role = input_role(inp.shape, inp.stride(), out.shape[-1], beta)
+        if role == "row":
             bias = inp[(0,) * (inp.dim() - 1)]
-        else:
+        elif role == "full":
             c = inp
     else:
         a, b = inputs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -10,7 +11,7 @@ from torch._inductor.virtualized import V
 from ..kernels.gemm_config import GemmConfig, GemmProblem, gemm_spec
 from ..runtime import precompile, target_arch
 from ..runtime.loader import kernel_key
-from .runtime import is_bias_row
+from .runtime import input_role
 
 log = logging.getLogger(__name__)
 _DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
@@ -37,10 +38,9 @@ def problem_for(kernel_inputs, op_name: str) -> tuple[GemmProblem, int]:
     if has_input:  # the runtime passes a broadcast row as bias and anything else as C
         inp = kernel_inputs.nodes()[0]
         hints = V.graph.sizevars.optimization_hints
-        n = hints(mat2.get_size())[-1]
-        if float(kernel_inputs.get_scalar("beta")) != 1 or not is_bias_row(hints(inp.get_size()),
-                                                                            hints(inp.get_stride()), n):
-            problem = GemmProblem(problem.dtype_name, problem.out_dtype_name, a_major, b_major, False, True)
+        role = input_role(hints(inp.get_size()), hints(inp.get_stride()), hints(mat2.get_size())[-1],
+                          float(kernel_inputs.get_scalar("beta")))
+        problem = dataclasses.replace(problem, has_bias=role == "row", has_c=role == "full")
     batch = V.graph.sizevars.optimization_hint(mat1.get_size()[0]) if len(mat1.get_size()) == 3 else 1
     return problem, batch
 

@@ -12,17 +12,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.codegen import common
 from torch._inductor.codegen.cuda_combined_scheduling import CUDACombinedScheduling
 from torch._inductor.scheduler import BaseScheduling
 from torch._inductor.virtualized import V
 
-from ..kernels.gemm_config import GemmConfig, config_error, gemm_spec
+from ..errors import CompileError, first_line
+from ..kernels.gemm_config import GemmConfig, config_error, gemm_spec, problem_error
 from .epilogue import Operand, translate
+from .runtime import MODULE as RUNTIME
 
 log = logging.getLogger(__name__)
-RUNTIME = "inductor_cute.inductor.runtime"
 
 
 class CuteGemmTemplateBuffer(ir.TemplateBuffer):
@@ -67,6 +69,9 @@ class CuteGemmScheduling(BaseScheduling):
         except NotImplementedError as e:
             log.debug("inductor-cute does not fuse %s into %s: %s", node2.get_name(), template.get_name(), e)
             return False
+        except Exception as e:  # a gap in the translator must cost the fusion, not the compile
+            log.warning("inductor-cute does not fuse %s: %s", node2.get_name(), first_line(e))
+            return False
         names = {n.get_name() for n in (*node1.get_nodes(), *node2.get_nodes())}
         intermediates = [template.get_name(), *epi.written[:-1]]
         outputs = set(V.graph.get_output_names())
@@ -74,7 +79,8 @@ class CuteGemmScheduling(BaseScheduling):
             if buf in outputs or not self.scheduler.can_buffer_be_removed_through_fusion(buf, names):
                 log.debug("inductor-cute does not fuse %s: %s is used elsewhere", node2.get_name(), buf)
                 return False
-        error = config_error(GemmConfig(*template.kwargs["config"]), template.fused_problem(epi))
+        problem = template.fused_problem(epi)
+        error = problem_error(problem) or config_error(GemmConfig(*template.kwargs["config"]), problem)
         if error:
             log.debug("inductor-cute does not fuse %s: %s", node2.get_name(), error)
             return False
@@ -99,7 +105,10 @@ class CuteGemmScheduling(BaseScheduling):
                 if self.scheduler.can_buffer_be_removed_through_fusion(buf, names):
                     V.graph.removed_buffers.add(buf)
             problem = template.fused_problem(epi)
-            precompile([gemm_spec(problem, GemmConfig(*kw["config"]), template.num_sms)])
+            (result,) = precompile([gemm_spec(problem, GemmConfig(*kw["config"]), template.num_sms)])
+            if result.status == "failed":  # past the point where Inductor could pick another kernel
+                raise CompileError(f"inductor-cute: the fused GEMM for {template.get_name()} failed to compile: "
+                                   f"{result.error}")
             out = epi.out
             mats = template.inputs[-2:]
             size = template.get_size()
@@ -126,9 +135,6 @@ class CuteCUDAScheduling(CUDACombinedScheduling):
         super().__init__(scheduler)
         self._cute_scheduling = CuteGemmScheduling(scheduler)
 
-    def choose_node_backend(self, node):
-        return self._cute_scheduling if _ours(node) is not None else super().choose_node_backend(node)
-
     def can_fuse_vertical(self, node1, node2) -> bool:
         if _ours(node1) is not None or _ours(node2) is not None:
             return self._cute_scheduling.can_fuse_vertical(node1, node2)
@@ -148,23 +154,31 @@ class CuteCUDAScheduling(CUDACombinedScheduling):
 _previous: list = []
 
 
+def _cuda_scheduling(scheduler):
+    # Inductor's CUDA entry picks a scheduling by config.cuda_backend; ours replaces only Triton's
+    if inductor_config.cuda_backend != "triton":
+        return _previous[-1].scheduling(scheduler)
+    return CuteCUDAScheduling(scheduler)
+
+
 def install_scheduling() -> None:
     """Make our scheduling the CUDA backend's (idempotent; `uninstall_scheduling` restores)."""
     if not common.device_codegens:
         common.init_backend_registration()
     current = common.device_codegens["cuda"]
-    if current.scheduling is CuteCUDAScheduling:
+    if current.scheduling is _cuda_scheduling:
         return
     _previous.append(current)
-    common.device_codegens["cuda"] = dataclasses.replace(current, scheduling=CuteCUDAScheduling)
+    common.device_codegens["cuda"] = dataclasses.replace(current, scheduling=_cuda_scheduling)
 
 
 def uninstall_scheduling() -> None:
     if _previous and common.device_codegens.get("cuda") is not None \
-            and common.device_codegens["cuda"].scheduling is CuteCUDAScheduling:
+            and common.device_codegens["cuda"].scheduling is _cuda_scheduling:
         common.device_codegens["cuda"] = _previous.pop()
 
 
 def scheduling_installed() -> bool:
+    """Whether template nodes of ours will reach CuteCUDAScheduling."""
     entry = common.device_codegens.get("cuda")
-    return entry is not None and entry.scheduling is CuteCUDAScheduling
+    return entry is not None and entry.scheduling is _cuda_scheduling and inductor_config.cuda_backend == "triton"

@@ -42,6 +42,10 @@ class GemmConfig:
     def as_params(self) -> dict:
         return dataclasses.asdict(self)
 
+    def describe(self) -> str:
+        return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} cluster {self.cluster_m}x{self.cluster_n} "
+                f"stages {self.stages}{' pingpong' if self.pingpong else ''}{' persistent' if self.persistent else ''}")
+
 
 @dataclass(frozen=True)
 class GemmProblem:

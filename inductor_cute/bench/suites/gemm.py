@@ -42,10 +42,7 @@ def _autotuned(a, b, **kw):
     precompile([gemm_spec(problem, cfg, num_sms) for cfg in configs])
     times = {cfg: time_us(lambda cfg=cfg: ops.mm(a, b, config=cfg, **kw), reps=30) for cfg in configs}
     best = min(times, key=times.get)
-    note = (f"ours autotuned over {len(configs)} configs: {best.tile_m}x{best.tile_n}x{best.tile_k} "
-            f"cluster {best.cluster_m}x{best.cluster_n} stages {best.stages}"
-            f"{' pingpong' if best.pingpong else ''}{' persistent' if best.persistent else ''}; "
-            f"heuristic default {times[default]:.1f} us")
+    note = f"ours autotuned over {len(configs)} configs: {best.describe()}; heuristic default {times[default]:.1f} us"
     return (lambda: ops.mm(a, b, config=best, **kw)), note
 
 
