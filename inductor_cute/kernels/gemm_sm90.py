@@ -69,7 +69,7 @@ def activations(fast: bool) -> dict[str, Callable]:
     sigmoid = _sigmoid_fast if fast else _sigmoid_precise
     return {
         "identity": lambda x: x,
-        "relu": lambda x: cute.where(x > 0.0, x, 0.0),
+        "relu": lambda x: cute.where(x < 0.0, 0.0, x),  # NaN stays NaN, as in torch.relu
         # 0.5 * (1 + tanh(u)) == sigmoid(2u)
         "gelu_tanh": lambda x: x * sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)),
         "gelu_erf": lambda x: 0.5 * x * (1.0 + cute.math.erf(x * 0.7071067811865476)),

@@ -177,6 +177,7 @@ def test_nan_and_inf_propagate_like_torch():
     ours, theirs = ops.mm(a, b), torch.mm(a, b)
     assert torch.equal(ours.isnan(), theirs.isnan())
     assert torch.equal(ours.isinf(), theirs.isinf())
+    assert torch.equal(ops.mm(a, b, activation="relu").isnan(), torch.relu(theirs).isnan())
 
 
 def test_unaligned_sizes_are_refused():
