@@ -58,3 +58,14 @@ def test_precompile_runs_in_worker_processes_then_hits(tmp_path):
     second = precompile(specs, arch="sm_90a", cache=cache)
     assert [r.status for r in second] == ["cached", "cached"]
     assert time.perf_counter() - start < 1.0
+
+
+def test_the_shared_pool_outlives_one_precompile(tmp_path):
+    from inductor_cute.runtime import pool
+
+    cache = CompiledKernelCache(tmp_path / "shared-pool-cache")
+    first = precompile([rmsnorm_spec(512, "bfloat16")], arch="sm_90a", cache=cache)
+    shared = pool._shared_pool
+    second = precompile([rmsnorm_spec(1024, "bfloat16")], arch="sm_90a", cache=cache)
+    assert [r.status for r in first + second] == ["compiled", "compiled"]
+    assert shared is not None and pool._shared_pool is shared  # no second spawn
