@@ -13,7 +13,7 @@ import torch
 from .errors import UnsupportedError
 from .runtime import device_arch, get_kernel
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _ALIGN_BYTES = 16  # every kernel reads and writes rows with 16-byte vectors
 
 
@@ -53,7 +53,7 @@ def _rmsnorm_kernel(n: int, dtype_name: str):
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """y = x / sqrt(mean(x**2, -1) + eps) * weight, accumulated in fp32, returned in x's dtype."""
     _check_cuda("rmsnorm", x, weight)
-    dtype_name = _DTYPE_NAMES.get(x.dtype)
+    dtype_name = DTYPE_NAMES.get(x.dtype)
     if dtype_name is None:
         raise UnsupportedError(f"rmsnorm: dtype {x.dtype} is not supported (use bfloat16, float16 or float32)")
     if weight.dtype != x.dtype:
@@ -133,7 +133,7 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, 
         raise UnsupportedError(f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
     n = b.shape[2]
     out_dtype = out_dtype or (out.dtype if out is not None else a.dtype)
-    if out_dtype not in _DTYPE_NAMES:
+    if out_dtype not in DTYPE_NAMES:
         raise UnsupportedError(f"{name}: output dtype {out_dtype} is not supported")
     if out is None:
         out = torch.empty(batch, m, n, device=a.device, dtype=out_dtype)
@@ -168,7 +168,7 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, 
         if bias.dim() != 1 or bias.shape[0] != n:
             raise UnsupportedError(f"{name}: bias must have shape ({n},), got {tuple(bias.shape)}")
         bias = bias.to(out_dtype).contiguous()
-    problem = GemmProblem(_GEMM_INPUT[a.dtype], _DTYPE_NAMES[out_dtype], a_major, b_major,
+    problem = GemmProblem(_GEMM_INPUT[a.dtype], DTYPE_NAMES[out_dtype], a_major, b_major,
                           bias is not None, c is not None, activation, epilogue or "")
     error = problem_error(problem)
     if error:
@@ -205,6 +205,8 @@ _FAST_PATHS_MAX = 4096
 def _layout(t):
     if t is None:
         return None
+    if not isinstance(t, torch.Tensor):  # never remembered: the checks will refuse it
+        return ("not a tensor", id(t))
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % _ALIGN_BYTES == 0)
 
 
@@ -345,7 +347,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
     if kv_heads == 0 or heads % kv_heads:
         raise UnsupportedError(f"flex_decode: {heads} query heads are not a multiple of {kv_heads} KV heads")
     group = heads // kv_heads
-    problem = fdc.unsupported_reason(dqk, dv, _DTYPE_NAMES[q.dtype], group, max(q_len, 1))
+    problem = fdc.unsupported_reason(dqk, dv, DTYPE_NAMES[q.dtype], group, max(q_len, 1))
     if problem:
         raise UnsupportedError(f"flex_decode: {problem}")
     if kv_len is not None:
@@ -366,7 +368,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
         return (out, lse) if return_lse else out
     q4 = _decode_operand("q", q, copy_ok=True)
     k4, v4 = _decode_operand("k", k, copy_ok=False), _decode_operand("v", v, copy_ok=False)
-    kernel = _flex_decode_kernel(dqk, dv, _DTYPE_NAMES[q.dtype], group, kv_len is not None)
+    kernel = _flex_decode_kernel(dqk, dv, DTYPE_NAMES[q.dtype], group, kv_len is not None)
     if num_splits is None:
         kv_block = fdc.HEAD_DIMS[(dqk, dv)][0]
         num_splits = fdc.num_splits(batch, kv_heads, fdc.m_tiles(group, q_len), seq, kv_block,

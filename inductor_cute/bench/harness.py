@@ -84,7 +84,7 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA GPU; none is visible")
     suite = SUITES[name]
-    _progress(f"measuring ceilings (copy bandwidth, bf16 matmul) ...")
+    _progress("measuring ceilings (copy bandwidth, bf16 matmul) ...")
     ceilings = measure_ceilings()
     _progress(f"  copy {ceilings['copy_TBps']} TB/s, bf16 mm {ceilings['bf16_mm_TFLOPs']} TFLOP/s")
     record = rec.new_record(name, ceilings)

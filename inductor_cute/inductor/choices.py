@@ -12,6 +12,7 @@ from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
 
 from ..errors import first_line
+from ..ops import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,6 @@ GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
 # A call whose template list holds one of these (or is empty, when only our backend is enabled)
 # is where a lowering asks for its main choices; 2.13's addmm asks several times, we attach once.
 ANCHOR_UIDS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "triton::mm", "triton::bmm"}
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def backend_requested() -> bool:
@@ -86,7 +86,7 @@ def unsupported_reason(kernel_inputs, op_name) -> str | None:
     mat1, mat2 = kernel_inputs.mat1mat2()
     if mat1.get_dtype() not in (torch.bfloat16, torch.float16) or mat2.get_dtype() != mat1.get_dtype():
         return f"dtypes {mat1.get_dtype()}/{mat2.get_dtype()} (need bfloat16 or float16 for both)"
-    if kernel_inputs.out_dtype() not in _DTYPES:
+    if kernel_inputs.out_dtype() not in DTYPE_NAMES:
         return f"output dtype {kernel_inputs.out_dtype()}"
     _, n, k = kernel_inputs.mnk_symbolic()
     n, k = _static(n), _static(k)

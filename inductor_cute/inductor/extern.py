@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch._inductor import ir
 from torch._inductor.select_algorithm import ExternKernelCaller, ExternKernelChoice
 

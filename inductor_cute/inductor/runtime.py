@@ -6,6 +6,8 @@ function in a fresh process and loads its kernel from our disk cache without com
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import ops
@@ -30,6 +32,11 @@ def input_role(sizes, strides, n: int, beta: float) -> str | None:
     return "row" if beta == 1 and is_bias_row(sizes, strides, n) else "full"
 
 
+@functools.lru_cache(maxsize=None)
+def _config(params: tuple) -> GemmConfig:
+    return GemmConfig(*params)
+
+
 def gemm(*inputs: torch.Tensor, out: torch.Tensor, op: str, config: tuple, alpha: float = 1.0,
          beta: float = 1.0, epilogue: str = "", row: torch.Tensor | None = None,
          full: torch.Tensor | None = None) -> None:
@@ -38,7 +45,7 @@ def gemm(*inputs: torch.Tensor, out: torch.Tensor, op: str, config: tuple, alpha
     run = ops.bmm if op in BATCHED else ops.mm
     if epilogue:
         a, b = inputs
-        run(a, b, bias=row, c=full, out=out, config=GemmConfig(*config), epilogue=epilogue)
+        run(a, b, bias=row, c=full, out=out, config=_config(config), epilogue=epilogue)
         return
     bias = c = None
     if op in WITH_INPUT:
@@ -51,4 +58,4 @@ def gemm(*inputs: torch.Tensor, out: torch.Tensor, op: str, config: tuple, alpha
     else:
         a, b = inputs
     run(a, b, bias=bias, c=c, alpha=alpha, beta=beta if c is not None else None, out=out,
-        config=GemmConfig(*config))
+        config=_config(config))

@@ -8,13 +8,13 @@ import time
 
 from torch._inductor.virtualized import V
 
+from ..ops import DTYPE_NAMES
 from ..kernels.gemm_config import GemmConfig, GemmProblem, gemm_spec
 from ..runtime import precompile, target_arch
 from ..runtime.loader import kernel_key
 from .runtime import input_role
 
 log = logging.getLogger(__name__)
-_DTYPE_NAMES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
 
 def _unit_last(node) -> tuple[bool, bool]:
@@ -33,7 +33,7 @@ def problem_for(kernel_inputs, op_name: str) -> tuple[GemmProblem, int]:
     a_major = "m" if not a_k and a_m else "k"
     b_major = "k" if not b_n and b_k else "n"
     has_input = op_name in ("addmm", "baddbmm")
-    problem = GemmProblem(_DTYPE_NAMES[str(mat1.get_dtype())], _DTYPE_NAMES[str(kernel_inputs.out_dtype())],
+    problem = GemmProblem(DTYPE_NAMES[mat1.get_dtype()], DTYPE_NAMES[kernel_inputs.out_dtype()],
                           a_major, b_major, has_bias=has_input, has_c=False)
     if has_input:  # the runtime passes a broadcast row as bias and anything else as C
         inp = kernel_inputs.nodes()[0]
@@ -55,10 +55,10 @@ def precompile_choices(problem: GemmProblem, configs: list[GemmConfig], num_sms:
     ready = []
     for cfg, spec, result in zip(configs, specs, results):
         if result.status == "failed":
-            log.warning("inductor-cute config %s dropped: compile failed: %s", cfg, result.error)
+            log.warning("inductor-cute config %s dropped: compile failed: %s", cfg.describe(), result.error)
         else:
             ready.append((cfg, kernel_key(spec, arch)))
-    compiled = sum(r.status == "compiled" for r in results)
-    log.info("inductor-cute precompile: %d configs (%d compiled, %d cached) in %.1f s",
-             len(specs), compiled, len(specs) - compiled - (len(specs) - len(ready)), time.perf_counter() - start)
+    counts = {status: sum(r.status == status for r in results) for status in ("compiled", "cached", "failed")}
+    log.info("inductor-cute precompile: %d configs (%d compiled, %d cached, %d failed) in %.1f s", len(specs),
+             counts["compiled"], counts["cached"], counts["failed"], time.perf_counter() - start)
     return ready

@@ -20,6 +20,7 @@ from torch._inductor.scheduler import BaseScheduling
 from torch._inductor.virtualized import V
 
 from ..errors import CompileError, first_line
+from ..ops import DTYPE_NAMES
 from ..kernels.gemm_config import GemmConfig, config_error, gemm_spec, problem_error
 from .epilogue import Operand, translate
 from .runtime import MODULE as RUNTIME
@@ -38,7 +39,7 @@ class CuteGemmTemplateBuffer(ir.TemplateBuffer):
         self.num_sms = num_sms
 
     def fused_problem(self, epi):
-        return dataclasses.replace(self.problem, out_dtype_name=str(epi.out.get_dtype()).removeprefix("torch."),
+        return dataclasses.replace(self.problem, out_dtype_name=DTYPE_NAMES[epi.out.get_dtype()],
                                    has_bias=epi.row is not None, has_c=epi.full is not None,
                                    activation="identity", epilogue=epi.program)
 
