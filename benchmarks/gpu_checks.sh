@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU checks for kernels and integration code that were compiled but not yet run, in the
+# order they gate work, each with its own time limit; logs go to $OUT (one file per step).
+#   . /opt/cutedsl/env.sh && export PYTHONPATH=$PWD:$PYTHONPATH && bash benchmarks/gpu_checks.sh [steps...]
+set -u
+OUT=${OUT:-/tmp/inductor-cute-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 INDUCTOR_CUTE_CACHE_DIR=${INDUCTOR_CUTE_CACHE_DIR:-/tmp/icache}
+
+step() {  # name, seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - start)) s; $(grep -E '[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -1)"
+}
+
+steps=${*:-"gemv flex fusion gemm inductor"}
+for s in $steps; do
+    case $s in
+        gemv) step gemv 200 python3 -m pytest -m gpu tests/gpu/test_gemv_gpu.py -q -x -p no:cacheprovider ;;
+        flex) step flex 200 python3 -m pytest -m gpu tests/gpu/test_flex_decode_gpu.py -q -p no:cacheprovider ;;
+        fusion) step fusion 200 python3 -m pytest -m gpu tests/gpu/test_inductor_gpu.py -q -p no:cacheprovider -k fuse ;;
+        gemm) step gemm 300 python3 -m pytest -m gpu tests/gpu/test_gemm_gpu.py -q -p no:cacheprovider ;;
+        inductor) step inductor 400 python3 -m pytest -m gpu tests/gpu/test_inductor_gpu.py -q -p no:cacheprovider ;;
+        rmsnorm) step rmsnorm 200 python3 -m pytest -m gpu tests/gpu/test_rmsnorm_gpu.py -q -p no:cacheprovider ;;
+        sweep_gemv) step sweep_gemv 300 python3 benchmarks/sweep_gemv.py ;;
+        *) echo "unknown step $s" ;;
+    esac
+done
