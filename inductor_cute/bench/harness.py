@@ -90,7 +90,12 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
     record = rec.new_record(name, ceilings)
     cases = suite.cases(quick)
     for i, make_case in enumerate(cases, 1):
-        case = make_case()
+        try:
+            case = make_case()
+        except Exception as e:  # one case that cannot be set up must not lose the rest of the run
+            _progress(f"[{i}/{len(cases)}] setup failed: {first_line(e)[:200]}")
+            torch.cuda.empty_cache()
+            continue
         _progress(f"[{i}/{len(cases)}] {case.name} ...")
         result = run_case(case, ceilings)
         record["cases"].append(result)
