@@ -204,3 +204,39 @@ def test_pointwise_epilogues_fuse_into_our_gemm(name):
     assert code.count(OUR_CALL) == 1 and "epilogue=" in code, code[-3000:]
     assert "triton_" not in code.split("def call(")[-1], "a pointwise kernel was left outside the GEMM"
     assert_close(out, fn(model, x, r))
+
+
+def test_fusion_on_3d_activations_with_dynamic_tokens_and_cuda_graphs():
+    model = nn.Linear(1024, 2048).cuda().bfloat16()
+    x = torch.randn(2, 300, 1024, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(2, 300, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def block(x, r):
+        return F.gelu(model(x), approximate="tanh") + r
+
+    torch._dynamo.mark_dynamic(x, 1)
+    torch._dynamo.mark_dynamic(r, 1)
+    with inductor_cute.enable(fuse_epilogues=True), inductor_config.patch(max_autotune_gemm_backends="ICUTE"):
+        fn = torch.compile(block, mode="max-autotune")
+        out, codes = run_and_get_code(fn, x, r)
+        for s in (77, 300, 513):  # other token counts, replayed through CUDA graphs
+            y = torch.randn(2, s, 1024, device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(2, s, 2048, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2):
+                got = fn(y, q)
+            assert_close(got, block(y, q))
+    code = "\n".join(codes)
+    assert code.count(OUR_CALL) == 1 and "epilogue=" in code
+    assert_close(out, block(x, r))
+
+
+def test_baddbmm_with_beta_zero_ignores_a_nan_input():
+    q = torch.randn(8, 128, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(8, 64, 128, device="cuda", dtype=torch.float16)
+    junk = torch.full((8, 128, 128), float("nan"), device="cuda", dtype=torch.float16)
+
+    def scores(junk, q, k):
+        return torch.baddbmm(junk, q, k, beta=0.0, alpha=0.125)
+
+    out, _ = compiled_run(scores, junk, q, k)
+    assert_close(out, 0.125 * torch.bmm(q.float(), k.float()))
