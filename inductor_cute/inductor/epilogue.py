@@ -35,8 +35,8 @@ class Operand:
     `strides` (one per GEMM output dimension) from `offset`."""
 
     name: str
-    strides: tuple[int, ...]
-    offset: int
+    strides: tuple  # ints or expressions of dynamic sizes
+    offset: object
     dtype: torch.dtype
 
 
@@ -89,23 +89,23 @@ class _Space:
             self.lead = 1
         self.flat = None  # set per node: the row-major flat index of its loop variables
 
-    def gemm_strides(self, index, vars_) -> tuple[tuple[int, ...], int]:
-        """(strides over the GEMM output's dims, offset) of an affine index, or raise."""
+    def gemm_strides(self, index, vars_) -> tuple[tuple, object]:
+        """(strides over the GEMM output's dims, offset) of an affine index, or raise. Strides
+        and offset may be expressions of dynamic sizes; the N stride must be 0 or 1."""
         sizevars = V.graph.sizevars
-        strides = list(sizevars.stride_vars(index, vars_))
-        offset = sizevars.offset_var(index, vars_)
+        strides = [sympy.expand(s) for s in sizevars.stride_vars(index, vars_)]
+        offset = sympy.expand(sizevars.offset_var(index, vars_))
         if sympy.expand(index - offset - sum(s * v for s, v in zip(strides, vars_))) != 0:
             raise NotImplementedError(f"index {index} is not affine in the loop variables")
-        strides, (offset,) = list(_ints(strides)), _ints([offset])
-        if any(s < 0 for s in strides):
-            raise NotImplementedError("negative stride")
+        if strides[-1] not in (0, 1) or any(sizevars.optimization_hint(s) < 0 for s in (*strides, offset)):
+            raise NotImplementedError(f"strides {strides} (need a non-negative layout, unit along N)")
         # the node dims between the batch and N form the GEMM's M: they must merge into one
         m_dims = list(range(self.lead, len(self.sizes) - 1))
         for hi, lo in zip(m_dims, m_dims[1:]):
-            size_lo = self.sizes[lo]
-            if strides[hi] != strides[lo] * size_lo and not (strides[hi] == 0 and strides[lo] == 0):
+            if not sizevars.statically_known_equals(strides[hi], strides[lo] * self.sizes[lo]) and \
+                    not (strides[hi] == 0 and strides[lo] == 0):
                 raise NotImplementedError("an input's rows do not follow the GEMM's row order")
-        m_stride = strides[m_dims[-1]] if m_dims else 0
+        m_stride = strides[m_dims[-1]] if m_dims else sympy.S.Zero
         return (*strides[:self.lead], m_stride, strides[-1]), offset
 
 
@@ -171,15 +171,15 @@ class _Recorder(DefaultHandler):
     def _operand(self, name, index):
         strides, offset = self.space.gemm_strides(index, self.vars)
         gemm_sizes = V.graph.sizevars.optimization_hints(self.gemm.get_size())
+        hint = V.graph.sizevars.optimization_hint
         buf = V.graph.get_buffer(name) or V.graph.graph_inputs.get(name)
         if buf is not None:  # every element the kernel will read must lie inside the buffer
-            last = offset + sum((size - 1) * s for size, s in zip(gemm_sizes, strides))
-            numel = V.graph.sizevars.optimization_hint(sympy_product(buf.get_size()))
-            if last >= numel + V.graph.sizevars.optimization_hint(buf.get_layout().offset):
+            last = hint(offset) + sum((size - 1) * hint(s) for size, s in zip(gemm_sizes, strides))
+            if last >= hint(sympy_product(buf.get_size())) + hint(buf.get_layout().offset):
                 raise NotImplementedError(f"input {name} would be read out of bounds")
         if all(s == 0 for s in strides[:-1]) and strides[-1] == 1:
             slot = "row"
-        elif strides[-1] == 1 and strides[-2] != 0:
+        elif strides[-1] == 1 and hint(strides[-2]) != 0:
             slot = "full"
         else:
             raise NotImplementedError(f"input {name} is not a row or a full tensor (strides {strides})")

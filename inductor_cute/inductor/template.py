@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import sympy
+
 from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.codegen import common
@@ -56,7 +58,7 @@ def _operand_arg(operand: Operand | None, size) -> str:
     sizes = [size[-1]] if all(s == 0 for s in operand.strides[:-1]) else list(size)
     strides = [1] if len(sizes) == 1 else list(operand.strides)
     return (f"reinterpret_tensor({operand.name}, {wrapper.codegen_shape_tuple(sizes)}, "
-            f"{wrapper.codegen_shape_tuple(strides)}, {operand.offset})")
+            f"{wrapper.codegen_shape_tuple(strides)}, {wrapper.codegen_sizevar(sympy.sympify(operand.offset))})")
 
 
 class CuteGemmScheduling(BaseScheduling):
