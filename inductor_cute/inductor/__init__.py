@@ -66,6 +66,7 @@ def enable(fuse_epilogues: bool = False) -> _Enabled:
     from torch._inductor import config
 
     from .extern import fusion_enabled, set_fusion
+    from .flex import install as install_flex
     from .template import install_scheduling
 
     current = config.inductor_choices_class
@@ -81,6 +82,7 @@ def enable(fuse_epilogues: bool = False) -> _Enabled:
     backends = [b.strip() for b in config.max_autotune_gemm_backends.split(",") if b.strip()]
     if BACKEND_TOKEN not in (b.upper() for b in backends):
         config.max_autotune_gemm_backends = ",".join([*backends, BACKEND_TOKEN])
+    install_flex()
     _install_feedback_logger()
     _reset_thread_choices()
     return _Enabled()
@@ -91,6 +93,7 @@ def disable() -> None:
     from torch._inductor import config
 
     from .extern import set_fusion
+    from .flex import uninstall as uninstall_flex
     from .template import uninstall_scheduling
 
     if not _saved:
@@ -99,6 +102,8 @@ def disable() -> None:
     set_fusion(fused)
     if not fused:
         uninstall_scheduling()
+    if not _saved:
+        uninstall_flex()
     _reset_thread_choices()
 
 

@@ -1,0 +1,265 @@
+"""The flex_attention higher-order op under torch.compile: decoding-shaped calls that need no
+score_mod and no mask run our split-KV kernel (`ops.flex_decode`); everything else goes to the
+stock lowering, unchanged.
+
+`install()` wraps `torch._inductor.lowering.lowerings[flex_attention]`. For a call we accept, the
+output code calls the custom op `torch.ops.inductor_cute.flex_decode` and imports this module
+first, which registers the op: a graph served from the FX cache works in a fresh process.
+
+The decision is `decline_reason(FlexProblem)`: plain values, so it is testable without a graph.
+Torch-version differences are confined to `_block_mask_fields`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor.virtualized import V
+
+log = logging.getLogger(__name__)
+
+_HOP = torch.ops.higher_order.flex_attention
+_LOG2E = 1 / math.log(2)
+_MAX_GRID_Z = 65535  # ops.flex_decode's limit on batch x KV heads (one CTA row per pair)
+_WHOLE_SEQUENCE_BLOCK = 1 << 30  # flex_attention's block size for "no block mask": one block spans any length
+# Kernel options that change nothing we compute: Triton performance hints and backward switches.
+_NEUTRAL_OPTIONS = frozenset({"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
+                              "OUTPUT_LOGSUMEXP"})
+
+
+# ---------------------------------------------------------------------------- the custom op
+
+@torch.library.custom_op("inductor_cute::flex_decode", mutates_args=(), device_types="cuda")
+def flex_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.flex_decode for compiled graphs: (out, lse), lse in natural-log units."""
+    from .. import ops
+
+    return ops.flex_decode(q, _streamable(k), _streamable(v), scale=scale, return_lse=True)
+
+
+@flex_decode_op.register_fake
+def _flex_decode_fake(q, k, v, scale):
+    batch, heads, q_len, _ = q.shape
+    return q.new_empty(batch, heads, q_len, v.shape[-1]), q.new_empty(batch, heads, q_len, dtype=torch.float32)
+
+
+def _streamable(t: torch.Tensor) -> torch.Tensor:
+    """k or v as the kernel streams them (unit last stride, other strides multiples of 8
+    elements, 16-byte aligned start); ops.flex_decode refuses to copy the KV cache, but a graph
+    may hand us a view that does not fit (e.g. a slice of the head dim), so copy it here."""
+    fits = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st > 0 and st % 8 == 0 for sz, st in zip(t.shape[:-1], t.stride()[:-1]) if sz > 1))
+    return t if fits else t.clone(memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------------------------- the decision
+
+@dataclasses.dataclass(frozen=True)
+class FlexProblem:
+    """One flex_attention call as the decision sees it. Sizes are ints, None where symbolic."""
+
+    device: torch.device
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]  # q, k, v
+    heads: int | None
+    kv_heads: int | None
+    q_len: int | None
+    head_dim_qk: int | None
+    head_dim_v: int | None
+    operands_match: bool  # k and v agree with q on batch and head dim, with each other on heads and length
+    score_graph: torch.fx.GraphModule
+    mask_graph: torch.fx.GraphModule
+    keys_all_in_blocks: bool  # the block-sparse tensors visit every key (no block mask was given)
+    scale: Any
+    kernel_options: dict
+    inference: bool
+
+
+def decline_reason(p: FlexProblem) -> str | None:
+    """Why our decode kernel does not take this call (the stock lowering does); None if it does."""
+    from ..kernels import flex_decode_config as fdc
+    from ..ops import DTYPE_NAMES
+
+    problem = _device_reason(p.device)
+    if problem:
+        return problem
+    if not p.inference:
+        return "a training graph (the backward needs the stock kernel)"
+    if len(set(p.dtypes)) != 1:
+        return f"q, k and v dtypes differ: {p.dtypes}"
+    if None in (p.heads, p.kv_heads, p.q_len, p.head_dim_qk, p.head_dim_v):
+        return "heads, query length or head dims are symbolic"
+    if not p.operands_match:
+        return "k and v do not match q (batch broadcast, head dims) or each other"
+    if p.kv_heads == 0 or p.heads % p.kv_heads:
+        return f"{p.heads} query heads are not a multiple of {p.kv_heads} KV heads"
+    problem = fdc.unsupported_reason(p.head_dim_qk, p.head_dim_v, DTYPE_NAMES.get(p.dtypes[0], str(p.dtypes[0])),
+                                     p.heads // p.kv_heads, p.q_len)
+    if problem:
+        return problem
+    if not isinstance(p.scale, (int, float)):
+        return f"scale is not a constant ({p.scale!r})"
+    if not is_identity_score_mod(p.score_graph):
+        return "a score_mod"
+    if not is_noop_mask_mod(p.mask_graph) or not p.keys_all_in_blocks:
+        return "a mask_mod or block mask"
+    return _options_reason(p.kernel_options)
+
+
+def _device_reason(device: torch.device) -> str | None:
+    from ..errors import UnsupportedError
+    from ..runtime import device_arch
+
+    if device.type != "cuda":
+        return f"device {device}"
+    try:
+        device_arch(device)
+    except UnsupportedError as e:
+        return str(e)
+    return None
+
+
+def _options_reason(options: dict) -> str | None:
+    if options.get("BACKEND", "AUTO") != "AUTO":
+        return f"kernel_options BACKEND={options['BACKEND']!r} asks for a stock kernel"
+    if options.get("OUTPUT_MAX"):
+        return "max_scores requested (our kernel does not keep the row max)"
+    if options.get("FORCE_USE_FLEX_ATTENTION"):
+        return "kernel_options FORCE_USE_FLEX_ATTENTION asks for the stock kernel"
+    other = sorted(set(options) - _NEUTRAL_OPTIONS - {"BACKEND", "OUTPUT_MAX", "FORCE_USE_FLEX_ATTENTION"})
+    if other:
+        return f"kernel_options {other} tune the stock kernels"
+    return None
+
+
+def _output_value(gm: torch.fx.GraphModule):
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    value = output.args[0]
+    return value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
+
+
+def is_identity_score_mod(gm: torch.fx.GraphModule) -> bool:
+    """The score_mod graph returns its score argument untouched (no score_mod was given)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return len(placeholders) >= 5 and _output_value(gm) is placeholders[0]
+
+
+def is_noop_mask_mod(gm: torch.fx.GraphModule) -> bool:
+    """The mask_mod graph is flex_attention's noop_mask: a constant True, whatever (b, h, m, n)."""
+    return _is_full(_output_value(gm), True)
+
+
+def _is_full(node, value) -> bool:
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target is torch.ops.aten.full.default and node.args[1] == value)
+
+
+def _block_mask_fields(block_mask: tuple) -> tuple:
+    """(kv_num_blocks, kv_indices, full_kv_num_blocks, KV block size, mask graph) of the HOP's
+    block-mask tuple. It has 13 entries in torch 2.11 and 17 in 2.13 (backward-only orderings
+    were added in the middle); the fields we read sit at the same places from either end."""
+    return block_mask[2], block_mask[3], block_mask[4], block_mask[-2], block_mask[-1]
+
+
+def _keys_all_in_blocks(node: torch.fx.Node, kv_len) -> bool:
+    """Whether the block-sparse tensors visit every key: true for the mask flex_attention builds
+    when given none (one partial block at index 0, spanning the whole sequence, no full blocks),
+    recognised from the FX nodes that build it. A BlockMask passed in is data we cannot see."""
+    if node.target is not _HOP or len(node.args) < 5:
+        return False
+    num_blocks, indices, full_num_blocks, block, _ = _block_mask_fields(node.args[4])
+    spans = isinstance(block, int) and (block >= _WHOLE_SEQUENCE_BLOCK
+                                        or V.graph.sizevars.statically_known_leq(kv_len, block))
+    return full_num_blocks is None and _is_full(num_blocks, 1) and _is_full(indices, 0) and spans
+
+
+def _static(expr) -> int | None:
+    try:
+        return int(expr)
+    except TypeError:  # a symbolic size
+        return None
+
+
+def _problem(query, key, value, subgraph, block_mask, scale, kernel_options) -> FlexProblem:
+    sizevars = V.graph.sizevars
+    (bq, hq, lq, dqk), (bk, hk, lk, dk), (bv, hv, lv, dv) = (x.get_size() for x in (query, key, value))
+    same = sizevars.statically_known_equals
+    operands_match = all(same(a, b) for a, b in ((bq, bk), (bq, bv), (dqk, dk), (hk, hv), (lk, lv)))
+    return FlexProblem(
+        device=query.get_device(), dtypes=(query.get_dtype(), key.get_dtype(), value.get_dtype()),
+        heads=_static(hq), kv_heads=_static(hk), q_len=_static(lq), head_dim_qk=_static(dqk), head_dim_v=_static(dv),
+        operands_match=operands_match,
+        score_graph=subgraph.graph_module, mask_graph=_block_mask_fields(block_mask)[-1].graph_module,
+        keys_all_in_blocks=_keys_all_in_blocks(V.graph.current_node, lk), scale=scale,
+        kernel_options=dict(kernel_options), inference=V.graph.is_inference)
+
+
+# ------------------------------------------------------------------------------- the lowering
+
+_stock = None  # the lowering we wrap: delegated to, and restored by uninstall()
+
+
+class _FlexDecodeCall(ir.FallbackKernel):
+    """The custom-op call, whose output code first imports the module that registers the op."""
+
+    def codegen(self, wrapper) -> None:
+        wrapper.add_import_once(f"import {__name__}")
+        super().codegen(wrapper)
+
+
+def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_options,
+                    score_mod_other_buffers, mask_mod_other_buffers):
+    reason = (decline_reason(_problem(query, key, value, subgraph, block_mask, scale, kernel_options))
+              or _grid_reason(query, key))
+    if reason:
+        log.debug("inductor-cute: flex_attention left to the stock lowering: %s", reason)
+        return _stock(query, key, value, subgraph, block_mask, scale, kernel_options,
+                      score_mod_other_buffers, mask_mod_other_buffers)
+    log.info("inductor-cute: flex_attention %s runs our decode kernel", list(query.get_size()))
+    return _lower_to_decode(query, key, value, float(scale))
+
+
+def _grid_reason(query, key) -> str | None:
+    # Evaluated last: with a symbolic batch this adds a guard, which a call we decline should not get.
+    batch, kv_heads = query.get_size()[0], key.get_size()[1]
+    if not V.graph.sizevars.evaluate_expr(sympy.Le(batch * kv_heads, _MAX_GRID_Z)):
+        return f"batch x KV heads exceeds {_MAX_GRID_Z}"
+    return None
+
+
+def _lower_to_decode(query, key, value, scale: float):
+    """The HOP's outputs (out, lse, max_scores): lse in log2 units like every flex kernel's;
+    max_scores only allocated, as the stock kernels leave it when OUTPUT_MAX is off."""
+    from torch._inductor.lowering import empty_strided, lowerings
+
+    out, lse = (ir.TensorBox.create(x)
+                for x in _FlexDecodeCall.create(torch.ops.inductor_cute.flex_decode.default, query, key, value, scale))
+    lse2 = lowerings[torch.ops.aten.mul.Tensor](lse, _LOG2E)
+    max_scores = empty_strided(lse.get_size(), None, dtype=torch.float32, device=query.get_device())
+    return out, lse2, max_scores
+
+
+def install() -> None:
+    """Route flex_attention through `_flex_attention`; idempotent."""
+    global _stock
+    from torch._inductor import lowering
+
+    if _stock is None:
+        _stock = lowering.lowerings[_HOP]
+        lowering.lowerings[_HOP] = _flex_attention
+
+
+def uninstall() -> None:
+    """Put the stock lowering back; a no-op when not installed."""
+    global _stock
+    from torch._inductor import lowering
+
+    if _stock is not None:
+        lowering.lowerings[_HOP] = _stock
+        _stock = None

@@ -1,0 +1,177 @@
+"""torch.compile(flex_attention) with inductor-cute enabled on the H200: decode calls with no
+score_mod and no mask run our split-KV kernel (the output code calls the custom op) and match an
+fp64 reference and eager flex_attention, lse included; a score_mod or a mask goes to the stock
+lowering and still matches; a graph from the FX cache works in a process that never lowered it."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import inductor_cute
+
+pytestmark = pytest.mark.gpu
+OUR_CALL = "torch.ops.inductor_cute.flex_decode.default("
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LSE_TOL = 2e-3
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile():
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+        yield
+    torch._dynamo.reset()
+
+
+def compiled_run(*args, dynamic=None, **kwargs):
+    with inductor_cute.enable():
+        out, codes = run_and_get_code(torch.compile(flex_attention, dynamic=dynamic), *args, **kwargs)
+    return out, "\n".join(codes)
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def reference(q, k, v, scale=None):
+    """fp64 softmax(scale q k^T) v with GQA, and its natural-log lse."""
+    g = q.shape[1] // k.shape[1]
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) * scale
+    lse = s.logsumexp(-1)
+    return (s - lse[..., None]).exp() @ v.double().repeat_interleave(g, 1), lse
+
+
+def assert_out_close(out, ref, dtype):
+    assert not out.isnan().any()
+    assert (out.double() - ref.double()).abs().max().item() < TOL[dtype]
+
+
+def assert_lse_close(lse, ref_lse):
+    assert lse.dtype == torch.float32
+    assert (lse.double() - ref_lse.double()).abs().max().item() < LSE_TOL * ref_lse.abs().max().item()
+
+
+DECODE = [  # batch, q heads, kv heads, head dim, kv length, query length
+    (2, 8, 2, 64, 1000, 1),
+    (4, 32, 8, 128, 8192, 1),
+    (8, 16, 8, 128, 4096, 1),
+    (2, 32, 4, 64, 2048, 4),
+    (8, 24, 8, 128, 1000, 4),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,heads,kv_heads,dim,kv_len,q_len", DECODE)
+def test_decode_runs_our_kernel_and_matches(batch, heads, kv_heads, dim, kv_len, q_len, dtype):
+    q = rand(batch, heads, q_len, dim, dtype=dtype)
+    k, v = rand(batch, kv_heads, kv_len, dim, dtype=dtype), rand(batch, kv_heads, kv_len, dim, dtype=dtype)
+    (out, lse), code = compiled_run(q, k, v, enable_gqa=True, return_lse=True)
+    assert code.count(OUR_CALL) == 1
+    ref_out, ref_lse = reference(q, k, v)
+    assert_out_close(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse)
+    eager_out, eager_lse = flex_attention(q, k, v, enable_gqa=True, return_lse=True)
+    assert_lse_close(lse, eager_lse)  # the public API's units (natural log)
+    assert (out.float() - eager_out.float()).abs().max().item() < 2 * TOL[dtype]
+
+
+def test_scale_and_out_only():
+    q, k, v = rand(2, 16, 1, 128), rand(2, 4, 3000, 128), rand(2, 4, 3000, 128)
+    out, code = compiled_run(q, k, v, enable_gqa=True, scale=0.3)
+    assert OUR_CALL in code
+    assert_out_close(out, reference(q, k, v, scale=0.3)[0], torch.bfloat16)
+
+
+def test_kv_cache_view_with_heads_inner_and_dynamic_length():
+    """A (batch, max_len, heads, dim) cache sliced to the current length: a strided view, streamed
+    in place; the length changes between calls (dynamic=True)."""
+    cache_k, cache_v = rand(4, 4096, 8, 128), rand(4, 4096, 8, 128)
+    q = rand(4, 32, 1, 128)
+    for kv_len in (1000, 1537):
+        k, v = cache_k[:, :kv_len].transpose(1, 2), cache_v[:, :kv_len].transpose(1, 2)
+        torch._dynamo.reset()
+        out, code = compiled_run(q, k, v, enable_gqa=True, dynamic=True)
+        assert OUR_CALL in code
+        assert_out_close(out, reference(q, k, v)[0], torch.bfloat16)
+
+
+def softcap(score, b, h, m, n):
+    return 30 * torch.tanh(score / 30)
+
+
+def sink_and_window(b, h, m, n):
+    return (n < 256) | (n >= 2048 - 512)  # the first 256 keys and the last 512 of 2048
+
+
+def test_score_mod_goes_to_the_stock_lowering():
+    q, k, v = rand(4, 32, 1, 128), rand(4, 8, 2048, 128), rand(4, 8, 2048, 128)
+    out, code = compiled_run(q, k, v, score_mod=softcap, enable_gqa=True)
+    assert OUR_CALL not in code
+    ref = flex_attention(q, k, v, score_mod=softcap, enable_gqa=True)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_mask_goes_to_the_stock_lowering():
+    q, k, v = rand(2, 16, 1, 128), rand(2, 4, 2048, 128), rand(2, 4, 2048, 128)
+    block_mask = create_block_mask(sink_and_window, None, None, 1, 2048)
+    out, code = compiled_run(q, k, v, block_mask=block_mask, enable_gqa=True)
+    assert OUR_CALL not in code
+    ref = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_unsupported_head_dim_and_long_query_go_to_the_stock_lowering():
+    for q, kv in ((rand(2, 8, 1, 96), rand(2, 2, 1024, 96)), (rand(1, 8, 128, 128), rand(1, 2, 1024, 128))):
+        torch._dynamo.reset()
+        out, code = compiled_run(q, kv, kv, enable_gqa=True)
+        assert OUR_CALL not in code
+        assert (out.float() - flex_attention(q, kv, kv, enable_gqa=True).float()).abs().max().item() < 2e-2
+
+
+# The second process configures Inductor directly (no enable()): the FX cache key is the same,
+# the wrapper is not installed, and the cached code must import what registers the op itself.
+CACHED_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+    import inductor_cute
+    if sys.argv[1] == "enable":
+        inductor_cute.enable()
+    else:
+        from inductor_cute.inductor import choices_factory
+        torch._inductor.config.inductor_choices_class = choices_factory()
+        torch._inductor.config.max_autotune_gemm_backends += ",ICUTE"
+    torch.set_grad_enabled(False)
+    torch.manual_seed(0)
+    q = torch.randn(2, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    registered_before = "inductor_cute.inductor.flex" in sys.modules
+    out = torch.compile(flex_attention)(q, k, v, enable_gqa=True)
+    err = (out.float() - flex_attention(q, k, v, enable_gqa=True).float()).abs().max().item()
+    print(json.dumps({"fx_hits": counters["inductor"]["fxgraph_cache_hit"], "err": err,
+                      "registered_before": registered_before}))
+""")
+
+
+def test_fx_cached_graph_runs_in_a_fresh_process(tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               INDUCTOR_CUTE_CACHE_DIR=str(tmp_path / "cute"), TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    runs = []
+    for how in ("enable", "direct"):
+        proc = subprocess.run([sys.executable, "-c", CACHED_SCRIPT, how], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["fx_hits"] == 0 and second["fx_hits"] >= 1 and not second["registered_before"]
+    assert first["err"] < 2e-2 and second["err"] < 2e-2

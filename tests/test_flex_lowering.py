@@ -1,0 +1,253 @@
+"""The flex_attention lowering on the CPU: installing and restoring it, which calls it takes (on
+the problems real score_mod/mask_mod/block-mask graphs produce, and on variations of them), the
+custom op's fake impl, and the whole compiled path with a CPU stand-in for the GPU kernel.
+GPU runs are in tests/gpu/test_flex_compile_gpu.py."""
+
+import dataclasses
+import functools
+
+import pytest
+import sympy
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor import lowering
+from torch._inductor.utils import run_and_get_code
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
+
+import inductor_cute
+from inductor_cute.inductor import flex
+from inductor_cute.inductor.flex import decline_reason  # the real one: `decisions` patches the module's
+
+HOP = torch.ops.higher_order.flex_attention
+OUR_CALL = "torch.ops.inductor_cute.flex_decode.default"
+
+
+def softcap(score, b, h, m, n):
+    return 30 * torch.tanh(score / 30)
+
+
+def causal(b, h, m, n):
+    return m >= n
+
+
+def sliding_window(b, h, m, n):
+    return (m >= n) & (m - n < 64)
+
+
+def compiled(fn, *args, dynamic=None, **kwargs):
+    """fn compiled with inductor-cute enabled, run once: (result, output code)."""
+    torch._dynamo.reset()
+    with inductor_cute.enable(), inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+        result, codes = run_and_get_code(torch.compile(fn, dynamic=dynamic), *args, **kwargs)
+    torch._dynamo.reset()
+    return result, "\n".join(codes)
+
+
+def qkv(batch=2, heads=8, kv_heads=2, q_len=1, kv_len=300, dim=64, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, q_len, dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype)
+    return q, k, v
+
+
+def record_decisions(monkeypatch) -> list:
+    """Every (problem, reason) the lowering decides from now on, in order."""
+    seen = []
+
+    def record(problem):
+        seen.append((problem, decline_reason(problem)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(flex, "decline_reason", record)
+    return seen
+
+
+@pytest.fixture
+def decisions(monkeypatch):
+    return record_decisions(monkeypatch)
+
+
+def _stand_in(q, k, v, scale):
+    """The custom op's contract on the CPU (fp32 math): out in q's dtype, natural-log lse."""
+    g = q.shape[1] // k.shape[1]
+    s = (q.float() @ k.float().repeat_interleave(g, 1).transpose(-1, -2)) * scale
+    lse = s.logsumexp(-1)
+    return ((s - lse[..., None]).exp() @ v.float().repeat_interleave(g, 1)).to(q.dtype), lse
+
+
+@functools.cache
+def register_stand_in():  # once per session; only CPU calls of our op reach it
+    flex.flex_decode_op.register_kernel("cpu")(_stand_in)
+
+
+@pytest.fixture
+def cpu_accepted(monkeypatch):
+    """The lowering treats the CPU as a Hopper GPU and the op runs `_stand_in` there."""
+    register_stand_in()
+    monkeypatch.setattr(flex, "_device_reason", lambda device: None)
+
+
+def test_enable_wraps_the_lowering_and_disable_restores_it():
+    stock = lowering.lowerings[HOP]
+    with inductor_cute.enable():
+        assert lowering.lowerings[HOP] is flex._flex_attention
+        inductor_cute.enable()  # nested
+        inductor_cute.disable()
+        assert lowering.lowerings[HOP] is flex._flex_attention
+    assert lowering.lowerings[HOP] is stock
+    flex.uninstall()  # not installed: nothing to undo
+    assert lowering.lowerings[HOP] is stock
+
+
+def test_cpu_inputs_get_the_stock_result(decisions):
+    q, k, v = qkv()
+    out, code = compiled(flex_attention, q, k, v, enable_gqa=True)
+    assert [reason for _, reason in decisions] == ["device cpu"]
+    assert "inductor_cute" not in code
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+        stock = torch.compile(flex_attention)(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out, stock)
+
+
+# ------------------------------------------------------- decisions on problems from real graphs
+
+def traced_problem(decisions, **kwargs) -> flex.FlexProblem:
+    """The problem the lowering saw for a CPU compile of flex_attention, moved to a CUDA device."""
+    q, k, v = qkv(dtype=torch.bfloat16)
+    compiled(flex_attention, q, k, v, enable_gqa=True, **kwargs)
+    (problem, _), = decisions
+    decisions.clear()
+    return dataclasses.replace(problem, device=torch.device("cuda", 0))
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(flex, "_device_reason", lambda device: None if device.type == "cuda" else f"device {device}")
+
+
+@pytest.fixture(scope="module")
+def plain() -> flex.FlexProblem:
+    """The problem of a decode call with no score_mod and no mask (traced once for the module)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return traced_problem(record_decisions(monkeypatch))
+
+
+def test_plain_decode_is_taken(plain, hopper):
+    problem = plain
+    assert flex.is_identity_score_mod(problem.score_graph) and flex.is_noop_mask_mod(problem.mask_graph)
+    assert problem.keys_all_in_blocks and problem.inference
+    assert (problem.heads, problem.kv_heads, problem.q_len, problem.head_dim_qk) == (8, 2, 1, 64)
+    assert decline_reason(problem) is None
+
+
+def test_score_mod_and_masks_are_declined(decisions, hopper):
+    softcapped = traced_problem(decisions, score_mod=softcap)
+    assert not flex.is_identity_score_mod(softcapped.score_graph)
+    assert decline_reason(softcapped) == "a score_mod"
+    for mask_mod in (causal, sliding_window):
+        masked = traced_problem(decisions, block_mask=create_block_mask(mask_mod, None, None, 1, 300, device="cpu"))
+        assert not flex.is_noop_mask_mod(masked.mask_graph)
+        assert decline_reason(masked) == "a mask_mod or block mask"
+    # A BlockMask passed in carries its blocks as data the lowering cannot see: declined even
+    # when its mask_mod is the noop.
+    unseen = traced_problem(decisions, block_mask=create_block_mask(noop_mask, None, None, 1, 300, device="cpu"))
+    assert flex.is_noop_mask_mod(unseen.mask_graph) and not unseen.keys_all_in_blocks
+    assert decline_reason(unseen) == "a mask_mod or block mask"
+
+
+DECLINED = {
+    "float32": dict(dtypes=(torch.float32,) * 3),
+    "mixed dtypes": dict(dtypes=(torch.bfloat16, torch.float16, torch.float16)),
+    "head dim 96": dict(head_dim_qk=96, head_dim_v=96),
+    "query length 65": dict(q_len=65),
+    "6 heads on 4 KV heads": dict(heads=6, kv_heads=4),
+    "symbolic heads": dict(heads=None),
+    "k/v mismatch": dict(operands_match=False),
+    "training": dict(inference=False),
+    "symbolic scale": dict(scale=sympy.Symbol("s0")),
+    "BACKEND TRITON": dict(kernel_options={"BACKEND": "TRITON"}),
+    "max_scores": dict(kernel_options={"OUTPUT_MAX": True}),
+    "FORCE_USE_FLEX_ATTENTION": dict(kernel_options={"FORCE_USE_FLEX_ATTENTION": True}),
+    "num_warps": dict(kernel_options={"num_warps": 4}),
+    "GPU": dict(device=torch.device("cpu")),
+}
+
+
+@pytest.mark.parametrize("change", DECLINED.values(), ids=DECLINED.keys())
+def test_unsupported_metadata_is_declined(plain, hopper, change):
+    problem = dataclasses.replace(plain, **change)
+    assert decline_reason(problem)
+
+
+TAKEN = {
+    "fp16": dict(dtypes=(torch.float16,) * 3),
+    "d128": dict(head_dim_qk=128, head_dim_v=128),
+    "MLA 192/128": dict(head_dim_qk=192, head_dim_v=128),
+    "absorbed MLA 576/512 MQA": dict(head_dim_qk=576, head_dim_v=512, heads=128, kv_heads=1),
+    "Lq 64": dict(q_len=64),
+    "no GQA": dict(kv_heads=8),
+    "scale given": dict(scale=0.3),
+    "neutral options": dict(kernel_options={"BACKEND": "AUTO", "PRESCALE_QK": True, "OUTPUT_MAX": False,
+                                            "FORCE_USE_FLEX_ATTENTION": False, "OUTPUT_LOGSUMEXP": True}),
+}
+
+
+@pytest.mark.parametrize("change", TAKEN.values(), ids=TAKEN.keys())
+def test_supported_metadata_is_taken(plain, hopper, change):
+    problem = dataclasses.replace(plain, **change)
+    assert decline_reason(problem) is None
+
+
+# ------------------------------------------------------------------------------- the custom op
+
+def test_fake_impl_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 16, 4, 192, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 2, 1000, 192, dtype=torch.bfloat16, device="cuda")
+        v = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16, device="cuda")
+        out, lse = torch.ops.inductor_cute.flex_decode(q, k, v, 0.1)
+    assert (out.shape, out.dtype, out.device.type) == ((2, 16, 4, 128), torch.bfloat16, "cuda")
+    assert (lse.shape, lse.dtype) == ((2, 16, 4), torch.float32)
+    assert out.is_contiguous() and lse.is_contiguous()
+
+
+def test_kv_views_are_streamed_in_place_unless_misaligned():
+    cache = torch.zeros(2, 512, 4, 64, dtype=torch.bfloat16)  # (batch, length, heads, dim)
+    k = cache.transpose(1, 2)[:, :, :300]
+    assert flex._streamable(k) is k
+    shifted = k[..., 1:57]  # 2-byte aligned start
+    copy = flex._streamable(shifted)
+    assert copy is not shifted and copy.is_contiguous() and torch.equal(copy, shifted)
+
+
+# ------------------------------------------------------------- the compiled path, end to end
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_taken_call_matches_eager_flex_attention(cpu_accepted, q_len):
+    q, k, v = qkv(q_len=q_len, dtype=torch.bfloat16)
+    (out, lse), code = compiled(flex_attention, q, k, v, enable_gqa=True, return_lse=True)
+    assert OUR_CALL in code and "import inductor_cute.inductor.flex" in code
+    ref, ref_lse = flex_attention(q, k, v, enable_gqa=True, return_lse=True)
+    assert out.shape == ref.shape and out.dtype == ref.dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)  # natural log, as the public API returns
+
+
+def test_taken_call_with_dynamic_kv_length(cpu_accepted):
+    for kv_len in (300, 517):
+        q, k, v = qkv(kv_len=kv_len, dtype=torch.bfloat16)
+        out, code = compiled(flex_attention, q, k, v, enable_gqa=True, scale=0.2, dynamic=True)
+        assert OUR_CALL in code
+        torch.testing.assert_close(out, flex_attention(q, k, v, enable_gqa=True, scale=0.2), atol=2e-2, rtol=2e-2)
+
+
+def test_score_mod_still_delegates_when_the_device_is_accepted(cpu_accepted, decisions):
+    q, k, v = qkv(dtype=torch.bfloat16)
+    out, code = compiled(flex_attention, q, k, v, score_mod=softcap, enable_gqa=True)
+    assert [reason for _, reason in decisions] == ["a score_mod"] and OUR_CALL not in code
+    torch.testing.assert_close(out, flex_attention(q, k, v, score_mod=softcap, enable_gqa=True),
+                               atol=2e-2, rtol=2e-2)
