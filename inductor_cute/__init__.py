@@ -9,12 +9,12 @@ from .errors import CompileError, DSLUnavailableError, InductorCuteError, Unsupp
 
 
 
-def enable(fuse_epilogues: bool = False):
+def enable(fuse_epilogues: bool = False, flex_decode: bool = False):
     """Let torch.compile's max-autotune pick our GEMM kernels where they measure faster; returns a
     context manager that undoes it. See inductor_cute.inductor."""
     from .inductor import enable as _enable
 
-    return _enable(fuse_epilogues)
+    return _enable(fuse_epilogues, flex_decode)
 
 
 def disable() -> None:

@@ -37,7 +37,7 @@ def sliding_window(b, h, m, n):
 def compiled(fn, *args, dynamic=None, **kwargs):
     """fn compiled with inductor-cute enabled, run once: (result, output code)."""
     torch._dynamo.reset()
-    with inductor_cute.enable(), inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+    with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False), torch.no_grad():
         result, codes = run_and_get_code(torch.compile(fn, dynamic=dynamic), *args, **kwargs)
     torch._dynamo.reset()
     return result, "\n".join(codes)
@@ -91,8 +91,10 @@ def cpu_accepted(monkeypatch):
 def test_enable_wraps_the_lowering_and_disable_restores_it():
     stock = lowering.lowerings[HOP]
     with inductor_cute.enable():
+        assert lowering.lowerings[HOP] is stock  # opt-in
+    with inductor_cute.enable(flex_decode=True):
         assert lowering.lowerings[HOP] is flex._flex_attention
-        inductor_cute.enable()  # nested
+        inductor_cute.enable(flex_decode=True)  # nested
         inductor_cute.disable()
         assert lowering.lowerings[HOP] is flex._flex_attention
     assert lowering.lowerings[HOP] is stock

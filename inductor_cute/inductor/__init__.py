@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 _saved: list[tuple] = []
 
 
-def choices_factory(fuse_epilogues: bool = False) -> functools.partial:
+def choices_factory(fuse_epilogues: bool = False, flex_decode: bool = False) -> functools.partial:
     """The value for `config.inductor_choices_class`: a picklable factory whose tag (our version,
     kernel sources and settings) enters Inductor's FX-graph cache key."""
     import hashlib
@@ -36,7 +36,8 @@ def choices_factory(fuse_epilogues: bool = False) -> functools.partial:
     for path in sorted(Path(__file__).parent.glob("*.py")):  # lowering, fusion and code generation
         h.update(path.read_bytes())
     code = h.hexdigest()[:16]
-    return functools.partial(CuteChoices, tag=f"inductor-cute-{__version__}-{code}-fuse{int(fuse_epilogues)}")
+    settings = f"fuse{int(fuse_epilogues)}-flex{int(flex_decode)}"
+    return functools.partial(CuteChoices, tag=f"inductor-cute-{__version__}-{code}-{settings}")
 
 
 def _reset_thread_choices() -> None:
@@ -57,24 +58,28 @@ class _Enabled:
         disable()
 
 
-def enable(fuse_epilogues: bool = False) -> _Enabled:
+def enable(fuse_epilogues: bool = False, flex_decode: bool = False) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
     epilogue. That needs Inductor's `benchmark_epilogue_fusion` off (otherwise only Triton
-    templates are fused), which also changes how Triton templates pick their fusions."""
+    templates are fused), which also changes how Triton templates pick their fusions.
+    With `flex_decode`, plain flex_attention decoding calls (no score_mod or mask) run our
+    split-KV kernel (inductor/flex.py). Both stay opt-in until proven on the GPU."""
     from torch._inductor import config
 
     from .extern import fusion_enabled, set_fusion
     from .flex import install as install_flex
+    from .flex import installed as flex_installed
     from .template import install_scheduling
 
     current = config.inductor_choices_class
     if current is not None and getattr(current, "func", current) is not CuteChoices:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
                            f"({current!r}); inductor-cute needs to install its own")
-    _saved.append((current, config.max_autotune_gemm_backends, config.benchmark_epilogue_fusion, fusion_enabled()))
-    config.inductor_choices_class = choices_factory(fuse_epilogues)
+    _saved.append((current, config.max_autotune_gemm_backends, config.benchmark_epilogue_fusion, fusion_enabled(),
+                   flex_installed()))
+    config.inductor_choices_class = choices_factory(fuse_epilogues, flex_decode)
     set_fusion(fuse_epilogues)
     if fuse_epilogues:
         install_scheduling()
@@ -82,7 +87,8 @@ def enable(fuse_epilogues: bool = False) -> _Enabled:
     backends = [b.strip() for b in config.max_autotune_gemm_backends.split(",") if b.strip()]
     if BACKEND_TOKEN not in (b.upper() for b in backends):
         config.max_autotune_gemm_backends = ",".join([*backends, BACKEND_TOKEN])
-    install_flex()
+    if flex_decode:
+        install_flex()
     _install_feedback_logger()
     _reset_thread_choices()
     return _Enabled()
@@ -98,11 +104,12 @@ def disable() -> None:
 
     if not _saved:
         return
-    config.inductor_choices_class, config.max_autotune_gemm_backends, config.benchmark_epilogue_fusion, fused = _saved.pop()
+    (config.inductor_choices_class, config.max_autotune_gemm_backends, config.benchmark_epilogue_fusion, fused,
+     flex) = _saved.pop()
     set_fusion(fused)
     if not fused:
         uninstall_scheduling()
-    if not _saved:
+    if not flex:
         uninstall_flex()
     _reset_thread_choices()
 

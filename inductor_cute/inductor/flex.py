@@ -255,6 +255,10 @@ def install() -> None:
         lowering.lowerings[_HOP] = _flex_attention
 
 
+def installed() -> bool:
+    return _stock is not None
+
+
 def uninstall() -> None:
     """Put the stock lowering back; a no-op when not installed."""
     global _stock

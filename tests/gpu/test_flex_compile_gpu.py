@@ -33,7 +33,7 @@ def fresh_compile():
 
 
 def compiled_run(*args, dynamic=None, **kwargs):
-    with inductor_cute.enable():
+    with inductor_cute.enable(flex_decode=True):
         out, codes = run_and_get_code(torch.compile(flex_attention, dynamic=dynamic), *args, **kwargs)
     return out, "\n".join(codes)
 
@@ -146,10 +146,10 @@ CACHED_SCRIPT = textwrap.dedent("""
     from torch.nn.attention.flex_attention import flex_attention
     import inductor_cute
     if sys.argv[1] == "enable":
-        inductor_cute.enable()
+        inductor_cute.enable(flex_decode=True)
     else:
         from inductor_cute.inductor import choices_factory
-        torch._inductor.config.inductor_choices_class = choices_factory()
+        torch._inductor.config.inductor_choices_class = choices_factory(flex_decode=True)
         torch._inductor.config.max_autotune_gemm_backends += ",ICUTE"
     torch.set_grad_enabled(False)
     torch.manual_seed(0)
