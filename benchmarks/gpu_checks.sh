@@ -16,11 +16,12 @@ step() {  # name, seconds, command...
     echo "$name: rc=$rc in $((SECONDS - start)) s; $(grep -E '[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -1)"
 }
 
-steps=${*:-"gemv flex fusion gemm inductor"}
+steps=${*:-"gemv flex flex_compile fusion gemm inductor"}
 for s in $steps; do
     case $s in
         gemv) step gemv 200 python3 -m pytest -m gpu tests/gpu/test_gemv_gpu.py -q -x -p no:cacheprovider ;;
         flex) step flex 200 python3 -m pytest -m gpu tests/gpu/test_flex_decode_gpu.py -q -p no:cacheprovider ;;
+        flex_compile) step flex_compile 300 python3 -m pytest -m gpu tests/gpu/test_flex_compile_gpu.py -q -p no:cacheprovider ;;
         fusion) step fusion 200 python3 -m pytest -m gpu tests/gpu/test_inductor_gpu.py -q -p no:cacheprovider -k fuse ;;
         gemm) step gemm 300 python3 -m pytest -m gpu tests/gpu/test_gemm_gpu.py -q -p no:cacheprovider ;;
         inductor) step inductor 400 python3 -m pytest -m gpu tests/gpu/test_inductor_gpu.py -q -p no:cacheprovider ;;
