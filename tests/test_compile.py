@@ -77,7 +77,7 @@ def test_damaged_entry_is_recompiled_not_run():
 
 
 def test_linked_library_that_fails_to_load_falls_back_to_the_dsl(monkeypatch):
-    from inductor_cute.runtime import loader, native
+    from inductor_cute.runtime import native
 
     spec = rmsnorm_spec(2048, "float16")
     get_kernel(spec, "sm_90a")
