@@ -352,7 +352,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
         raise UnsupportedError(f"flex_decode: {problem}")
     if kv_len is not None:
         if kv_len.shape != (batch,) or kv_len.dtype not in (torch.int32, torch.int64):
-            raise UnsupportedError(f"flex_decode: kv_len must be an int32 tensor of shape ({batch},), got "
+            raise UnsupportedError(f"flex_decode: kv_len must be an int32 or int64 tensor of shape ({batch},), got "
                                    f"{kv_len.dtype} of shape {tuple(kv_len.shape)}")
         kv_len = kv_len.to(torch.int32).contiguous()
     if batch * kv_heads > 65535:

@@ -253,3 +253,14 @@ def test_score_mod_still_delegates_when_the_device_is_accepted(cpu_accepted, dec
     assert [reason for _, reason in decisions] == ["a score_mod"] and OUR_CALL not in code
     torch.testing.assert_close(out, flex_attention(q, k, v, score_mod=softcap, enable_gqa=True),
                                atol=2e-2, rtol=2e-2)
+
+
+def test_a_failing_decision_delegates_to_the_stock_lowering(cpu_accepted, monkeypatch):
+    def broken(problem):
+        raise RuntimeError("decision bug")
+
+    monkeypatch.setattr(flex, "decline_reason", broken)
+    q, k, v = qkv(dtype=torch.bfloat16)
+    out, code = compiled(flex_attention, q, k, v, enable_gqa=True)
+    assert OUR_CALL not in code
+    torch.testing.assert_close(out, flex_attention(q, k, v, enable_gqa=True), atol=2e-2, rtol=2e-2)

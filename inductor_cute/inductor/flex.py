@@ -215,14 +215,23 @@ class _FlexDecodeCall(ir.FallbackKernel):
 
 def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_options,
                     score_mod_other_buffers, mask_mod_other_buffers):
-    reason = (decline_reason(_problem(query, key, value, subgraph, block_mask, scale, kernel_options))
-              or _grid_reason(query, key))
+    try:
+        reason = _call_reason(query, key, value, subgraph, block_mask, scale, kernel_options)
+    except Exception as e:  # our decision must never fail a compile
+        reason = f"the decision failed: {type(e).__name__}: {e}"
     if reason:
         log.debug("inductor-cute: flex_attention left to the stock lowering: %s", reason)
         return _stock(query, key, value, subgraph, block_mask, scale, kernel_options,
                       score_mod_other_buffers, mask_mod_other_buffers)
     log.info("inductor-cute: flex_attention %s runs our decode kernel", list(query.get_size()))
     return _lower_to_decode(query, key, value, float(scale))
+
+
+def _call_reason(query, key, value, subgraph, block_mask, scale, kernel_options) -> str | None:
+    if V.graph.cpp_wrapper:
+        return "cpp_wrapper / AOTInductor output (our op is called from Python)"
+    return (decline_reason(_problem(query, key, value, subgraph, block_mask, scale, kernel_options))
+            or _grid_reason(query, key))
 
 
 def _grid_reason(query, key) -> str | None:

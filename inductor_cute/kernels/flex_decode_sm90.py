@@ -205,6 +205,9 @@ class FlexDecodeSm90:
             for i in range(my_blocks):
                 blk = first_block + i
                 kv_pipe.consumer_wait(state)
+                if const_expr(self.cfg.has_kv_len):
+                    if (blk + 1) * self.kvb > seq_len:
+                        self._zero_v_tail(sV, state.index, seq_len - blk * self.kvb, ctid)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                     mma_qk.set(warpgroup.Field.ACCUMULATE, kb != 0)
@@ -232,6 +235,19 @@ class FlexDecodeSm90:
                 state.advance()
 
             self._store_partials(acc_o, tOcO, row_max, row_sum, mOp, mLp, split, b, hkv, row0, n_rows)
+
+    @cute.jit
+    def _zero_v_tail(self, sV: cute.Tensor, stage: Int32, valid: Int32, ctid: Int32):
+        """Zero the stage's V rows at and past `valid`: with a per-batch kv_len they hold real
+        memory (the tensor's bound is the padded length), and P = 0 times a NaN or Inf there
+        would still give NaN."""
+        sV_stage = sV[(None, None, stage)]
+        n_tail = (self.kvb - valid) * self.dv
+        for idx in cutlass.range(ctid, n_tail, self.consumer_threads):
+            sV_stage[(idx % self.dv, valid + idx // self.dv)] = self.dtype(0.0)
+        # generic-proxy stores, read next by WGMMA through the async proxy
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(barrier_id=1, num_threads=self.consumer_threads).arrive_and_wait()
 
     @cute.jit
     def _load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, ctid: Int32, b: Int32, hkv: Int32, row0: Int32,
@@ -316,7 +332,7 @@ class FlexDecodeSm90:
             total = cute.arch.warp_reduction(row_sum[h], operator.add, threads_in_group=4)
             inv = Float32(0.0)
             lse2 = Float32(NEG_INF)
-            if total > 0.0:
+            if total != 0.0:  # NaN too: it reaches the lse
                 inv = 1.0 / total
                 lse2 = row_max[h] + cute.math.log2(total, fastmath=True)
             p = row0 + tOcO[0][0] + 8 * h
@@ -354,7 +370,7 @@ class FlexDecodeSm90:
             # weights 2^(lse_s - lse) sum to 1; with no split holding anything, all are 2^-inf = 0
             lse2 = Float32(NEG_INF)
             norm = Float32(0.0)
-            if total > 0.0:
+            if total != 0.0:  # NaN too: it reaches the lse
                 lse2 = base + cute.math.log2(total, fastmath=True)
                 norm = lse2
             cols = self.dv // 32

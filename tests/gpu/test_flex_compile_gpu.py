@@ -97,12 +97,16 @@ def test_kv_cache_view_with_heads_inner_and_dynamic_length():
     in place; the length changes between calls (dynamic=True)."""
     cache_k, cache_v = rand(4, 4096, 8, 128), rand(4, 4096, 8, 128)
     q = rand(4, 32, 1, 128)
-    for kv_len in (1000, 1537):
-        k, v = cache_k[:, :kv_len].transpose(1, 2), cache_v[:, :kv_len].transpose(1, 2)
-        torch._dynamo.reset()
-        out, code = compiled_run(q, k, v, enable_gqa=True, dynamic=True)
-        assert OUR_CALL in code
-        assert_out_close(out, reference(q, k, v)[0], torch.bfloat16)
+    compiled = torch.compile(flex_attention, dynamic=True)
+    codes = []
+    with inductor_cute.enable(flex_decode=True):
+        for kv_len in (1000, 1537):
+            k, v = cache_k[:, :kv_len].transpose(1, 2), cache_v[:, :kv_len].transpose(1, 2)
+            out, code = run_and_get_code(compiled, q, k, v, enable_gqa=True)
+            codes.append(code)
+            assert_out_close(out, reference(q, k, v)[0], torch.bfloat16)
+    assert OUR_CALL in "\n".join(codes[0])
+    assert codes[1] == [], "the second length recompiled"
 
 
 def softcap(score, b, h, m, n):

@@ -32,8 +32,9 @@ def reference(q, k, v, scale=None, kv_len=None):
     vv = v.double().repeat_interleave(hq // hkv, dim=1)
     s = (q.double() @ kk.transpose(-1, -2)) * scale
     if kv_len is not None:
-        cols = torch.arange(lkv, device=q.device)
-        s = s.masked_fill(cols[None, None, None, :] >= kv_len.long()[:, None, None, None], float("-inf"))
+        past_end = torch.arange(lkv, device=q.device)[None, :] >= kv_len.long()[:, None]  # (b, lkv)
+        s = s.masked_fill(past_end[:, None, None, :], float("-inf"))
+        vv = vv.masked_fill(past_end[:, None, :, None], 0.0)  # keys past the end are not attended at all
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     return p @ vv, lse
@@ -103,6 +104,16 @@ def test_per_batch_lengths_with_an_empty_sequence(dqk, dv):
     hq, hkv = (16, 1) if dqk == 576 else (16, 4)
     kv_len = torch.tensor([0, 1, 129, 1000, 2048, 2047], device="cuda", dtype=torch.int32)
     check(rand(6, hq, 4, dqk), rand(6, hkv, 2048, dqk), rand(6, hkv, 2048, dv), kv_len=kv_len)
+
+
+def test_cache_rows_past_kv_len_are_never_read_into_the_result():
+    # a KV cache's unused tail may hold anything; NaN or Inf there must not reach the output
+    kv_len = torch.tensor([200, 1, 1000], device="cuda", dtype=torch.int32)
+    k, v = rand(3, 2, 1024, 128), rand(3, 2, 1024, 128)
+    for b, n in enumerate(kv_len.tolist()):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("inf") if b % 2 else float("nan")
+    check(rand(3, 8, 2, 128), k, v, kv_len=kv_len)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64])

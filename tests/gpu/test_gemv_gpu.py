@@ -101,6 +101,7 @@ def _precompile():
         specs.add(gemv_spec(GemmProblem("bfloat16", NAMES[dt], "k", "k", True, True, "silu"), cfg))
         specs.add(gemv_spec(GemmProblem("bfloat16", NAMES[dt], "k", "k", False, True), cfg))
     specs.add(gemv_spec(plain[torch.float16], cfg))
+    specs.add(gemv_spec(plain[torch.float16], GemvConfig(4, 96, 3, 1)))  # the NaN test's
     specs.add(gemv_spec(GemmProblem("bfloat16", "bfloat16", "k", "k", True, True, epilogue=PROGRAM), cfg))
     failed = [r for r in precompile(sorted(specs, key=lambda s: s.name)) if r.status == "failed"]
     assert not failed, failed[0].error
