@@ -21,6 +21,7 @@ for s in $steps; do
     case $s in
         gemv) step gemv 200 python3 -m pytest -m gpu tests/gpu/test_gemv_gpu.py -q -x -p no:cacheprovider ;;
         flex) step flex 200 python3 -m pytest -m gpu tests/gpu/test_flex_decode_gpu.py -q -p no:cacheprovider ;;
+        flex_lowering) step flex_lowering 120 python3 -m pytest tests/test_flex_lowering.py -q -p no:cacheprovider ;;
         flex_compile) step flex_compile 300 python3 -m pytest -m gpu tests/gpu/test_flex_compile_gpu.py -q -p no:cacheprovider ;;
         fusion) step fusion 200 python3 -m pytest -m gpu tests/gpu/test_inductor_gpu.py -q -p no:cacheprovider -k fuse ;;
         gemm) step gemm 300 python3 -m pytest -m gpu tests/gpu/test_gemm_gpu.py -q -p no:cacheprovider ;;

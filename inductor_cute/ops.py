@@ -116,15 +116,40 @@ def _operand(t: torch.Tensor, modes: tuple[int, ...]) -> tuple[torch.Tensor | No
 
 @functools.lru_cache(maxsize=1024)
 def _gemm_kernel(problem, config, num_sms: int):
-    from .kernels.gemm_config import gemm_spec
+    from .kernels.gemm_kernels import kernel_spec
 
-    return get_kernel(gemm_spec(problem, config, num_sms))
+    return get_kernel(kernel_spec(problem, config, num_sms))
+
+
+def _gemv_workspace(device, sizes: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMV's split-K partials and arrival counters, fresh per call: a cached buffer could be
+    shared by two streams, or live in a CUDA graph's private pool that the graph later reuses.
+    The counters are zeroed only when the kernel splits K (otherwise it touches neither)."""
+    n_partials, n_counters, split = sizes
+    ws = torch.empty(n_partials + n_counters, device=device, dtype=torch.float32)
+    counters = ws[n_partials:].view(torch.int32)
+    if split:
+        counters.zero_()
+    return ws[:n_partials], counters
+
+
+def _default_gemm_config(problem, batch: int, m: int, n: int, k: int, num_sms: int):
+    """The decode GEMV for one matrix of at most 16 rows against a K-major weight, else the WGMMA
+    GEMM's heuristic tile."""
+    from .kernels import gemv_config
+    from .kernels.gemm_config import default_config
+
+    if batch == 1 and gemv_config.unsupported_reason(m, n, k, problem) is None:
+        return gemv_config.default_config(m, n, k, num_sms)
+    return default_config(m, n, problem, batch, num_sms)
 
 
 def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue=""):
     """Checks and TMA views for one GEMM: ((problem, config, num_sms), kernel arguments, out);
     the plan and arguments are None when the output is empty."""
-    from .kernels.gemm_config import GemmProblem, config_error, default_config, problem_error
+    from .kernels.gemm_config import GemmProblem, problem_error
+    from .kernels.gemm_kernels import config_problem
+    from .kernels.gemv_config import GemvConfig, splits, workspace_sizes
 
     if a.dtype not in _GEMM_INPUT or b.dtype != a.dtype:
         raise UnsupportedError(f"{name}: A and B must both be bfloat16 or float16, got {a.dtype} and {b.dtype}")
@@ -175,11 +200,25 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, 
         raise UnsupportedError(f"{name}: {error}")
     num_sms = _sm_count(a.device.index or 0)
     if config is None:
-        config = default_config(m, n, problem, batch, num_sms)
-    elif config_error(config, problem):
-        raise UnsupportedError(f"{name}: config {config} cannot run this problem: {config_error(config, problem)}")
-    plan = (problem, config, num_sms)
-    return plan, (a3, b3, d3, c3, bias, float(alpha), float(beta or 0.0)), out
+        config = _default_gemm_config(problem, batch, m, n, k, num_sms)
+    else:
+        error = config_problem(config, problem, m, k)
+        if error or (batch > 1 and isinstance(config, GemvConfig)):
+            raise UnsupportedError(f"{name}: config {config} cannot run this problem: {error or 'gemv is not batched'}")
+    scalars = (float(alpha), float(beta or 0.0))
+    if isinstance(config, GemvConfig):  # 2-D operands; the workspace is added at each launch
+        n_partials, n_counters = workspace_sizes(n, k, config)
+        plan = (problem, config, num_sms, (n_partials, n_counters, splits(k, config) > 1))
+        two_d = (t[:, :, 0] if t is not None else None for t in (a3, b3, d3, c3))
+        return plan, (*two_d, bias, *scalars), out
+    return (problem, config, num_sms, None), (a3, b3, d3, c3, bias, *scalars), out
+
+
+def _launch(kernel, args: tuple, workspace: tuple | None, device) -> None:
+    if workspace is None:
+        kernel(*args)
+    else:
+        kernel(*args[:5], *_gemv_workspace(device, workspace), *args[5:])
 
 
 def _batched(name, a, b, bias, c, out):
@@ -218,14 +257,14 @@ def _view_of(view, t):
     return tuple(view.shape), tuple(view.stride())
 
 
-def _remember(key, kernel, kernel_args, a, b, c, out, bias):
+def _remember(key, kernel, kernel_args, workspace, a, b, c, out, bias):
     a3, b3, d3, c3, bias_arg = kernel_args[:5]
     views = [_view_of(a3, a), _view_of(b3, b), _view_of(d3, out)]
     if None in views or (c is not None and _view_of(c3, c) is None) or bias_arg is not bias:
         return
     if len(_FAST_PATHS) >= _FAST_PATHS_MAX:
         _FAST_PATHS.clear()
-    _FAST_PATHS[key] = (kernel, views, _view_of(c3, c) if c is not None else None, kernel_args[5:])
+    _FAST_PATHS[key] = (kernel, views, _view_of(c3, c) if c is not None else None, kernel_args[5:], workspace)
 
 
 def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue="", launch=True):
@@ -235,20 +274,21 @@ def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=N
                out_dtype, config, epilogue)
         hit = _FAST_PATHS.get(key)
         if hit is not None:
-            kernel, views, c_view, scalars = hit
+            kernel, views, c_view, scalars, workspace = hit
             c3 = c.as_strided(*c_view) if c is not None else None
-            kernel(a.as_strided(*views[0]), b.as_strided(*views[1]), out.as_strided(*views[2]), c3, bias, *scalars)
+            _launch(kernel, (a.as_strided(*views[0]), b.as_strided(*views[1]), out.as_strided(*views[2]), c3, bias,
+                             *scalars), workspace, out.device)
             return out
     a3d, b3d, c3d, out3 = _batched(name, a, b, bias, c, out)
     plan, kernel_args, out3 = _prepare_gemm(name, a3d, b3d, bias, c3d, alpha, beta, activation, out_dtype, out3, config,
                                             epilogue)
     if not launch:
-        return plan
+        return plan[:3] if plan is not None else None
     if plan is not None:
-        kernel = _gemm_kernel(*plan)
-        kernel(*kernel_args)
+        kernel = _gemm_kernel(*plan[:3])
+        _launch(kernel, kernel_args, plan[3], out3.device)
         if key is not None:
-            _remember(key, kernel, kernel_args, a, b, c, out, bias)
+            _remember(key, kernel, kernel_args, plan[3], a, b, c, out, bias)
     return out3[0] if name == "mm" else out3
 
 
@@ -258,8 +298,10 @@ def mm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", 
 
     bf16/fp16 inputs, fp32 accumulation, output in `out_dtype` (default: a's dtype). Any layout
     of a and b is accepted (nn.Linear weights as `w.t()` are read in place); `c` broadcasts to
-    (M, N) and `beta` defaults to 1 when it is given; `bias` has shape (N,). `config` (a
-    kernels.gemm_config.GemmConfig) overrides the default tile configuration. `epilogue` (a
+    (M, N) and `beta` defaults to 1 when it is given; `bias` has shape (N,). M <= 16 against a
+    K-major b (an nn.Linear weight) runs the decode GEMV, anything else the WGMMA GEMM; `config`
+    (a kernels.gemm_config.GemmConfig or kernels.gemv_config.GemvConfig) overrides that choice
+    and its configuration. `epilogue` (a
     kernels.epilogue_program text) replaces alpha/beta/activation: the program computes the output
     from the accumulator, `bias` (its "row") and `c` (its "full")."""
     return _gemm("mm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue)
@@ -283,9 +325,9 @@ def gemm_plan(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="iden
 
 def gemm_spec_for(a, b, **kwargs):
     """The KernelSpec that `mm` or `bmm` would run on these inputs (same arguments), for precompiling."""
-    from .kernels.gemm_config import gemm_spec
+    from .kernels.gemm_kernels import kernel_spec
 
-    return gemm_spec(*gemm_plan(a, b, **kwargs))
+    return kernel_spec(*gemm_plan(a, b, **kwargs))
 
 
 # ---------------------------------------------------------------------------- attention decoding

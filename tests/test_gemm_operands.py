@@ -74,10 +74,51 @@ def test_plan_reads_linear_weights_in_place_and_defaults_beta(monkeypatch):
     w = torch.randn(128, 64, dtype=torch.bfloat16)
     c = torch.randn(1, 32, 128, dtype=torch.bfloat16)
     plan, args, out = _plan(monkeypatch, a, w.t().unsqueeze(0), None, c, 2.0, None, "silu", None, None)
-    problem, config, num_sms = plan
+    problem, config, num_sms, workspace = plan
     assert (problem.a_major, problem.b_major, problem.has_c, problem.activation) == ("k", "k", True, "silu")
     assert args[1].data_ptr() == w.data_ptr() and args[5:] == (2.0, 1.0)
-    assert out.shape == (1, 32, 128) and config.tile_m == 64
+    assert out.shape == (1, 32, 128) and config.tile_m == 64 and workspace is None
+
+
+def test_up_to_16_rows_against_a_linear_weight_run_the_gemv(monkeypatch):
+    from inductor_cute.kernels.gemm_config import GemmConfig
+    from inductor_cute.kernels.gemv_config import GemvConfig, default_config
+
+    w = torch.randn(4096, 4096, dtype=torch.bfloat16)
+    for m in (1, 7, 16):
+        a, c = torch.randn(1, m, 4096, dtype=torch.bfloat16), torch.randn(1, m, 4096, dtype=torch.bfloat16)
+        plan, args, _ = _plan(monkeypatch, a, w.t().unsqueeze(0), None, c, 1.0, None, "identity", None, None)
+        assert plan[1] == default_config(m, 4096, 4096, 132)
+        assert plan[3] == (4 * 4096 // 128 * 256 * 4 * plan[1].m_tiles, 4096 // 128, True)  # 4 K splits
+        # the kernel's 2-D operands: A (M, K), W (N, K) read in place, D and C (M, N)
+        assert [t.shape for t in args[:4]] == [(m, 4096), (4096, 4096), (m, 4096), (m, 4096)]
+        assert args[1].data_ptr() == w.data_ptr() and torch.equal(args[3], c[0])
+    not_gemv = [(torch.randn(1, 17, 4096), w.t().unsqueeze(0)),  # 17 rows
+                (torch.randn(1, 8, 4096), w.unsqueeze(0)),  # N-major B
+                (torch.randn(2, 8, 4096), w.t().expand(2, 4096, 4096))]  # batched
+    for a, b in not_gemv:
+        plan, _, _ = _plan(monkeypatch, a.bfloat16(), b, None, None, 1.0, None, "identity", None, None)
+        assert isinstance(plan[1], GemmConfig)
+    import pytest
+
+    from inductor_cute import UnsupportedError
+
+    a = torch.randn(1, 17, 4096, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedError, match="M in 1..16"):
+        _plan(monkeypatch, a, w.t().unsqueeze(0), None, None, 1.0, None, "identity", None, None,
+              config=GemvConfig(m_tiles=2))
+    with pytest.raises(UnsupportedError, match="m_tiles=2"):
+        _plan(monkeypatch, a[:, :9], w.t().unsqueeze(0), None, None, 1.0, None, "identity", None, None,
+              config=GemvConfig(m_tiles=1))
+
+
+def test_config_tuples_round_trip_for_generated_code():
+    from inductor_cute.kernels.gemm_config import GemmConfig
+    from inductor_cute.kernels.gemm_kernels import as_tuple, from_tuple
+    from inductor_cute.kernels.gemv_config import GemvConfig
+
+    for cfg in (GemmConfig(128, 128, 64, 2, 1, 6, 2, True, False), GemvConfig(8, 1024, 8, 2)):
+        assert from_tuple(as_tuple(cfg)) == cfg and eval(repr(as_tuple(cfg))) == as_tuple(cfg)
 
 
 def test_plan_of_an_empty_output_launches_nothing(monkeypatch):

@@ -1,15 +1,15 @@
 """The decode GEMV compiled for sm_90a on the CPU: dtypes, epilogues and token tiles, checked in
 PTX and in ptxas's resource report; the config limits and the split heuristic."""
 
+import dataclasses
 import re
 
 import pytest
 
 from inductor_cute.kernels.epilogue_program import dumps
 from inductor_cute.kernels.gemm_config import GemmProblem
-from inductor_cute.kernels.gemv_config import (MAX_REGISTERS, MIN_SLICE, GemvConfig, config_error, ctas_per_sm,
-                                               default_config, gemv_spec, smem_bytes, splits, unsupported_reason,
-                                               workspace_sizes)
+from inductor_cute.kernels.gemv_config import (MAX_REGISTERS, GemvConfig, candidate_configs, config_error,
+                                               default_config, gemv_spec, splits, unsupported_reason, workspace_sizes)
 from inductor_cute.runtime.compiler import compile_spec
 
 BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
@@ -95,23 +95,31 @@ DECODE = [(16, 4096, 4096), (8, 14336, 4096), (8, 6144, 4096), (8, 4096, 14336),
 
 
 @pytest.mark.parametrize("m,n,k", DECODE + [(1, 8, 8), (16, 1000, 1000), (4, 128256, 4096), (2, 4096, 128000)])
-def test_default_config_fills_one_wave(m, n, k):
+def test_default_config_takes_the_fewest_splits_that_fill_the_sms(m, n, k):
     cfg = default_config(m, n, k, num_sms=132)
     assert config_error(cfg, BF16, m=m, k=k) is None
     assert cfg.m_tiles == (1 if m <= 8 else 2)
-    ctas = -(-n // cfg.n_block) * splits(k, cfg)
-    if splits(k, cfg) > 1:
-        # a split is taken only to fill the SMs, never past one wave, never below MIN_SLICE
-        assert ctas <= 132 * ctas_per_sm(cfg) or cfg.k_slice * 2 * 8 * cfg.m_tiles >= 32 * 1024
-        assert cfg.k_slice >= MIN_SLICE or smem_bytes(cfg) > 40 * 1024
-    if (m, n, k) in DECODE:
-        assert ctas >= 2 * 132  # every SM streams, with more than one CTA
+    n_blocks = -(-n // cfg.n_block)
+    s = splits(k, cfg)
+    if s > 1:
+        fewer = dataclasses.replace(cfg, k_slice=-(-k // (s - 1) // 32) * 32)
+        # one split less would leave a quarter of the SMs idle, or not fit in shared memory
+        assert n_blocks * (s - 1) < 0.75 * 132 or config_error(fewer, BF16, m=m, k=k) is not None
 
 
 def test_decode_shapes_split_k_only_when_n_is_short():
-    assert splits(4096, default_config(16, 4096, 4096)) > 1
-    assert splits(14336, default_config(8, 4096, 14336)) > 1
+    assert splits(4096, default_config(16, 4096, 4096)) == 4  # 32 N blocks
+    assert splits(14336, default_config(8, 4096, 14336)) == 4
+    assert splits(4096, default_config(8, 14336, 4096)) == 1  # 112 N blocks already fill the SMs
     assert splits(8, default_config(1, 8, 8)) == 1
+
+
+def test_candidates_start_with_the_default_and_are_valid_and_distinct():
+    for m, n, k in DECODE + [(16, 1000, 1000)]:
+        cands = candidate_configs(m, n, k)
+        assert cands[0] == default_config(m, n, k) and len(set(cands)) == len(cands) >= 2
+        assert all(config_error(c, BF16, m=m, k=k) is None for c in cands)
+        assert len({c.describe() for c in cands}) == len(cands)
 
 
 def test_workspace_covers_every_fragment():

@@ -193,3 +193,48 @@ def test_fusion_installs_our_cuda_scheduling_and_restores_everything():
     assert inductor_config.benchmark_epilogue_fusion == before
     with inductor_cute.enable():
         assert not scheduling_installed() and not fusion_enabled()
+
+
+def test_runtime_passes_a_gemv_config_through(recorded):
+    from inductor_cute.kernels.gemm_kernels import as_tuple
+    from inductor_cute.kernels.gemv_config import GemvConfig
+
+    a, b, out = torch.randn(4, 8), torch.randn(16, 8).t(), torch.empty(4, 16)
+    runtime.gemm(a, b, out=out, op="mm", config=as_tuple(GemvConfig(8, 1024, 8, 1)))
+    assert recorded.calls[0]["config"] == GemvConfig(8, 1024, 8, 1)
+
+
+class _Node:
+    def __init__(self, *size):
+        self.size = size
+
+    def get_size(self):
+        return self.size
+
+
+class _Sizes:
+    def __init__(self, m, n, k, batch=None):
+        self.mnk = (m, n, k)
+        lead = (batch,) if batch else ()
+        self.mats = (_Node(*lead, m, k), _Node(*lead, k, n))
+
+    def mnk_symbolic(self):
+        return self.mnk
+
+    def mat1mat2(self):
+        return self.mats
+
+
+def test_gemv_candidates_only_for_static_small_m_against_a_k_major_weight():
+    import sympy
+
+    from inductor_cute.kernels.gemm_config import GemmProblem
+    from inductor_cute.kernels.gemv_config import candidate_configs as gemv_candidates
+
+    weight = GemmProblem("bfloat16", "bfloat16", "k", "k")
+    assert choices_mod._gemv_candidates(_Sizes(8, 4096, 4096), weight, 132) == gemv_candidates(8, 4096, 4096, 132)
+    assert choices_mod._gemv_candidates(_Sizes(17, 4096, 4096), weight, 132) == []
+    assert choices_mod._gemv_candidates(_Sizes(sympy.Symbol("s0"), 4096, 4096), weight, 132) == []  # dynamic M
+    assert choices_mod._gemv_candidates(_Sizes(8, 4096, 4096, batch=1), weight, 132) == []  # bmm
+    n_major = GemmProblem("bfloat16", "bfloat16", "k", "n")
+    assert choices_mod._gemv_candidates(_Sizes(8, 4096, 4096), n_major, 132) == []

@@ -97,6 +97,19 @@ def unsupported_reason(kernel_inputs, op_name) -> str | None:
     return None
 
 
+def _gemv_candidates(kernel_inputs, problem, num_sms: int) -> list:
+    """The decode GEMV's configs for an unbatched GEMM whose M is static and at most 16 (a
+    dynamic M could outgrow it) against a K-major weight; [] otherwise."""
+    from ..kernels import gemv_config
+
+    m, n, k = (_static(x) for x in kernel_inputs.mnk_symbolic())
+    if len(kernel_inputs.mat1mat2()[0].get_size()) != 2 or m is None:
+        return []
+    if gemv_config.unsupported_reason(m, n, k, problem) is not None:
+        return []
+    return gemv_config.candidate_configs(m, n, k, num_sms)
+
+
 def gemm_choices(kernel_inputs, op_name) -> list:
     """One bound choice per candidate config that compiled; [] when we cannot serve this GEMM."""
     reason = unsupported_reason(kernel_inputs, op_name)
@@ -105,13 +118,15 @@ def gemm_choices(kernel_inputs, op_name) -> list:
         log.info("inductor-cute skips %s %dx%dx%d: %s", op_name, m, n, k, reason)
         return []
     from ..kernels.gemm_candidates import candidate_configs
+    from ..kernels.gemm_kernels import as_tuple
     from .extern import CUTE_GEMM
     from .specs import problem_for, precompile_choices
 
     problem, batch = problem_for(kernel_inputs, op_name)
     num_sms = torch.cuda.get_device_properties(kernel_inputs.device()).multi_processor_count
     exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
-    configs = candidate_configs(m, n, problem, batch, num_sms, exhaustive)
+    configs = _gemv_candidates(kernel_inputs, problem, num_sms) + candidate_configs(m, n, problem, batch, num_sms,
+                                                                                   exhaustive)
     ready = precompile_choices(problem, configs, num_sms)
     scalars = {}
     if op_name in ("addmm", "baddbmm"):
@@ -121,7 +136,7 @@ def gemm_choices(kernel_inputs, op_name) -> list:
     for cfg, spec_key in ready:
         choices.append(CUTE_GEMM.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=cfg.describe(),
                                       problem=problem, num_sms=num_sms,
-                                      op=op_name, config=tuple(cfg.as_params().values()), **scalars))
+                                      op=op_name, config=as_tuple(cfg), **scalars))
     log.info("inductor-cute offers %d of %d configs for %s %dx%dx%d (batch %d)",
              len(choices), len(configs), op_name, m, n, k, batch)
     return choices

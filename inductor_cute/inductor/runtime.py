@@ -11,7 +11,7 @@ import functools
 import torch
 
 from .. import ops
-from ..kernels.gemm_config import GemmConfig
+from ..kernels.gemm_kernels import from_tuple
 
 MODULE = __name__  # what generated output code imports
 BATCHED = {"bmm", "baddbmm"}
@@ -33,14 +33,15 @@ def input_role(sizes, strides, n: int, beta: float) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _config(params: tuple) -> GemmConfig:
-    return GemmConfig(*params)
+def _config(params: tuple):
+    return from_tuple(params)
 
 
 def gemm(*inputs: torch.Tensor, out: torch.Tensor, op: str, config: tuple, alpha: float = 1.0,
          beta: float = 1.0, epilogue: str = "", row: torch.Tensor | None = None,
          full: torch.Tensor | None = None) -> None:
-    """out = alpha * a @ b (+ beta * inp for addmm/baddbmm) with one GemmConfig (given as a tuple);
+    """out = alpha * a @ b (+ beta * inp for addmm/baddbmm) with one GemmConfig or GemvConfig
+    (given as kernels.gemm_kernels.as_tuple makes it);
     with a fused `epilogue` program, out = program(a @ b, row, full) instead."""
     run = ops.bmm if op in BATCHED else ops.mm
     if epilogue:

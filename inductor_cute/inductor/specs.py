@@ -9,7 +9,9 @@ import time
 from torch._inductor.virtualized import V
 
 from ..ops import DTYPE_NAMES
-from ..kernels.gemm_config import GemmConfig, GemmProblem, gemm_spec
+from ..kernels.gemm_config import GemmConfig, GemmProblem
+from ..kernels.gemm_kernels import kernel_spec
+from ..kernels.gemv_config import GemvConfig
 from ..runtime import precompile, target_arch
 from ..runtime.loader import kernel_key
 from .runtime import input_role
@@ -45,11 +47,11 @@ def problem_for(kernel_inputs, op_name: str) -> tuple[GemmProblem, int]:
     return problem, batch
 
 
-def precompile_choices(problem: GemmProblem, configs: list[GemmConfig], num_sms: int) -> list[tuple]:
+def precompile_choices(problem: GemmProblem, configs: list[GemmConfig | GemvConfig], num_sms: int) -> list[tuple]:
     """Compile every config in parallel worker processes (or find it cached); (config, spec key)
     for those that are ready, in the given order. Failures are logged and left out."""
     arch = target_arch().name
-    specs = [gemm_spec(problem, cfg, num_sms) for cfg in configs]
+    specs = [kernel_spec(problem, cfg, num_sms) for cfg in configs]
     start = time.perf_counter()
     results = precompile(specs, arch)
     ready = []

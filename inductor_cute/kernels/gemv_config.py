@@ -17,13 +17,9 @@ from .gemm_config import ELEMENT_BYTES, GemmProblem, problem_error
 
 MAX_M = 16
 K_STEP = 32  # K elements one warp consumes per pipeline stage (a 16-byte vector per thread and row)
-SMEM_PER_SM = 228 * 1024  # shared memory of one SM, of which the runtime keeps 1 KB per CTA
 SMEM_BUDGET = 227 * 1024  # what one CTA may use
-MAX_THREADS_PER_SM = 2048
-MAX_REGISTERS = 64  # per thread; tests hold ptxas to it, the occupancy estimate relies on it
+MAX_REGISTERS = 64  # per thread; tests hold ptxas to it (occupancy)
 MAX_SPLITS = 64
-MIN_SLICE = 512  # K per split the heuristic keeps: 16 pipeline steps amortize a CTA's prologue
-MAX_A_SLICE_BYTES = 32 * 1024  # the heuristic's A slice cap: keeps >= 4 CTAs (48 KB in flight) per SM
 KERNEL_MODULE = "inductor_cute.kernels.gemv_sm90"
 
 
@@ -45,6 +41,9 @@ class GemvConfig:
     def as_params(self) -> dict:
         return dataclasses.asdict(self)
 
+    def describe(self) -> str:
+        return f"gemv w{self.warps} k{self.k_slice} s{self.stages} m{8 * self.m_tiles}"
+
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -55,14 +54,6 @@ def smem_bytes(cfg: GemvConfig, ab_bytes: int = 2) -> int:
     ring = cfg.stages * cfg.threads * 2 * 16
     a_slice = 8 * cfg.m_tiles * cfg.k_slice * ab_bytes
     return ring + a_slice + 16
-
-
-def ctas_per_sm(cfg: GemvConfig) -> int:
-    """Resident CTAs per SM, from shared memory, threads and the register cap."""
-    by_smem = SMEM_PER_SM // (smem_bytes(cfg) + 1024)
-    by_threads = MAX_THREADS_PER_SM // cfg.threads
-    by_regs = 65536 // (MAX_REGISTERS * cfg.threads)
-    return max(1, min(by_smem, by_threads, by_regs, 32))
 
 
 def splits(k: int, cfg: GemvConfig) -> int:
@@ -104,23 +95,39 @@ def config_error(c: GemvConfig, p: GemmProblem, m: int | None = None, k: int | N
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """Fill one wave: as many K splits as keep every CTA resident at once (so all of W is in
-    flight together and no SM idles in a tail), with slices of at least MIN_SLICE; never an A
-    slice over MAX_A_SLICE_BYTES (occupancy), even where the N blocks alone fill the SMs."""
+    """8 warps and an 8-deep ring; K split over the fewest CTAs that still put three quarters of
+    the SMs to work (each split adds partial traffic and a reduction), and over more only where
+    the A slice would not fit in shared memory. In the H200 sweep (benchmarks/results/
+    gemv-config-sweep-h200-20261203.txt) this pick is within 4% of the best of 56 configs on the
+    measured decode shapes; the previous one (4 warps, 4 stages, splits filling 4 CTAs per SM)
+    was 5-12% slower."""
     m_tiles = 1 if m <= 8 else 2
-    base = GemvConfig(warps=4, stages=4, m_tiles=m_tiles)
+    base = GemvConfig(warps=8, stages=8, m_tiles=m_tiles)
     n_blocks = _ceil_div(n, base.n_block)
     steps = _ceil_div(k, K_STEP)
-    max_slice = MAX_A_SLICE_BYTES // (2 * 8 * m_tiles)
-    slices = sorted({_ceil_div(steps, s) * K_STEP for s in range(1, MAX_SPLITS + 1)}, reverse=True)
-    slices = [ks for ks in slices if ks <= max_slice] or slices[-1:]
-    best = dataclasses.replace(base, k_slice=slices[0])  # the fewest splits within the A cap
-    for ks in slices[1:]:
-        cfg = dataclasses.replace(base, k_slice=ks)
-        if ks < MIN_SLICE or n_blocks * splits(k, cfg) > num_sms * ctas_per_sm(cfg):
-            break
-        best = cfg
-    return best
+    ring = smem_bytes(dataclasses.replace(base, k_slice=0))
+    max_slice = max(K_STEP, (SMEM_BUDGET - ring) // (2 * 8 * m_tiles) // K_STEP * K_STEP)
+    wanted = max(_ceil_div(3 * num_sms, 4 * n_blocks), _ceil_div(k, max_slice))
+    wanted = min(wanted, MAX_SPLITS, steps)
+    return dataclasses.replace(base, k_slice=_ceil_div(steps, wanted) * K_STEP)
+
+
+def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[GemvConfig]:
+    """The default first, then the alternates that won somewhere in the sweep: half and twice
+    the split count, and 4 warps (more CTAs per SM)."""
+    best = default_config(m, n, k, num_sms)
+    out = [best]
+    steps = _ceil_div(k, K_STEP)
+    for s in (splits(k, best) * 2, max(1, splits(k, best) // 2)):
+        s = min(s, MAX_SPLITS, steps)
+        out.append(dataclasses.replace(best, k_slice=_ceil_div(steps, s) * K_STEP))
+    out.append(dataclasses.replace(best, warps=4, stages=6))
+    problem = GemmProblem("bfloat16", "bfloat16", "k", "k")
+    unique = []
+    for cfg in out:
+        if cfg not in unique and config_error(cfg, problem, m=m, k=k) is None:
+            unique.append(cfg)
+    return unique
 
 
 def workspace_sizes(n: int, k: int, cfg: GemvConfig) -> tuple[int, int]:

@@ -195,3 +195,46 @@ def test_nan_and_inf_propagate_like_torch():
     theirs = a.float() @ w.float().t()
     assert torch.equal(ours.isnan(), theirs.isnan())
     assert torch.equal(ours.isinf(), theirs.isinf())
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (8, 6144, 4096), (16, 1000, 1000), (5, 4096, 14336)])
+def test_ops_mm_routes_small_m_against_a_linear_weight_to_the_gemv(m, n, k):
+    from inductor_cute import ops
+
+    a, w = operands(m, n, k)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    c = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    assert isinstance(ops.gemm_plan(a, w.t())[1], GemvConfig)
+    out = poisoned(m, n, torch.bfloat16)
+    ops.mm(a, w.t(), bias=bias, c=c, beta=0.5, activation="silu", out=out)
+    check(out, reference(a, w, bias, c, beta=0.5, act="silu"), torch.bfloat16)
+    for _ in range(3):  # repeated calls take the fast path, with a fresh workspace each time
+        again = poisoned(m, n, torch.bfloat16)
+        ops.mm(a, w.t(), bias=bias, c=c, beta=0.5, activation="silu", out=again)
+        assert torch.equal(again, out)
+
+
+def test_ops_mm_gemv_under_cuda_graph_capture_and_on_a_side_stream():
+    from inductor_cute import ops
+
+    a, w = operands(8, 4096, 4096)
+    assert splits(4096, ops.gemm_plan(a, w.t())[1]) > 1  # the split path, with its counters
+    expected = ops.mm(a, w.t())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up off the capture, as CUDA graphs require
+            ops.mm(a, w.t())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.mm(a, w.t())
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected)
+    a.copy_(torch.randn_like(a))  # the graph reads the new input in place
+    graph.replay()
+    torch.cuda.synchronize()
+    check(captured, reference(a, w), torch.bfloat16)
