@@ -36,8 +36,11 @@ def _commit() -> str:
         return os.environ["INDUCTOR_CUTE_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[2]
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                               text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("+changes" if changed else "")  # the code that ran is not exactly HEAD
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
