@@ -336,10 +336,35 @@ _LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=256)
-def _flex_decode_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int, has_kv_len: bool):
+def _flex_decode_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int, has_kv_len: bool,
+                        score_program: str = "", score_dtypes: tuple[str, ...] = ()):
     from .kernels.flex_decode_config import flex_decode_spec
 
-    return get_kernel(flex_decode_spec(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len))
+    return get_kernel(flex_decode_spec(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len,
+                                       score_program=score_program, score_dtypes=score_dtypes))
+
+
+def _score_mod_operands(score_mod: str | None, score_tensors, device) -> tuple[str, tuple[str, ...], list]:
+    """(canonical program text or "", captured tensors' dtype names, the kernel's captured-tensor
+    slots: the tensors contiguous, then None)."""
+    from .kernels import score_program as sp
+
+    if score_mod is None:
+        if score_tensors:
+            raise UnsupportedError("flex_decode: score_tensors were given without a score_mod")
+        return "", (), [None] * sp.MAX_TENSORS
+    if not isinstance(score_mod, str):
+        raise UnsupportedError("flex_decode: score_mod must be a score program's text (kernels.score_program)")
+    tensors = list(score_tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.device != device:
+            raise UnsupportedError(f"flex_decode: score tensor t{i} must be a 1-D tensor on {device}")
+    dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
+    try:
+        text = sp.canonical(score_mod, dtypes)
+    except ValueError as e:
+        raise UnsupportedError(f"flex_decode: score_mod: {e}") from None
+    return text, dtypes, [t.contiguous() for t in tensors] + [None] * (sp.MAX_TENSORS - len(tensors))
 
 
 def _decode_operand(name: str, t: torch.Tensor, copy_ok: bool) -> torch.Tensor:
@@ -359,7 +384,8 @@ def _decode_operand(name: str, t: torch.Tensor, copy_ok: bool) -> torch.Tensor:
 
 
 def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                kv_len: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None):
+                kv_len: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
+                score_mod: str | None = None, score_tensors=()):
     """Attention for decoding, split over the KV length: softmax(scale * q k^T) v per query head.
 
     q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv), bf16 or fp16, Hq a multiple of
@@ -368,6 +394,9 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
     `scale` defaults to 1/sqrt(Dqk). With `return_lse`, also returns the fp32 logsumexp (B, Hq,
     Lq) of the scaled scores in natural-log units, as torch's flex_attention returns it.
     `num_splits` overrides the number of KV splits chosen from the problem size.
+    `score_mod` is a score program's text (kernels.score_program: flex_attention's score_mod as
+    data) reading `score_tensors` (1-D, on q's device) as t0, t1, ...; it modifies the scaled
+    scores before the softmax, exactly as flex_attention's score_mod does.
     """
     from .kernels import flex_decode_config as fdc
 
@@ -401,6 +430,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
         raise UnsupportedError(f"flex_decode: batch * KV heads = {batch * kv_heads} exceeds 65535 (grid limit)")
     if num_splits is not None and not 1 <= num_splits <= fdc.MAX_SPLITS:
         raise UnsupportedError(f"flex_decode: num_splits must be in 1..{fdc.MAX_SPLITS}, got {num_splits}")
+    program, score_dtypes, score_slots = _score_mod_operands(score_mod, score_tensors, q.device)
 
     out = torch.empty(batch, heads, q_len, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
@@ -410,7 +440,7 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
         return (out, lse) if return_lse else out
     q4 = _decode_operand("q", q, copy_ok=True)
     k4, v4 = _decode_operand("k", k, copy_ok=False), _decode_operand("v", v, copy_ok=False)
-    kernel = _flex_decode_kernel(dqk, dv, DTYPE_NAMES[q.dtype], group, kv_len is not None)
+    kernel = _flex_decode_kernel(dqk, dv, DTYPE_NAMES[q.dtype], group, kv_len is not None, program, score_dtypes)
     if num_splits is None:
         kv_block = fdc.HEAD_DIMS[(dqk, dv)][0]
         num_splits = fdc.num_splits(batch, kv_heads, fdc.m_tiles(group, q_len), seq, kv_block,
@@ -418,5 +448,5 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
     o_part = torch.empty(num_splits, batch, heads, q_len, dv, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(num_splits, batch, heads, q_len, device=q.device, dtype=torch.float32)
     scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
-    kernel(q4, k4, v4, kv_len, o_part, lse_part, out, lse, scale * _LOG2E)
+    kernel(q4, k4, v4, kv_len, o_part, lse_part, out, lse, scale * _LOG2E, scale, *score_slots)
     return (out, lse) if return_lse else out

@@ -1,6 +1,8 @@
-"""The split-KV decode kernel compiled for sm_90a on the CPU: every head-dim variant checked in PTX
-and in ptxas's resource report; the configuration limits and the split heuristic."""
+"""The split-KV decode kernel compiled for sm_90a on the CPU: every head-dim variant, and score
+programs (softcap, ALiBi, one using most ops), checked in PTX and in ptxas's resource report; the
+configuration limits and the split heuristic."""
 
+import dataclasses
 import re
 
 import pytest
@@ -8,6 +10,7 @@ import pytest
 from inductor_cute.kernels.flex_decode_config import (HEAD_DIMS, SMEM_BUDGET, FlexDecodeConfig, config_error,
                                                       default_config, flex_decode_spec, m_tiles, num_splits,
                                                       smem_bytes, unsupported_reason)
+from inductor_cute.kernels.score_program import dumps
 from inductor_cute.runtime.compiler import compile_spec
 
 # (head_dim_qk, head_dim_v, dtype, q_per_kv, has_kv_len)
@@ -19,11 +22,33 @@ VARIANTS = {
     "mla-192-128": (192, 128, "bfloat16", 1, False),
     "absorbed-mla-576-512": (576, 512, "bfloat16", 128, True),
 }
+SOFTCAP = dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
+ALIBI = dumps([["slope", "load", "t0", "h"], ["d", "sub", "kv", "q"], ["bias", "mul", "slope", "d"],
+               ["o", "add", "score", "bias"]])
+MIXED = dumps([["r", "remainder", "kv", 3], ["z", "floordiv", "q", 2], ["even", "eq", "r", 0],
+               ["odd", "not", "even"], ["w", "where", "odd", "score", -1.5], ["i", "int", "w"],
+               ["f", "float", "i"], ["m", "maximum", "f", "score"], ["g", "load", "t0", "z"],
+               ["off", "load", "t1", "b"], ["e", "exp", "g"], ["s", "sigmoid", "e"], ["x", "add", "m", "s"],
+               ["o", "add", "x", "off"]])
+# name -> (flex_decode_spec arguments, score program, captured tensor dtypes)
+SCORE_VARIANTS = {
+    "d128-gqa8-softcap": (VARIANTS["d128-gqa8"], SOFTCAP, ()),
+    "d128-gqa8-alibi": (VARIANTS["d128-gqa8"], ALIBI, ("float32",)),
+    "d64-fp16-mixed-ops": ((64, 64, "float16", 4, False), MIXED, ("bfloat16", "int32")),
+    "absorbed-mla-576-512-alibi": (VARIANTS["absorbed-mla-576-512"], ALIBI, ("bfloat16",)),
+}
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def spec_of(name: str):
+    if name in VARIANTS:
+        return flex_decode_spec(*VARIANTS[name])
+    args, program, dtypes = SCORE_VARIANTS[name]
+    return flex_decode_spec(*args, score_program=program, score_dtypes=dtypes)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS) + sorted(SCORE_VARIANTS))
 def compiled(request):
-    return compile_spec(flex_decode_spec(*VARIANTS[request.param]), "sm_90a", keep_ptx=True)
+    return compile_spec(spec_of(request.param), "sm_90a", keep_ptx=True)
 
 
 def test_uses_wgmma_tma_mbarriers_and_exp2(compiled):
@@ -55,6 +80,29 @@ def test_pv_uses_p_from_registers():
     ptx = compile_spec(flex_decode_spec(*VARIANTS["d128-gqa8"]), "sm_90a", keep_ptx=True).ptx
     rs = [line for line in ptx.splitlines() if "wgmma.mma_async" in line and "m64n128k16" in line]
     assert rs and "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_score_programs_reach_the_split_kernel():
+    plain = compile_spec(spec_of("d128-gqa8"), "sm_90a", keep_ptx=True).ptx
+    softcap = compile_spec(spec_of("d128-gqa8-softcap"), "sm_90a", keep_ptx=True).ptx
+    alibi = compile_spec(spec_of("d128-gqa8-alibi"), "sm_90a", keep_ptx=True).ptx
+    # score / 30 is an IEEE division per element (64 per thread and block); tanh is not approximate
+    assert "div.rn.f32" not in plain and softcap.count("div.rn.f32") >= 64
+    assert "tanh.approx" not in softcap
+    # ALiBi reads the slopes (one per row a thread holds) and converts kv - q to float
+    assert alibi.count("ld.global.b32") > plain.count("ld.global.b32")
+    assert "cvt.rn.f32.s32" in alibi
+    for ptx in (softcap, alibi):  # the mod sits between two WGMMAs, P still from registers
+        assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_score_program_configs_are_validated():
+    base = default_config(128, 128, "bfloat16", 8)
+    assert config_error(dataclasses.replace(base, score_program=SOFTCAP)) is None
+    assert "unknown tensor" in config_error(dataclasses.replace(base, score_program=ALIBI))
+    assert "canonical" in config_error(dataclasses.replace(base, score_program=SOFTCAP.replace(",", ", ")))
+    with pytest.raises(ValueError, match="float64 is not supported"):
+        flex_decode_spec(128, 128, "bfloat16", 8, score_program=ALIBI, score_dtypes=("float64",))
 
 
 def test_default_configs_fit_and_keep_bytes_in_flight():

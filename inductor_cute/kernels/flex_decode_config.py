@@ -40,6 +40,8 @@ class FlexDecodeConfig:
     stages: int  # depth of the TMA ring: bytes in flight per SM = stages * stage_bytes
     v_warpgroups: int  # consumer warp groups; each owns head_dim_v / v_warpgroups output columns
     has_kv_len: bool  # a per-batch int32 length tensor masks the tail of each sequence
+    score_program: str = ""  # a kernels.score_program text (the score_mod); "" for none
+    score_dtypes: tuple[str, ...] = ()  # dtype names of the program's captured tensors t0, t1, ...
 
     @property
     def threads(self) -> int:
@@ -81,10 +83,12 @@ def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per
 
 
 def default_config(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
-                   has_kv_len: bool = False) -> FlexDecodeConfig:
+                   has_kv_len: bool = False, score_program: str = "",
+                   score_dtypes: tuple[str, ...] = ()) -> FlexDecodeConfig:
     """As many stages as shared memory holds: decoding is bound by the bytes kept in flight."""
     kv_block, wgs = HEAD_DIMS[(head_dim_qk, head_dim_v)]
-    cfg = FlexDecodeConfig(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, 1, wgs, has_kv_len)
+    cfg = FlexDecodeConfig(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, 1, wgs, has_kv_len,
+                           score_program, tuple(score_dtypes))
     stages = 1
     while stages < MAX_STAGES and smem_bytes(dataclasses.replace(cfg, stages=stages + 1)) <= SMEM_BUDGET:
         stages += 1
@@ -104,6 +108,14 @@ def config_error(cfg: FlexDecodeConfig) -> str | None:
         return "stages must be at least 1"
     if smem_bytes(cfg) > SMEM_BUDGET:
         return f"{smem_bytes(cfg)} bytes of shared memory exceed the {SMEM_BUDGET} available"
+    if cfg.score_program or cfg.score_dtypes:
+        from .score_program import canonical
+
+        try:
+            if canonical(cfg.score_program, cfg.score_dtypes) != cfg.score_program:
+                return "score_program must be in canonical form (score_program.canonical)"
+        except ValueError as e:
+            return str(e)
     return None
 
 
@@ -135,11 +147,14 @@ KERNEL_MODULE = "inductor_cute.kernels.flex_decode_sm90"
 
 
 def flex_decode_spec(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
-                     has_kv_len: bool = False, config: FlexDecodeConfig | None = None):
-    """The KernelSpec of the split-KV decode kernel (with its combine step) for these parameters."""
+                     has_kv_len: bool = False, config: FlexDecodeConfig | None = None,
+                     score_program: str = "", score_dtypes: tuple[str, ...] = ()):
+    """The KernelSpec of the split-KV decode kernel (with its combine step) for these parameters;
+    `score_program` in canonical form (score_program.canonical)."""
     from ..runtime.spec import KernelSpec
 
-    config = config or default_config(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len)
+    config = config or default_config(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len,
+                                      score_program, score_dtypes)
     error = config_error(config)
     if error:
         raise ValueError(error)

@@ -19,11 +19,16 @@ Two kernels launched back to back by one exported function:
     units torch.nn.attention.flex_attention returns. Rows with nothing to attend (kv_len 0)
     get out = 0 and lse = -inf, as flex_attention gives.
 
+With a score program (kernels.score_program, the flex_attention score_mod) the scores are
+x = program(score = s * scale, b, h, q, kv) * log2(e) instead of s * scale * log2(e).
+
 Tensor conventions (torch order, any strides with the last dim contiguous, 16-byte aligned):
     q (B, Hq, Lq, Dqk)   k (B, Hkv, Lkv, Dqk)   v (B, Hkv, Lkv, Dv)   kv_len (B,) int32 or None
     o_part (S, B, Hq, Lq, Dv) fp32 and lse_part (S, B, Hq, Lq) fp32: workspace, S = #splits
     out (B, Hq, Lq, Dv) in q's dtype and lse (B, Hq, Lq) fp32, both contiguous
-Exported entry: kernel(q, k, v, kv_len_or_None, o_part, lse_part, out, lse, scale_log2).
+    t0..t3: the score program's captured tensors (contiguous 1-D), None past its count
+Exported entry: kernel(q, k, v, kv_len_or_None, o_part, lse_part, out, lse, scale_log2, scale,
+t0, t1, t2, t3); scale_log2 = scale * log2(e) is used without a score program, scale with one.
 """
 
 import math
@@ -41,9 +46,13 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
 from .flex_decode_config import ROWS, FlexDecodeConfig, config_error, smem_bytes
+from .score_program import MAX_TENSORS, make_score_fn
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+SCORE_TENSOR_DTYPES = {"float32": Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+                       "int32": Int32}
 LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
 NEG_INF = -math.inf
 COMBINE_WARPS = 4
 
@@ -64,6 +73,7 @@ class FlexDecodeSm90:
         self.consumer_threads = 128 * self.wgs
         self.producer_regs = 40
         self.consumer_regs = 232 if self.wgs == 2 else 240
+        self.score_fn = make_score_fn(cfg.score_program, cfg.score_dtypes) if cfg.score_program else None
 
     def _setup(self):
         dt, st = self.dtype, self.cfg.stages
@@ -91,7 +101,8 @@ class FlexDecodeSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvLen: Optional[cute.Tensor],
                  mOp: cute.Tensor, mLp: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor,
-                 scale_log2: Float32, stream: cuda.CUstream):
+                 scale_log2: Float32, scale: Float32, mT0: Optional[cute.Tensor], mT1: Optional[cute.Tensor],
+                 mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor], stream: cuda.CUstream):
         self._setup()
         assert self.shared_storage.size_in_bytes() == smem_bytes(self.cfg)  # config_error budgets with it
         self._check_acc_layout(self.mma_qk, (ROWS, self.kvb))
@@ -107,7 +118,7 @@ class FlexDecodeSm90:
                                                 (self.dv, self.kvb))
         batch, kv_heads, q_len = mQ.shape[0], mK.shape[1], mQ.shape[2]
         row_tiles = cute.ceil_div(q_len * self.group, ROWS)
-        self.split_kernel(mQ, tma_k, gK, tma_v, gV, mKvLen, mOp, mLp, scale_log2,
+        self.split_kernel(mQ, tma_k, gK, tma_v, gV, mKvLen, mOp, mLp, scale_log2, scale, mT0, mT1, mT2, mT3,
                           self.mma_qk, self.mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout
                           ).launch(grid=[row_tiles, mOp.shape[0], batch * kv_heads],
                                    block=[128 + self.consumer_threads, 1, 1], min_blocks_per_mp=1, stream=stream)
@@ -119,7 +130,8 @@ class FlexDecodeSm90:
     @cute.kernel
     def split_kernel(self, mQ: cute.Tensor, tma_k: cute.CopyAtom, gK_full: cute.Tensor, tma_v: cute.CopyAtom,
                      gV_full: cute.Tensor, mKvLen: Optional[cute.Tensor], mOp: cute.Tensor, mLp: cute.Tensor,
-                     scale_log2: Float32, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+                     scale_log2: Float32, scale: Float32, mT0: Optional[cute.Tensor], mT1: Optional[cute.Tensor],
+                     mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor], mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                      sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         row_tile, split, bh = cute.arch.block_idx()
@@ -214,8 +226,11 @@ class FlexDecodeSm90:
                     cute.gemm(mma_qk, acc_s, tSrQ[(None, None, kb)], tSrK[(None, None, kb, state.index)], acc_s)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                # scale before masking: a negative scale would turn a masked -inf into +inf
-                acc_s.store(acc_s.load() * scale_log2)
+                # scale (or score_mod) before masking: a negative scale would turn a masked -inf into +inf
+                if const_expr(self.score_fn is None):
+                    acc_s.store(acc_s.load() * scale_log2)
+                else:
+                    self._apply_score_mod(acc_s, tScS, scale, b, hkv, row0, blk, (mT0, mT1, mT2, mT3))
 
                 # only the block that holds the end of the sequence has columns to mask
                 if (blk + 1) * self.kvb > seq_len:
@@ -235,6 +250,18 @@ class FlexDecodeSm90:
                 state.advance()
 
             self._store_partials(acc_o, tOcO, row_max, row_sum, mOp, mLp, split, b, hkv, row0, n_rows)
+
+    def _apply_score_mod(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale: Float32, b: Int32, hkv: Int32,
+                         row0: Int32, blk: Int32, tensors: tuple):
+        """x = score_mod(s * scale, b, h, q, kv) * log2(e) per element, unrolled at trace time. The
+        element's query head and position come from its packed row (as in _store_partials), its
+        key from the block's column. Padding rows and columns get scores too, never used."""
+        tensors = [t for t in tensors if t is not None]
+        for v in range(cute.size(acc_s)):
+            p = row0 + tScS[v][0]
+            head, pos = hkv * self.group + p % self.group, p // self.group
+            x = self.score_fn(acc_s[v] * scale, b, head, pos, blk * self.kvb + tScS[v][1], tensors)
+            acc_s[v] = x * LOG2E
 
     @cute.jit
     def _zero_v_tail(self, sV: cute.Tensor, stage: Int32, valid: Int32, ctid: Int32):
@@ -386,10 +413,11 @@ class FlexDecodeSm90:
                 mLse[(b, head, pos)] = lse2 * LN2
 
 
-def build(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_warpgroups, has_kv_len):
+def build(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_warpgroups, has_kv_len,
+          score_program="", score_dtypes=()):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     cfg = FlexDecodeConfig(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_warpgroups,
-                           has_kv_len)
+                           has_kv_len, score_program, tuple(score_dtypes))
     err = config_error(cfg)
     if err:
         raise ValueError(err)
@@ -409,5 +437,8 @@ def build(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_war
     lse_part = make_fake_compact_tensor(Float32, (S, B, Hq, Lq), stride_order=(3, 2, 1, 0))
     out = make_fake_compact_tensor(dt, (B, Hq, Lq, head_dim_v), stride_order=(3, 2, 1, 0), assumed_align=16)
     lse = make_fake_compact_tensor(Float32, (B, Hq, Lq), stride_order=(2, 1, 0))
+    score_tensors = [make_fake_compact_tensor(SCORE_TENSOR_DTYPES[dt], (cute.sym_int(),)) for dt in cfg.score_dtypes]
+    score_tensors += [None] * (MAX_TENSORS - len(score_tensors))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return FlexDecodeSm90(cfg), (q, k, v, kv_len, o_part, lse_part, out, lse, Float32(1.0), stream)
+    return FlexDecodeSm90(cfg), (q, k, v, kv_len, o_part, lse_part, out, lse, Float32(1.0), Float32(1.0),
+                                 *score_tensors, stream)
