@@ -17,6 +17,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention,
 import inductor_cute
 from inductor_cute.inductor import flex
 from inductor_cute.inductor.flex import decline_reason  # the real one: `decisions` patches the module's
+from inductor_cute.kernels import score_program as sp
 
 HOP = torch.ops.higher_order.flex_attention
 OUR_CALL = "torch.ops.inductor_cute.flex_decode.default"
@@ -24,6 +25,23 @@ OUR_CALL = "torch.ops.inductor_cute.flex_decode.default"
 
 def softcap(score, b, h, m, n):
     return 30 * torch.tanh(score / 30)
+
+
+SLOPES = torch.exp2(-torch.arange(1, 9, dtype=torch.float32))  # ALiBi's slopes for 8 heads
+
+
+def alibi(score, b, h, m, n):
+    return score + SLOPES[h] * (n - m)
+
+
+def relative_parity(score, b, h, m, n):
+    """Query and key indices, integer ops, a comparison, a cast and a where."""
+    d = n - m
+    return torch.where(d % 2 == 0, score * 2.0, score - (b + 1).to(torch.float32) * 0.5) + (h > 3).to(torch.float32)
+
+
+def sine(score, b, h, m, n):
+    return torch.sin(score)  # no "sin" op in score programs
 
 
 def causal(b, h, m, n):
@@ -68,10 +86,15 @@ def decisions(monkeypatch):
     return record_decisions(monkeypatch)
 
 
-def _stand_in(q, k, v, scale):
-    """The custom op's contract on the CPU (fp32 math): out in q's dtype, natural-log lse."""
+def _stand_in(q, k, v, scale, score_mod, score_tensors):
+    """The custom op's contract on the CPU (fp32 math): out in q's dtype, natural-log lse; the
+    score program by the reference evaluator."""
     g = q.shape[1] // k.shape[1]
     s = (q.float() @ k.float().repeat_interleave(g, 1).transpose(-1, -2)) * scale
+    if score_mod:
+        idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+               for d, n in enumerate(s.shape)]
+        s = sp.reference(score_mod, s, *idx, score_tensors)
     lse = s.logsumexp(-1)
     return ((s - lse[..., None]).exp() @ v.float().repeat_interleave(g, 1)).to(q.dtype), lse
 
@@ -144,10 +167,45 @@ def test_plain_decode_is_taken(plain, hopper):
     assert decline_reason(problem) is None
 
 
-def test_score_mod_and_masks_are_declined(decisions, hopper):
+SOFTCAP_PROGRAM = sp.dumps([["div", "truediv", "score", 30], ["tanh", "tanh", "div"], ["mul", "mul", "tanh", 30]])
+ALIBI_PROGRAM = sp.dumps([["index", "load", "t0", "h"], ["sub", "sub", "kv", "q"], ["mul", "mul", "index", "sub"],
+                          ["add", "add", "score", "mul"]])
+
+
+def test_softcap_and_alibi_are_translated_and_taken(decisions, hopper):
     softcapped = traced_problem(decisions, score_mod=softcap)
-    assert not flex.is_identity_score_mod(softcapped.score_graph)
-    assert decline_reason(softcapped) == "a score_mod"
+    assert flex.score_program(softcapped.score_graph, softcapped.score_buffers) == SOFTCAP_PROGRAM
+    assert decline_reason(softcapped) is None
+    biased = traced_problem(decisions, score_mod=alibi)
+    assert biased.score_buffers == (torch.float32,)
+    assert flex.score_program(biased.score_graph, biased.score_buffers) == ALIBI_PROGRAM
+    assert decline_reason(biased) is None
+    assert flex.score_program(traced_problem(decisions).score_graph) == ""  # no score_mod: no program
+
+
+def test_translated_programs_compute_what_the_score_mod_does(decisions):
+    """Each translation, run by the reference evaluator, against the Python score_mod itself."""
+    score = torch.randn(2, 8, 3, 50) * 5
+    idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate(score.shape)]
+    for mod, buffers in ((softcap, ()), (alibi, (SLOPES,)), (relative_parity, ())):
+        problem = traced_problem(decisions, score_mod=mod)
+        program = flex.score_program(problem.score_graph, problem.score_buffers)
+        torch.testing.assert_close(sp.reference(program, score, *idx, buffers), mod(score, *idx))
+
+
+def test_untranslatable_score_mods_are_declined_with_the_reason(decisions, hopper):
+    assert decline_reason(traced_problem(decisions, score_mod=sine)) == \
+        "a score_mod we cannot translate: aten.sin.default is not supported"
+    two_d = torch.ones(8, 4)
+    problem = traced_problem(decisions, score_mod=lambda score, b, h, m, n: score + two_d[h, 0])
+    assert "cannot translate" in decline_reason(problem)
+    slopes64 = SLOPES.double()
+    problem = traced_problem(decisions, score_mod=lambda score, b, h, m, n: score + slopes64[h])
+    assert "float64" in decline_reason(problem)
+
+
+def test_masks_are_declined(decisions, hopper):
     for mask_mod in (causal, sliding_window):
         masked = traced_problem(decisions, block_mask=create_block_mask(mask_mod, None, None, 1, 300, device="cpu"))
         assert not flex.is_noop_mask_mod(masked.mask_graph)
@@ -211,7 +269,7 @@ def test_fake_impl_shapes():
         q = torch.empty(2, 16, 4, 192, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(2, 2, 1000, 192, dtype=torch.bfloat16, device="cuda")
         v = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16, device="cuda")
-        out, lse = torch.ops.inductor_cute.flex_decode(q, k, v, 0.1)
+        out, lse = torch.ops.inductor_cute.flex_decode(q, k, v, 0.1, "", [])
     assert (out.shape, out.dtype, out.device.type) == ((2, 16, 4, 128), torch.bfloat16, "cuda")
     assert (lse.shape, lse.dtype) == ((2, 16, 4), torch.float32)
     assert out.is_contiguous() and lse.is_contiguous()
@@ -247,12 +305,23 @@ def test_taken_call_with_dynamic_kv_length(cpu_accepted):
         torch.testing.assert_close(out, flex_attention(q, k, v, enable_gqa=True, scale=0.2), atol=2e-2, rtol=2e-2)
 
 
-def test_score_mod_still_delegates_when_the_device_is_accepted(cpu_accepted, decisions):
+@pytest.mark.parametrize("score_mod", [softcap, alibi, relative_parity])
+def test_translated_score_mod_runs_our_op_and_matches(cpu_accepted, decisions, score_mod):
+    q, k, v = qkv(q_len=2, dtype=torch.bfloat16)
+    (out, lse), code = compiled(flex_attention, q, k, v, score_mod=score_mod, enable_gqa=True, return_lse=True)
+    assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
+    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), score_mod=score_mod, enable_gqa=True,
+                                  return_lse=True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_untranslatable_score_mod_delegates_when_the_device_is_accepted(cpu_accepted, decisions):
     q, k, v = qkv(dtype=torch.bfloat16)
-    out, code = compiled(flex_attention, q, k, v, score_mod=softcap, enable_gqa=True)
-    assert [reason for _, reason in decisions] == ["a score_mod"] and OUR_CALL not in code
-    torch.testing.assert_close(out, flex_attention(q, k, v, score_mod=softcap, enable_gqa=True),
-                               atol=2e-2, rtol=2e-2)
+    out, code = compiled(flex_attention, q, k, v, score_mod=sine, enable_gqa=True)
+    assert [reason for _, reason in decisions] == ["a score_mod we cannot translate: aten.sin.default is not supported"]
+    assert OUR_CALL not in code
+    torch.testing.assert_close(out, flex_attention(q, k, v, score_mod=sine, enable_gqa=True), atol=2e-2, rtol=2e-2)
 
 
 def test_a_failing_decision_delegates_to_the_stock_lowering(cpu_accepted, monkeypatch):

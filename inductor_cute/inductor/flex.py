@@ -1,6 +1,6 @@
-"""The flex_attention higher-order op under torch.compile: decoding-shaped calls that need no
-score_mod and no mask run our split-KV kernel (`ops.flex_decode`); everything else goes to the
-stock lowering, unchanged.
+"""The flex_attention higher-order op under torch.compile: decoding-shaped calls with no mask and
+no score_mod, or a score_mod we can translate into a score program (kernels/score_program.py),
+run our split-KV kernel (`ops.flex_decode`); everything else goes to the stock lowering, unchanged.
 
 `install()` wraps `torch._inductor.lowering.lowerings[flex_attention]`. For a call we accept, the
 output code calls the custom op `torch.ops.inductor_cute.flex_decode` and imports this module
@@ -36,16 +36,18 @@ _NEUTRAL_OPTIONS = frozenset({"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE
 # ---------------------------------------------------------------------------- the custom op
 
 @torch.library.custom_op("inductor_cute::flex_decode", mutates_args=(), device_types="cuda")
-def flex_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops.flex_decode for compiled graphs: (out, lse), lse in natural-log units."""
+def flex_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, score_mod: str,
+                   score_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.flex_decode for compiled graphs: (out, lse), lse in natural-log units; score_mod is a
+    score program's text, "" for none."""
     from .. import ops
 
-    return ops.flex_decode(q, _streamable(k), _streamable(v), scale=scale, return_lse=True)
+    return ops.flex_decode(q, _streamable(k), _streamable(v), scale=scale, return_lse=True,
+                           score_mod=score_mod or None, score_tensors=tuple(score_tensors))
 
 
 @flex_decode_op.register_fake
-def _flex_decode_fake(q, k, v, scale):
+def _flex_decode_fake(q, k, v, scale, score_mod, score_tensors):
     batch, heads, q_len, _ = q.shape
     return q.new_empty(batch, heads, q_len, v.shape[-1]), q.new_empty(batch, heads, q_len, dtype=torch.float32)
 
@@ -74,6 +76,7 @@ class FlexProblem:
     head_dim_v: int | None
     operands_match: bool  # k and v agree with q on batch and head dim, with each other on heads and length
     score_graph: torch.fx.GraphModule
+    score_buffers: tuple  # per captured score_mod buffer: its dtype, or None unless a 1-D tensor on q's device
     mask_graph: torch.fx.GraphModule
     keys_all_in_blocks: bool  # the block-sparse tensors visit every key (no block mask was given)
     scale: Any
@@ -105,10 +108,12 @@ def decline_reason(p: FlexProblem) -> str | None:
         return problem
     if not isinstance(p.scale, (int, float)):
         return f"scale is not a constant ({p.scale!r})"
-    if not is_identity_score_mod(p.score_graph):
-        return "a score_mod"
     if not is_noop_mask_mod(p.mask_graph) or not p.keys_all_in_blocks:
         return "a mask_mod or block mask"
+    try:
+        score_program(p.score_graph, p.score_buffers)
+    except ValueError as e:
+        return f"a score_mod we cannot translate: {e}"
     return _options_reason(p.kernel_options)
 
 
@@ -150,6 +155,125 @@ def is_identity_score_mod(gm: torch.fx.GraphModule) -> bool:
     return len(placeholders) >= 5 and _output_value(gm) is placeholders[0]
 
 
+# ------------------------------------------------------------------- score_mod -> score program
+
+_aten, _prims = torch.ops.aten, torch.ops.prims
+_LEAVES = ("score", "b", "h", "q", "kv")  # the score_mod's placeholders (score, b, h, m, n) in program terms
+_OPS = {
+    **dict.fromkeys((_aten.add.Tensor, _aten.add.Scalar), "add"), **dict.fromkeys((_aten.sub.Tensor, _aten.sub.Scalar), "sub"),
+    **dict.fromkeys((_aten.mul.Tensor, _aten.mul.Scalar), "mul"), **dict.fromkeys((_aten.div.Tensor, _aten.div.Scalar), "truediv"),
+    **dict.fromkeys((_aten.remainder.Tensor, _aten.remainder.Scalar), "remainder"), _aten.floor_divide.default: "floordiv",
+    _aten.maximum.default: "maximum", _aten.minimum.default: "minimum",
+    **{getattr(_aten, c).Tensor: c for c in ("lt", "le", "gt", "ge", "eq", "ne")},
+    **{getattr(_aten, c).Scalar: c for c in ("lt", "le", "gt", "ge", "eq", "ne")},
+    # on bools (the type check refuses ints): `&`, `|`, `~` of masks trace to the bitwise ops
+    **dict.fromkeys((_aten.logical_and.default, _aten.bitwise_and.Tensor), "and"),
+    **dict.fromkeys((_aten.logical_or.default, _aten.bitwise_or.Tensor), "or"),
+    **dict.fromkeys((_aten.logical_not.default, _aten.bitwise_not.default), "not"),
+    _aten.neg.default: "neg", _aten.abs.default: "abs", _aten.exp.default: "exp", _aten.log.default: "log",
+    _aten.tanh.default: "tanh", _aten.sigmoid.default: "sigmoid", _aten.where.self: "where",
+}
+_CASTS = (_prims.convert_element_type.default, _aten._to_copy.default)
+_CONSTANTS = (_aten.full.default, _aten.scalar_tensor.default)
+_IDENTITY = (_aten.clone.default, _aten.alias.default, _aten.lift_fresh_copy.default)
+
+
+def score_program(gm: torch.fx.GraphModule, buffer_dtypes: tuple = ()) -> str:
+    """The canonical score program of a score_mod graph, "" for the identity; raises ValueError
+    saying what cannot be translated. All float math is fp32, as the stock kernels compute it
+    (the graph's dtypes say bf16 for a bf16 query, but its scores are fp32)."""
+    from ..kernels import score_program as sp
+
+    if is_identity_score_mod(gm):
+        return ""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) < 5:
+        raise ValueError("score_mod graph without its five arguments")
+    values = dict(zip(placeholders, _LEAVES))  # node -> program argument (a name or a number)
+    tensors = {}  # captured buffer placeholder -> tensor name
+    for i, (node, dtype) in enumerate(zip(placeholders[5:], buffer_dtypes)):
+        if dtype is None:
+            raise ValueError(f"captured buffer {i} is not a 1-D tensor on the query's device")
+        tensors[node] = sp.tensor_name(i)
+    if len(placeholders) - 5 != len(buffer_dtypes):
+        raise ValueError("captured buffers do not match the graph")
+    dtypes = tuple(str(dt).removeprefix("torch.") for dt in buffer_dtypes)
+    steps: list[list] = []
+
+    def arg(x):
+        if isinstance(x, torch.fx.Node):
+            if x not in values:
+                raise ValueError(f"{x.name} is used as a value")
+            return values[x]
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return x
+        raise ValueError(f"argument {x!r}")
+
+    def type_of(a) -> str:
+        return sp.types_of(steps, dtypes)[a] if isinstance(a, str) else sp._literal_type(a)
+
+    def emit(node, op, *args):
+        steps.append([node.name, op, *args])
+        values[node] = node.name
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target, args, kwargs = node.target, node.args, node.kwargs
+        if target in _OPS:
+            if kwargs.get("alpha", 1) != 1:
+                raise ValueError(f"{target} with alpha")
+            emit(node, _OPS[target], *(arg(a) for a in args))
+        elif target is _aten.div.Tensor_mode and kwargs.get("rounding_mode") == "floor":
+            emit(node, "floordiv", *(arg(a) for a in args))
+        elif target in _CASTS:
+            _cast(node, arg(args[0]), args[1] if len(args) > 1 else kwargs.get("dtype"), type_of, emit, values)
+        elif target in _CONSTANTS:
+            value = args[1] if target is _aten.full.default else args[0]
+            if target is _aten.full.default and list(args[0]):
+                raise ValueError(f"full of shape {args[0]}")
+            dtype = kwargs.get("dtype")
+            if isinstance(value, bool) or dtype is torch.bool:
+                raise ValueError("a boolean constant")
+            values[node] = float(value) if (dtype is not None and dtype.is_floating_point) else value
+        elif target in _IDENTITY:
+            values[node] = arg(args[0])
+        elif target is _aten.index.Tensor and args[0] in tensors and len(args[1]) == 1:
+            emit(node, "load", tensors[args[0]], arg(args[1][0]))
+        elif target is _aten.select.int and args[0] in tensors and args[1] == 0 and args[2] >= 0:
+            emit(node, "load", tensors[args[0]], args[2])
+        else:
+            raise ValueError(f"{target} is not supported")
+    out = arg(_output_value(gm))
+    if not steps or out != steps[-1][0]:
+        if type_of(out) != "f":
+            raise ValueError("the score_mod does not return a float")
+        steps.append(["out", "mul", out, 1.0])
+    return sp.canonical(sp.dumps(steps), dtypes)
+
+
+def _cast(node, x, dtype, type_of, emit, values) -> None:
+    """x.to(dtype): float32 keeps floats and converts ints and bools, int32 truncates floats,
+    bool compares with 0. Casts to other dtypes would round or widen differently: refused."""
+    t = type_of(x)
+    if dtype is torch.float32:
+        if t == "f":
+            values[node] = x
+        else:
+            emit(node, "float", x)
+    elif dtype is torch.int32:
+        if t == "i":
+            values[node] = x
+        else:
+            emit(node, "int", x)
+    elif dtype is torch.bool and t != "b":
+        emit(node, "ne", x, 0)
+    elif dtype is torch.bool:
+        values[node] = x
+    else:
+        raise ValueError(f"a cast to {dtype}")
+
+
 def is_noop_mask_mod(gm: torch.fx.GraphModule) -> bool:
     """The mask_mod graph is flex_attention's noop_mask: a constant True, whatever (b, h, m, n)."""
     return _is_full(_output_value(gm), True)
@@ -186,7 +310,14 @@ def _static(expr) -> int | None:
         return None
 
 
-def _problem(query, key, value, subgraph, block_mask, scale, kernel_options) -> FlexProblem:
+def _buffer_dtype(buf, device):
+    """A captured score_mod buffer's dtype when it is a 1-D tensor on `device`, else None."""
+    if not isinstance(buf, ir.IRNode) or len(buf.get_size()) != 1 or buf.get_device() != device:
+        return None
+    return buf.get_dtype()
+
+
+def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, score_buffers=()) -> FlexProblem:
     sizevars = V.graph.sizevars
     (bq, hq, lq, dqk), (bk, hk, lk, dk), (bv, hv, lv, dv) = (x.get_size() for x in (query, key, value))
     same = sizevars.statically_known_equals
@@ -195,7 +326,8 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options) -> 
         device=query.get_device(), dtypes=(query.get_dtype(), key.get_dtype(), value.get_dtype()),
         heads=_static(hq), kv_heads=_static(hk), q_len=_static(lq), head_dim_qk=_static(dqk), head_dim_v=_static(dv),
         operands_match=operands_match,
-        score_graph=subgraph.graph_module, mask_graph=_block_mask_fields(block_mask)[-1].graph_module,
+        score_graph=subgraph.graph_module,
+        score_buffers=tuple(_buffer_dtype(buf, query.get_device()) for buf in score_buffers), mask_graph=_block_mask_fields(block_mask)[-1].graph_module,
         keys_all_in_blocks=_keys_all_in_blocks(V.graph.current_node, lk), scale=scale,
         kernel_options=dict(kernel_options), inference=V.graph.is_inference)
 
@@ -215,23 +347,28 @@ class _FlexDecodeCall(ir.FallbackKernel):
 
 def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_options,
                     score_mod_other_buffers, mask_mod_other_buffers):
+    program = ""
     try:
-        reason = _call_reason(query, key, value, subgraph, block_mask, scale, kernel_options)
+        problem = None if V.graph.cpp_wrapper else _problem(query, key, value, subgraph, block_mask, scale,
+                                                              kernel_options, score_mod_other_buffers)
+        reason = _call_reason(problem, query, key)
+        if not reason:
+            program = score_program(problem.score_graph, problem.score_buffers)
     except Exception as e:  # our decision must never fail a compile
         reason = f"the decision failed: {type(e).__name__}: {e}"
     if reason:
         log.debug("inductor-cute: flex_attention left to the stock lowering: %s", reason)
         return _stock(query, key, value, subgraph, block_mask, scale, kernel_options,
                       score_mod_other_buffers, mask_mod_other_buffers)
-    log.info("inductor-cute: flex_attention %s runs our decode kernel", list(query.get_size()))
-    return _lower_to_decode(query, key, value, float(scale))
+    log.info("inductor-cute: flex_attention %s runs our decode kernel%s", list(query.get_size()),
+             f" with score program {program}" if program else "")
+    return _lower_to_decode(query, key, value, float(scale), program, list(score_mod_other_buffers))
 
 
-def _call_reason(query, key, value, subgraph, block_mask, scale, kernel_options) -> str | None:
-    if V.graph.cpp_wrapper:
+def _call_reason(problem: FlexProblem | None, query, key) -> str | None:
+    if problem is None:
         return "cpp_wrapper / AOTInductor output (our op is called from Python)"
-    return (decline_reason(_problem(query, key, value, subgraph, block_mask, scale, kernel_options))
-            or _grid_reason(query, key))
+    return decline_reason(problem) or _grid_reason(query, key)
 
 
 def _grid_reason(query, key) -> str | None:
@@ -242,13 +379,14 @@ def _grid_reason(query, key) -> str | None:
     return None
 
 
-def _lower_to_decode(query, key, value, scale: float):
+def _lower_to_decode(query, key, value, scale: float, program: str, score_buffers: list):
     """The HOP's outputs (out, lse, max_scores): lse in log2 units like every flex kernel's;
     max_scores only allocated, as the stock kernels leave it when OUTPUT_MAX is off."""
     from torch._inductor.lowering import empty_strided, lowerings
 
     out, lse = (ir.TensorBox.create(x)
-                for x in _FlexDecodeCall.create(torch.ops.inductor_cute.flex_decode.default, query, key, value, scale))
+                for x in _FlexDecodeCall.create(torch.ops.inductor_cute.flex_decode.default, query, key, value, scale,
+                                                program, score_buffers))
     lse2 = lowerings[torch.ops.aten.mul.Tensor](lse, _LOG2E)
     max_scores = empty_strided(lse.get_size(), None, dtype=torch.float32, device=query.get_device())
     return out, lse2, max_scores
