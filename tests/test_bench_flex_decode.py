@@ -99,3 +99,13 @@ def test_bf16_outputs_are_large_enough_for_the_tolerance_to_mean_something():
         assert torch.allclose(out.float(), exact, atol=2e-2, rtol=2e-2)
         plain = fd.aten_runner(shape, "plain", q, k, v, scale)()
         assert not torch.allclose(plain.float(), exact, atol=2e-2, rtol=2e-2)
+
+
+def test_softcap_program_is_the_softcap_score_mod():
+    """Our runner's score program computes what the triton runner's score_mod does."""
+    from inductor_cute.kernels import score_program as sp
+
+    score = torch.randn(2, 4, 3, 50) * 40
+    idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate(score.shape)]
+    torch.testing.assert_close(sp.reference(fd.softcap_program(), score, *idx), fd.softcap()(score, *idx))

@@ -1,7 +1,8 @@
-"""torch.compile(flex_attention) with inductor-cute enabled on the H200: decode calls with no
-score_mod and no mask run our split-KV kernel (the output code calls the custom op) and match an
-fp64 reference and eager flex_attention, lse included; a score_mod or a mask goes to the stock
-lowering and still matches; a graph from the FX cache works in a process that never lowered it."""
+"""torch.compile(flex_attention) with inductor-cute enabled on the H200: decode calls with no mask
+and no score_mod, or a translatable one (softcap, ALiBi), run our split-KV kernel (the output code
+calls the custom op) and match an fp64 reference and eager flex_attention, lse included; an
+untranslatable score_mod or a mask goes to the stock lowering and still matches; a graph from the
+FX cache works in a process that never lowered it."""
 
 import json
 import math
@@ -113,16 +114,48 @@ def softcap(score, b, h, m, n):
     return 30 * torch.tanh(score / 30)
 
 
+def sine(score, b, h, m, n):
+    return score + torch.sin(score)  # no sin in score programs
+
+
 def sink_and_window(b, h, m, n):
     return (n < 256) | (n >= 2048 - 512)  # the first 256 keys and the last 512 of 2048
 
 
-def test_score_mod_goes_to_the_stock_lowering():
+def test_untranslatable_score_mod_goes_to_the_stock_lowering():
     q, k, v = rand(4, 32, 1, 128), rand(4, 8, 2048, 128), rand(4, 8, 2048, 128)
-    out, code = compiled_run(q, k, v, score_mod=softcap, enable_gqa=True)
+    out, code = compiled_run(q, k, v, score_mod=sine, enable_gqa=True)
     assert OUR_CALL not in code
-    ref = flex_attention(q, k, v, score_mod=softcap, enable_gqa=True)
+    ref = flex_attention(q, k, v, score_mod=sine, enable_gqa=True)
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def check_score_mod_runs_our_kernel(score_mod, q, k, v):
+    (out, lse), code = compiled_run(q, k, v, score_mod=score_mod, enable_gqa=True, return_lse=True)
+    assert code.count(OUR_CALL) == 1
+    ref_out, ref_lse = flex_attention(q.float(), k.float(), v.float(), score_mod=score_mod, enable_gqa=True,
+                                      return_lse=True)
+    assert_out_close(out, ref_out, q.dtype)
+    assert_lse_close(lse, ref_lse)
+    plain = flex_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    assert (plain - ref_out).abs().max().item() > 0.1, "inputs too flat to see the score_mod"
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_softcap_runs_our_kernel_and_matches(q_len):
+    q = rand(4, 32, q_len, 128) * 3  # scores of several units: the cap matters
+    check_score_mod_runs_our_kernel(softcap, q, rand(4, 8, 2048, 128), rand(4, 8, 2048, 128))
+
+
+def test_alibi_runs_our_kernel_and_matches():
+    heads = 32
+    slopes = torch.exp2(-8 * torch.arange(1, heads + 1, device="cuda", dtype=torch.float32) / heads)
+
+    def alibi(score, b, h, m, n):
+        return score + slopes[h] * (n - m)
+
+    check_score_mod_runs_our_kernel(alibi, rand(2, heads, 2, 128) * 3, rand(2, 8, 3000, 128),
+                                    rand(2, 8, 3000, 128))
 
 
 def test_mask_goes_to_the_stock_lowering():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from inductor_cute import UnsupportedError, ops
+from inductor_cute.kernels import score_program as sp
 
 pytestmark = pytest.mark.gpu
 
@@ -23,14 +24,19 @@ def poison_allocator(nbytes: int) -> None:
     del junk
 
 
-def reference(q, k, v, scale=None, kv_len=None):
-    """fp64 softmax(scale q k^T) v with GQA expansion; rows with no key give out 0, lse -inf."""
+def reference(q, k, v, scale=None, kv_len=None, score_mod=None, score_tensors=()):
+    """fp64 softmax(scale q k^T) v with GQA expansion (the score program in fp32 on fp64-accurate
+    scores); rows with no key give out 0, lse -inf."""
     b, hq, lq, dqk = q.shape
     hkv, lkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(dqk) if scale is None else scale
     kk = k.double().repeat_interleave(hq // hkv, dim=1)
     vv = v.double().repeat_interleave(hq // hkv, dim=1)
     s = (q.double() @ kk.transpose(-1, -2)) * scale
+    if score_mod is not None:
+        idx = [torch.arange(n, device=q.device, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+               for d, n in enumerate(s.shape)]
+        s = sp.reference(score_mod, s.float(), *idx, score_tensors).double()
     if kv_len is not None:
         past_end = torch.arange(lkv, device=q.device)[None, :] >= kv_len.long()[:, None]  # (b, lkv)
         s = s.masked_fill(past_end[:, None, None, :], float("-inf"))
@@ -40,10 +46,11 @@ def reference(q, k, v, scale=None, kv_len=None):
     return p @ vv, lse
 
 
-def check(q, k, v, scale=None, kv_len=None, num_splits=None):
-    ref_out, ref_lse = reference(q, k, v, scale, kv_len)
+def check(q, k, v, scale=None, kv_len=None, num_splits=None, score_mod=None, score_tensors=()):
+    ref_out, ref_lse = reference(q, k, v, scale, kv_len, score_mod, score_tensors)
     poison_allocator(64 * ref_out.numel() + (1 << 20))
-    out, lse = ops.flex_decode(q, k, v, scale=scale, kv_len=kv_len, return_lse=True, num_splits=num_splits)
+    out, lse = ops.flex_decode(q, k, v, scale=scale, kv_len=kv_len, return_lse=True, num_splits=num_splits,
+                               score_mod=score_mod, score_tensors=score_tensors)
     assert out.shape == ref_out.shape and out.dtype == q.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
     assert not out.isnan().any(), "unwritten (poisoned) or NaN elements in the output"
@@ -146,6 +153,69 @@ def test_matches_torch_flex_attention_including_lse_units():
     assert (lse - ref_lse.float()).abs().max().item() < LSE_TOL * ref_lse.abs().max().item()
 
 
+SOFTCAP = sp.dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
+ALIBI = sp.dumps([["slope", "load", "t0", "h"], ["d", "sub", "kv", "q"], ["bias", "mul", "slope", "d"],
+                  ["o", "add", "score", "bias"]])
+# Query and key indices together: a penalty for keys past the query's position plus a per-batch
+# offset read from an int32 tensor, and an integer parity term.
+INDICES = sp.dumps([["off", "load", "t0", "b"], ["pos", "add", "q", "off"], ["ahead", "gt", "kv", "pos"],
+                    ["pen", "where", "ahead", -4.0, 0.0], ["r", "remainder", "kv", 3], ["odd", "ne", "r", 0],
+                    ["half", "where", "odd", 0.5, 0.0], ["x", "add", "score", "pen"], ["o", "add", "x", "half"]])
+
+
+def sharp(*shape, dtype=torch.bfloat16):
+    """q scaled so the scores spread over several units: a score_mod then moves the result by
+    more than the tolerance (checked in test_score_mods_change_the_result)."""
+    return rand(*shape, dtype=dtype) * 3
+
+
+@pytest.mark.parametrize("dqk,dv", [(128, 128), (64, 64), (576, 512)])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_softcap(dqk, dv, q_len):
+    hq, hkv = (16, 1) if dqk == 576 else (16, 4)
+    kv_len = torch.tensor([1000, 129, 1], device="cuda", dtype=torch.int32)
+    check(sharp(3, hq, q_len, dqk), rand(3, hkv, 1000, dqk), rand(3, hkv, 1000, dv), kv_len=kv_len, score_mod=SOFTCAP)
+
+
+@pytest.mark.parametrize("slope_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [None, 7])
+def test_alibi(slope_dtype, num_splits):
+    hq = 32
+    slopes = torch.exp2(-8 * torch.arange(1, hq + 1, device="cuda") / hq).to(slope_dtype)
+    kv_len = torch.tensor([2000, 777], device="cuda", dtype=torch.int32)
+    check(sharp(2, hq, 2, 128), rand(2, 8, 2000, 128), rand(2, 8, 2000, 128), kv_len=kv_len, num_splits=num_splits,
+          score_mod=ALIBI, score_tensors=(slopes,))
+
+
+def test_score_mod_on_query_and_key_indices():
+    offsets = torch.tensor([300, 5, 1000], device="cuda", dtype=torch.int32)
+    kv_len = torch.tensor([1024, 600, 1024], device="cuda", dtype=torch.int32)
+    check(sharp(3, 8, 4, 128, dtype=torch.float16), rand(3, 2, 1024, 128, dtype=torch.float16),
+          rand(3, 2, 1024, 128, dtype=torch.float16), kv_len=kv_len, scale=0.1, score_mod=INDICES,
+          score_tensors=(offsets,))
+
+
+def test_score_mods_change_the_result():
+    # the tests above would not notice an ignored score_mod unless it moves the output
+    q, k, v = sharp(2, 16, 1, 128), rand(2, 4, 1000, 128), rand(2, 4, 1000, 128)
+    slopes = torch.exp2(-torch.arange(1, 17, device="cuda", dtype=torch.float32) / 2)
+    plain = reference(q, k, v)[0]
+    for program, tensors in ((SOFTCAP, ()), (ALIBI, (slopes,))):
+        assert (reference(q, k, v, score_mod=program, score_tensors=tensors)[0] - plain).abs().max() > 0.1
+
+
+def test_matches_torch_flex_attention_with_a_score_mod():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    slopes = torch.exp2(-torch.arange(1, 17, device="cuda", dtype=torch.float32) / 2)
+    q, k, v = sharp(2, 16, 1, 128), rand(2, 4, 1024, 128), rand(2, 4, 1024, 128)
+    ref_out, ref_lse = flex_attention(q.float(), k.float(), v.float(), enable_gqa=True, return_lse=True,
+                                      score_mod=lambda s, b, h, m, n: s + slopes[h] * (n - m))
+    out, lse = ops.flex_decode(q, k, v, return_lse=True, score_mod=ALIBI, score_tensors=(slopes,))
+    assert (out.float() - ref_out).abs().max().item() < 2e-2
+    assert (lse - ref_lse).abs().max().item() < LSE_TOL * ref_lse.abs().max().item()
+
+
 def test_unsupported_inputs_are_refused_in_one_line():
     q, kv = rand(1, 8, 1, 128), rand(1, 3, 16, 128)
     with pytest.raises(UnsupportedError, match="^flex_decode: 8 query heads are not a multiple of 3 KV heads$"):
@@ -157,3 +227,8 @@ def test_unsupported_inputs_are_refused_in_one_line():
     with pytest.raises(UnsupportedError, match="strides"):
         k = rand(1, 8, 16, 129)[..., :128]  # rows 129 elements apart: not 16-byte aligned
         ops.flex_decode(q, k, k)
+    with pytest.raises(UnsupportedError, match="^flex_decode: score_mod: score step slope: load from unknown"):
+        ops.flex_decode(q, rand(1, 8, 16, 128), rand(1, 8, 16, 128), score_mod=ALIBI)
+    with pytest.raises(UnsupportedError, match="float64 is not supported"):
+        ops.flex_decode(q, rand(1, 8, 16, 128), rand(1, 8, 16, 128), score_mod=ALIBI,
+                        score_tensors=(torch.ones(8, device="cuda", dtype=torch.float64),))

@@ -2,7 +2,7 @@
 (Triton) vs SDPA, one query token per sequence, bf16, beside the HBM bound.
 
 Each shape runs plain, with a sliding-window mask_mod and with a softcap score_mod:
-  inductor_cute  ops.flex_decode; plain cases only (no score_mod/mask_mod yet)
+  inductor_cute  ops.flex_decode; plain and softcap (as a score program) cases, no mask_mod yet
   triton         torch.compile(flex_attention), default mode, enable_gqa=True; the sliding window
                  as a BlockMask (create_block_mask), so it may skip the blocks outside the window
   aten           SDPA with enable_gqa=True; the sliding window as a boolean attn_mask (which reads
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from ... import ops
+from ...kernels import score_program
 from ..harness import Case
 
 WINDOW = 1024  # sliding-window keys (Gemma-3-like local layers)
@@ -121,6 +122,11 @@ def softcap(cap: float = SOFTCAP):
     return score_mod
 
 
+def softcap_program(cap: float = SOFTCAP) -> str:
+    """softcap()'s score_mod as ops.flex_decode's score program."""
+    return score_program.dumps([["a", "truediv", "score", cap], ["t", "tanh", "a"], ["o", "mul", "t", cap]])
+
+
 def dense_window_mask(kv_len: int, q_len: int = 1, window: int = WINDOW, device="cuda") -> torch.Tensor:
     """The sliding window as SDPA's boolean attn_mask (True = attend), (1, 1, Lq, KV)."""
     q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
@@ -174,12 +180,13 @@ def _case(shape: Shape, variant: str) -> Case:
     scale = shape.dqk ** -0.5
     flops, n_bytes = cost(shape, variant)
     notes = []
-    if variant == "plain":
-        ours = lambda: ops.flex_decode(q, k, v, scale=scale)  # noqa: E731
-        notes.append(_splits_note(shape))
-    else:
+    if variant == "sliding":
         ours = None
-        notes.append("ours: score_mod/mask_mod not supported yet")
+        notes.append("ours: mask_mod not supported yet")
+    else:
+        program = softcap_program() if variant == "softcap" else None
+        ours = lambda: ops.flex_decode(q, k, v, scale=scale, score_mod=program)  # noqa: E731
+        notes.append(_splits_note(shape))
     if variant == "sliding":
         notes.append(f"bound counts the {WINDOW}-key window only; aten is SDPA with a dense bool mask")
     elif variant == "softcap":
