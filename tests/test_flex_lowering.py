@@ -305,6 +305,33 @@ def test_taken_call_with_dynamic_kv_length(cpu_accepted):
         torch.testing.assert_close(out, flex_attention(q, k, v, enable_gqa=True, scale=0.2), atol=2e-2, rtol=2e-2)
 
 
+def test_a_kv_cache_view_of_a_new_length_reuses_the_compiled_graph(cpu_accepted):
+    # The GPU test's case: k, v = cache[:, :kv_len].transpose(1, 2), dynamic=True, called twice.
+    # Our lowering must add no guard on the length (its batch x KV heads check guards only that
+    # product). Output code is captured without run_and_get_code, whose torch._dynamo.reset()
+    # makes every call compile afresh.
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    g = torch.Generator().manual_seed(0)
+    cache_k, cache_v = (torch.randn(4, 4096, 8, 128, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(4, 32, 1, 128, generator=g).bfloat16()
+    codes = []
+    torch._dynamo.reset()
+    try:
+        with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False), torch.no_grad(), \
+                mock.patch.object(GraphLowering, "save_output_code", codes.append):
+            compiled_fn = torch.compile(flex_attention, dynamic=True)
+            for kv_len in (1000, 1537):
+                k, v = cache_k[:, :kv_len].transpose(1, 2), cache_v[:, :kv_len].transpose(1, 2)
+                out = compiled_fn(q, k, v, enable_gqa=True)
+                torch.testing.assert_close(out, flex_attention(q, k, v, enable_gqa=True), atol=2e-2, rtol=2e-2)
+    finally:
+        torch._dynamo.reset()
+    assert len(codes) == 1 and OUR_CALL in codes[0], "the second length recompiled"
+
+
 @pytest.mark.parametrize("score_mod", [softcap, alibi, relative_parity])
 def test_translated_score_mod_runs_our_op_and_matches(cpu_accepted, decisions, score_mod):
     q, k, v = qkv(q_len=2, dtype=torch.bfloat16)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import sympy
 import torch
+from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.ops_handler import DefaultHandler
 from torch._inductor.utils import sympy_product
@@ -116,7 +117,7 @@ class _Recorder(DefaultHandler):
         self.epi = epi
         self.gemm = gemm
         self.values = {gemm.get_name(): gemm_value}  # buffer -> program value
-        self.narrowed = set()  # values rounded to a 16-bit float: only a store may use them
+        self.narrowed = {}  # value rounded to a 16-bit float -> that dtype: only a store may use it
         self.space = None
         self.vars = None
         self.counter = itertools.count()
@@ -149,13 +150,23 @@ class _Recorder(DefaultHandler):
         return self.step("mul", x, x)
 
     def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
+        if isinstance(x, float):
+            return x
         if x in self.narrowed:
+            if dtype == self.narrowed[x] and use_compute_types:
+                return x  # the rounded value seen in its compute type (emulated casts): still rounded
             raise NotImplementedError("a value rounded to 16 bits is used again")
-        if dtype in _FLOATS or isinstance(x, float):
+        if dtype in _FLOATS:
+            return x
+        if dtype in (torch.float16, torch.bfloat16) and use_compute_types and \
+                inductor_config.triton.codegen_upcast_to_fp32:
+            # Inductor's Triton code keeps 16-bit values in fp32 between ops (`x.to(tl.float32)`):
+            # an fp16/bf16 op inside a pointwise body (silu, gelu, mul in bf16) rounds nothing
+            # until the store. The fused kernel does the same; it rounds once, when it stores.
             return x
         if dtype in (torch.float16, torch.bfloat16):
             narrowed = self.step("mul", x, 1.0)  # the kernel rounds once, when it stores
-            self.narrowed.add(narrowed)
+            self.narrowed[narrowed] = dtype
             return narrowed
         raise NotImplementedError(f"cast to {dtype}")
 
@@ -195,7 +206,8 @@ class _Recorder(DefaultHandler):
             raise NotImplementedError(f"store mode {mode}")
         if isinstance(value, float):
             raise NotImplementedError("a constant output")
-        self.narrowed.discard(value)
+        if value in self.narrowed and self.narrowed.pop(value) != V.graph.get_dtype(name):
+            raise NotImplementedError("a value rounded to 16 bits is stored in another dtype")
         if not self.epi.steps or self.epi.steps[-1][0] != value:
             value = self.step("mul", value, 1.0)  # the kernel stores the program's last step
         self.values[name] = value
