@@ -34,7 +34,7 @@ def _cmd_cache(args) -> int:
 def _cmd_bench(args) -> int:
     from .bench.harness import run_suite
 
-    run_suite(args.suite, quick=args.quick, out_dir=args.out)
+    run_suite(args.suite, quick=args.quick, out_dir=args.out, match=args.match)
     return 0
 
 
@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--quick", action="store_true", help="a few representative cases only")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON/Markdown/PNG record")
+    p.add_argument("--match", default="", help="only the cases whose name contains this text")
     p = sub.add_parser("report", help="rewrite the Markdown table and PNG plot of a JSON record")
     p.add_argument("json")
     p.add_argument("--out", default=None)

@@ -78,7 +78,8 @@ def run_case(case: Case, ceilings: dict) -> dict:
             "times_us": times, "notes": "; ".join(case.notes)}
 
 
-def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results") -> dict:
+def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results", match: str = "") -> dict:
+    """Run a suite's cases (only those whose name contains `match`, if given) and write the record."""
     from .suites import SUITES
 
     if not torch.cuda.is_available():
@@ -88,6 +89,8 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
     ceilings = measure_ceilings()
     _progress(f"  copy {ceilings['copy_TBps']} TB/s, bf16 mm {ceilings['bf16_mm_TFLOPs']} TFLOP/s")
     record = rec.new_record(name, ceilings)
+    if match:
+        record["env"]["case_filter"] = match  # a partial run: the record says so
     cases = suite.cases(quick)
     for i, make_case in enumerate(cases, 1):
         try:
@@ -95,6 +98,9 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
         except Exception as e:  # one case that cannot be set up must not lose the rest of the run
             _progress(f"[{i}/{len(cases)}] setup failed: {first_line(e)[:200]}")
             torch.cuda.empty_cache()
+            continue
+        if match and match not in case.name:
+            del case
             continue
         _progress(f"[{i}/{len(cases)}] {case.name} ...")
         result = run_case(case, ceilings)

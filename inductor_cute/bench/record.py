@@ -81,6 +81,8 @@ def markdown(record: dict) -> str:
              f"inductor-cute {env['inductor_cute']} ({env['commit']}); ceilings measured in this run: "
              f"copy {ceil['copy_TBps']} TB/s, bf16 mm {ceil['bf16_mm_TFLOPs']} TFLOP/s.", "",
              f"Timing: {record.get('method', 'not recorded')}.", "",
+             *([f"Partial run: only cases whose name contains {env['case_filter']!r}.", ""]
+               if env.get("case_filter") else []),
              "| case | bound us | inductor_cute us | triton us | aten us | vs triton | vs aten | roofline | notes |",
              "|---|---|---|---|---|---|---|---|---|"]
     vs_triton, vs_aten = speedups(record, "triton"), speedups(record, "aten")
