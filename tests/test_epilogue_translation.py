@@ -309,24 +309,12 @@ def test_the_scheduler_fuses_bf16_epilogues_into_our_gemm(name):
     assert scheduled(LINEAR[name], [(2048, 1024), (2048,), (1000, 1024), (1000, 2048)]) == [["op0", "op1"]]
 
 
-_SCORE_BY_INDEX = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12)
-
-
-@pytest.mark.xfail(_SCORE_BY_INDEX and "can_fuse" not in __import__(
-    "inductor_cute.inductor.choices", fromlist=["CuteChoices"]).CuteChoices.__dict__, strict=True,
-    reason="torch 2.11 scores template fusions by exact dep index: the (B, S, N) epilogue of an (M, N) GEMM "
-           "scores 0 ('no shared data') and V.choices.can_fuse refuses it before our backend is asked; "
-           "needs CuteChoices.can_fuse (2.13 matches template deps by buffer name)")
 @pytest.mark.parametrize("dynamic", [(), (300,)], ids=["static", "dynamic"])
 def test_the_scheduler_fuses_into_a_linear_on_3d_activations(dynamic):
     shapes = [(2048, 1024), (2048,), (2, 300, 1024), (2, 300, 2048)]
     assert scheduled(LINEAR["gelu_tanh+residual"], shapes, dynamic) == [["op0", "op1"]]
 
 
-@pytest.mark.xfail(strict=True, reason="template.py's codegen_template passes the epilogue's (B, S, N) output "
-                   "buffer as out=; runtime.gemm needs it as the GEMM's (M, N) (on the GPU: 'mm: out must be "
-                   "(1, 600, 2048) torch.bfloat16, got (1, 2, 300, 2048)'); on torch 2.11 it also needs "
-                   "CuteChoices.can_fuse")
 def test_the_fused_call_on_3d_activations_writes_its_output_as_the_gemm_shape():
     shapes = [(2048, 1024), (2048,), (2, 300, 1024), (2, 300, 2048)]
     nodes, calls = scheduled(LINEAR["gelu_tanh+residual"], shapes, (300,), codegen=True)

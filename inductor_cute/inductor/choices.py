@@ -51,6 +51,21 @@ class CuteChoices(InductorChoices):
                 log.warning("inductor-cute offers nothing for %s: %s", op_name, first_line(e))
         return choices
 
+    @staticmethod
+    def can_fuse(scheduler, node1, node2, shared_data_score):
+        # torch 2.11 scores a fusion by exact dependency index, so the (B, S, N) epilogue of our
+        # (M, N) GEMM scores 0 ("no shared data") before our scheduling is asked; count what it
+        # reads of our template by buffer name, as 2.13 does for templates.
+        from torch._inductor.dependencies import MemoryDep, StarDep
+
+        from .template import _ours
+
+        template = _ours(node1)
+        if shared_data_score == 0 and template is not None and _ours(node2) is None:
+            shared_data_score = sum(scheduler.dep_size_hint(d) for d in node2.read_writes.reads
+                                    if isinstance(d, (MemoryDep, StarDep)) and d.name == template.get_name())
+        return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+
     def _first_ask(self, kernel_inputs, templates, op_name) -> bool:
         if templates and not any(getattr(t, "uid", None) in ANCHOR_UIDS for t in templates):
             return False

@@ -116,8 +116,13 @@ class CuteGemmScheduling(BaseScheduling):
             out = epi.out
             mats = template.inputs[-2:]
             size = template.get_size()
+            out_ref = out.codegen_reference()
+            if list(out.get_size()) != list(size):  # same elements, row-major (translate checks): the GEMM's view
+                out_ref = (f"reinterpret_tensor({out_ref}, {wrapper.codegen_shape_tuple(size)}, "
+                           f"{wrapper.codegen_shape_tuple(template.get_layout().stride)}, "
+                           f"{wrapper.codegen_sizevar(out.get_layout().offset)})")
             args = [m.codegen_reference() for m in mats]
-            call = (f"{RUNTIME}.gemm({', '.join(args)}, out={out.codegen_reference()}, "
+            call = (f"{RUNTIME}.gemm({', '.join(args)}, out={out_ref}, "
                     f"op={'bmm' if len(size) == 3 else 'mm'!r}, config={tuple(kw['config'])!r}, "
                     f"epilogue={epi.program!r}, row={_operand_arg(epi.row, size)}, "
                     f"full={_operand_arg(epi.full, size)})")
