@@ -1,6 +1,6 @@
-"""The split-KV decode kernel compiled for sm_90a on the CPU: every head-dim variant, and score
-programs (softcap, ALiBi, one using most ops), checked in PTX and in ptxas's resource report; the
-configuration limits and the split heuristic."""
+"""The split-KV decode kernel compiled for sm_90a on the CPU: every head-dim variant, score programs
+(softcap, ALiBi, one using most ops), mask programs and block masks, checked in PTX and in ptxas's
+resource report; the configuration limits and the split heuristic."""
 
 import dataclasses
 import re
@@ -39,14 +39,34 @@ SCORE_VARIANTS = {
 }
 
 
+SLIDING = dumps([["d", "sub", "q", "kv"], ["pos", "add", "d", 1000], ["ge", "ge", "pos", 0],
+                 ["lt", "lt", "pos", 1024], ["o", "and", "ge", "lt"]])
+DOCUMENT = dumps([["qd", "load", "t0", "q"], ["kd", "load", "t0", "kv"], ["o", "eq", "qd", "kd"]])
+PREFIX_LM = dumps([["pre", "lt", "kv", 100], ["c", "ge", "q", "kv"], ["o", "or", "pre", "c"]])
+# name -> (flex_decode_spec arguments, keyword arguments: mask program, its tensors, block mask)
+MASK_VARIANTS = {
+    "d128-gqa8-sliding-block128": (VARIANTS["d128-gqa8"], dict(mask_program=SLIDING, sparse_block=128)),
+    "d128-gqa8-document-block256-softcap": (VARIANTS["d128-gqa8"], dict(
+        mask_program=DOCUMENT, mask_dtypes=("int32",), sparse_block=256, score_program=SOFTCAP)),
+    "d64-mask-without-block-mask": (VARIANTS["d64-gqa8"], dict(mask_program=PREFIX_LM)),
+    "d256-block-mask-only": (VARIANTS["d256-gqa4"], dict(sparse_block=128)),  # 2 kernel blocks per mask block
+    "mla-192-128-prefix-lm-block128": (VARIANTS["mla-192-128"], dict(mask_program=PREFIX_LM, sparse_block=128)),
+    "absorbed-mla-576-512-document-block128": (VARIANTS["absorbed-mla-576-512"], dict(
+        mask_program=DOCUMENT, mask_dtypes=("int32",), sparse_block=128)),
+}
+
+
 def spec_of(name: str):
     if name in VARIANTS:
         return flex_decode_spec(*VARIANTS[name])
+    if name in MASK_VARIANTS:
+        args, kwargs = MASK_VARIANTS[name]
+        return flex_decode_spec(*args, **kwargs)
     args, program, dtypes = SCORE_VARIANTS[name]
     return flex_decode_spec(*args, score_program=program, score_dtypes=dtypes)
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS) + sorted(SCORE_VARIANTS))
+@pytest.fixture(scope="module", params=sorted(VARIANTS) + sorted(SCORE_VARIANTS) + sorted(MASK_VARIANTS))
 def compiled(request):
     return compile_spec(spec_of(request.param), "sm_90a", keep_ptx=True)
 
@@ -94,6 +114,33 @@ def test_score_programs_reach_the_split_kernel():
     assert "cvt.rn.f32.s32" in alibi
     for ptx in (softcap, alibi):  # the mod sits between two WGMMAs, P still from registers
         assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_block_masks_and_mask_programs_reach_the_split_kernel():
+    plain = compile_spec(spec_of("d128-gqa8"), "sm_90a", keep_ptx=True).ptx
+    sliding = compile_spec(spec_of("d128-gqa8-sliding-block128"), "sm_90a", keep_ptx=True).ptx
+    only_blocks = compile_spec(spec_of("d256-block-mask-only"), "sm_90a", keep_ptx=True).ptx
+    # the block list: kv_num_blocks, full_kv_num_blocks and the indices are read from global memory
+    for ptx in (sliding, only_blocks):
+        assert ptx.count("ld.global") > plain.count("ld.global")
+        assert "ld.local" not in ptx and "st.local" not in ptx
+    # the mask program compares each element's query and key positions: 64 selects per block row pair
+    assert sliding.count("selp.f32") >= plain.count("selp.f32") + 64
+
+
+def test_mask_and_block_mask_configs_are_validated():
+    from inductor_cute.kernels.flex_decode_config import sparse_block_reason
+
+    base = default_config(128, 128, "bfloat16", 8)
+    assert config_error(dataclasses.replace(base, mask_program=SLIDING, sparse_block=256)) is None
+    assert "unknown argument 'score'" in config_error(dataclasses.replace(base, mask_program=SOFTCAP))
+    assert "end in a bool" in config_error(dataclasses.replace(base, mask_program=dumps([["o", "add", "kv", 1]])))
+    assert "not a multiple" in config_error(dataclasses.replace(base, sparse_block=64))
+    assert sparse_block_reason(128, 32, 128, 64, 1, 128) is None  # absorbed MLA: 4 kernel blocks per mask block
+    assert "not a multiple" in sparse_block_reason(64, 128, 128, 1, 1, 8)
+    assert "query block" in sparse_block_reason(128, 128, 16, 32, 1, 1)
+    assert "per query head" in sparse_block_reason(128, 128, 128, 1, 32, 4)
+    assert sparse_block_reason(128, 128, 128, 1, 32, 1) is None  # no GQA: each CTA has one query head
 
 
 def test_score_program_configs_are_validated():

@@ -84,3 +84,62 @@ def test_flex_decode_refuses_bad_score_programs_in_one_line():
         ops._score_mod_operands(None, (torch.ones(2),), cpu)
     text, dtypes, slots = ops._score_mod_operands(ALIBI.replace(",", ", "), (torch.ones(8)[::2],), cpu)
     assert text == ALIBI and dtypes == ("float32",) and slots[0].is_contiguous() and slots[1:] == [None] * 3
+
+
+SLIDING = sp.dumps([["d", "sub", "q", "kv"], ["ge", "ge", "d", 0], ["lt", "lt", "d", 4], ["o", "and", "ge", "lt"]])
+
+
+def test_mask_programs_have_no_score_and_end_in_a_bool():
+    score, b, h, q, kv = grid()
+    torch.testing.assert_close(sp.reference_mask(SLIDING, b, h, q, kv), ((q >= kv) & (q - kv < 4)).expand(score.shape))
+    with pytest.raises(ValueError, match="unknown argument 'score'"):
+        sp.loads('[["o", "gt", "score", 0]]', mask=True)
+    with pytest.raises(ValueError, match="must end in a bool"):
+        sp.loads('[["o", "add", "kv", 1]]', mask=True)
+    with pytest.raises(UnsupportedError, match="^flex_decode: mask_mod: mask program must end in a bool$"):
+        ops._score_mod_operands('[["o", "add", "kv", 1]]', (), torch.device("cpu"), "mask")
+
+
+def test_reference_keep_follows_flex_attention_block_masks():
+    """Partial blocks through the mask program, full blocks whole, unlisted blocks never; batch and
+    head rows broadcast by modulo; against create_block_mask's dense mask of the same mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = torch.arange(700, dtype=torch.int32) // 250
+
+    def doc_causal(b, h, m, n):
+        return (doc[n] == doc[m + 600]) & (m + 600 >= n)
+
+    program = sp.dumps([["qpos", "add", "q", 600], ["a", "load", "t0", "kv"], ["c", "load", "t0", "qpos"],
+                        ["same", "eq", "a", "c"], ["causal", "ge", "qpos", "kv"], ["o", "and", "same", "causal"]])
+    for block in (128, 256):
+        bm = create_block_mask(doc_causal, None, None, 4, 700, device="cpu", BLOCK_SIZE=block)
+        keep = sp.reference_keep((2, 3, 4, 700), program, (doc,), (bm.kv_num_blocks, bm.kv_indices,
+                                 bm.full_kv_num_blocks, bm.full_kv_indices), block, block)
+        idx = [torch.arange(n).view([-1 if i == d else 1 for i in range(4)]) for d, n in enumerate((2, 3, 4, 700))]
+        assert torch.equal(keep, doc_causal(*idx).expand(2, 3, 4, 700))
+        # the blocks alone decide when the mask program is dropped: full blocks and whole partial blocks
+        blocks_only = sp.reference_keep((2, 3, 4, 700), "", (), (bm.kv_num_blocks, bm.kv_indices, None, None),
+                                        block, block)
+        assert not blocks_only[..., :250].any() and blocks_only[..., 600].all()
+
+
+def test_block_mask_operands_are_checked_in_one_line():
+    cpu = torch.device("cpu")
+    num, idx = torch.ones(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 4, dtype=torch.int32)
+
+    def operands(block_mask, kv_block_size=128, q_block_size=128, heads=8, group=4, q_len=1, kv_block=128):
+        return ops._block_mask_operands(block_mask, kv_block_size, q_block_size, heads, group, q_len, kv_block, cpu)
+
+    slots = operands((num, idx.long(), None, None))
+    assert [t.dtype for t in slots] == [torch.int32] * 4 and slots[2].sum() == 0  # no full blocks: zero counts
+    with pytest.raises(UnsupportedError, match="^flex_decode: block mask KV block size 64 is not a multiple"):
+        operands((num, idx, None, None), kv_block_size=64)
+    with pytest.raises(UnsupportedError, match="together or not at all"):
+        operands((num, idx, num, None))
+    with pytest.raises(UnsupportedError, match="kv_indices must be a non-empty 4-D int32 tensor"):
+        operands((num, idx[0], None, None))
+    with pytest.raises(UnsupportedError, match="per query head"):
+        operands((num.expand(1, 8, 1), idx.expand(1, 8, 1, 4), None, None))
+    with pytest.raises(UnsupportedError, match="query length 32 spans more than one"):
+        operands((num, idx, None, None), q_block_size=16, q_len=32)

@@ -42,6 +42,9 @@ class FlexDecodeConfig:
     has_kv_len: bool  # a per-batch int32 length tensor masks the tail of each sequence
     score_program: str = ""  # a kernels.score_program text (the score_mod); "" for none
     score_dtypes: tuple[str, ...] = ()  # dtype names of the program's captured tensors t0, t1, ...
+    mask_program: str = ""  # a kernels.score_program mask program (the mask_mod); "" for none
+    mask_dtypes: tuple[str, ...] = ()  # dtype names of the mask program's captured tensors
+    sparse_block: int = 0  # a BlockMask's KV block size (a multiple of kv_block); 0: no block mask
 
     @property
     def threads(self) -> int:
@@ -84,11 +87,12 @@ def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per
 
 def default_config(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
                    has_kv_len: bool = False, score_program: str = "",
-                   score_dtypes: tuple[str, ...] = ()) -> FlexDecodeConfig:
+                   score_dtypes: tuple[str, ...] = (), mask_program: str = "", mask_dtypes: tuple[str, ...] = (),
+                   sparse_block: int = 0) -> FlexDecodeConfig:
     """As many stages as shared memory holds: decoding is bound by the bytes kept in flight."""
     kv_block, wgs = HEAD_DIMS[(head_dim_qk, head_dim_v)]
     cfg = FlexDecodeConfig(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, 1, wgs, has_kv_len,
-                           score_program, tuple(score_dtypes))
+                           score_program, tuple(score_dtypes), mask_program, tuple(mask_dtypes), sparse_block)
     stages = 1
     while stages < MAX_STAGES and smem_bytes(dataclasses.replace(cfg, stages=stages + 1)) <= SMEM_BUDGET:
         stages += 1
@@ -108,14 +112,35 @@ def config_error(cfg: FlexDecodeConfig) -> str | None:
         return "stages must be at least 1"
     if smem_bytes(cfg) > SMEM_BUDGET:
         return f"{smem_bytes(cfg)} bytes of shared memory exceed the {SMEM_BUDGET} available"
-    if cfg.score_program or cfg.score_dtypes:
-        from .score_program import canonical
+    if cfg.sparse_block < 0 or cfg.sparse_block % cfg.kv_block:
+        return f"block mask KV block size {cfg.sparse_block} is not a multiple of the kernel's KV block {cfg.kv_block}"
+    from .score_program import canonical
 
+    for kind, text, dtypes in (("score", cfg.score_program, cfg.score_dtypes),
+                               ("mask", cfg.mask_program, cfg.mask_dtypes)):
+        if not (text or dtypes):
+            continue
         try:
-            if canonical(cfg.score_program, cfg.score_dtypes) != cfg.score_program:
-                return "score_program must be in canonical form (score_program.canonical)"
+            if canonical(text, dtypes, mask=kind == "mask") != text:
+                return f"{kind}_program must be in canonical form (score_program.canonical)"
         except ValueError as e:
             return str(e)
+    return None
+
+
+def sparse_block_reason(sparse_block: int, kv_block: int, q_block: int, q_len: int, mask_heads: int,
+                        q_per_kv: int) -> str | None:
+    """Why the kernel cannot walk a BlockMask of these sizes; None when it can. The kernel streams
+    kv_block keys per stage, so a mask block must be whole stages; a CTA serves all queries of one
+    KV head, so they must share one block list: every query in query block 0 (q_idx // q_block),
+    and the mask's head dim broadcast (1) unless each KV head has one query head (torch indexes
+    the mask by query head modulo its head dim)."""
+    if sparse_block <= 0 or sparse_block % kv_block:
+        return f"block mask KV block size {sparse_block} is not a multiple of the kernel's KV block {kv_block}"
+    if q_len > q_block:
+        return f"query length {q_len} spans more than one block mask query block ({q_block})"
+    if mask_heads != 1 and q_per_kv != 1:
+        return f"a block mask per query head ({mask_heads} heads) with {q_per_kv} query heads per KV head"
     return None
 
 
@@ -148,13 +173,14 @@ KERNEL_MODULE = "inductor_cute.kernels.flex_decode_sm90"
 
 def flex_decode_spec(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
                      has_kv_len: bool = False, config: FlexDecodeConfig | None = None,
-                     score_program: str = "", score_dtypes: tuple[str, ...] = ()):
+                     score_program: str = "", score_dtypes: tuple[str, ...] = (), mask_program: str = "",
+                     mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0):
     """The KernelSpec of the split-KV decode kernel (with its combine step) for these parameters;
-    `score_program` in canonical form (score_program.canonical)."""
+    programs in canonical form (score_program.canonical)."""
     from ..runtime.spec import KernelSpec
 
     config = config or default_config(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len,
-                                      score_program, score_dtypes)
+                                      score_program, score_dtypes, mask_program, mask_dtypes, sparse_block)
     error = config_error(config)
     if error:
         raise ValueError(error)

@@ -22,13 +22,24 @@ Two kernels launched back to back by one exported function:
 With a score program (kernels.score_program, the flex_attention score_mod) the scores are
 x = program(score = s * scale, b, h, q, kv) * log2(e) instead of s * scale * log2(e).
 
+With a block mask (cfg.sparse_block > 0, flex_attention's BlockMask) a CTA walks a list of KV
+blocks instead of the whole sequence: the partial blocks kv_indices[z, hm, 0, :kv_num_blocks]
+then the full blocks full_kv_indices[z, hm, 0, :full_kv_num_blocks] (z = b % Z, hm = hkv % H, as
+torch indexes a broadcast mask; query block 0), each mask block cut into sparse_block / kv_block
+kernel blocks, the list dealt over splits like the contiguous range. A mask program (the
+mask_mod) sets x = -inf where it is False, on partial blocks only (every block without a block
+mask); keys at and past the sequence end are masked in any block.
+
 Tensor conventions (torch order, any strides with the last dim contiguous, 16-byte aligned):
     q (B, Hq, Lq, Dqk)   k (B, Hkv, Lkv, Dqk)   v (B, Hkv, Lkv, Dv)   kv_len (B,) int32 or None
     o_part (S, B, Hq, Lq, Dv) fp32 and lse_part (S, B, Hq, Lq) fp32: workspace, S = #splits
     out (B, Hq, Lq, Dv) in q's dtype and lse (B, Hq, Lq) fp32, both contiguous
     t0..t3: the score program's captured tensors (contiguous 1-D), None past its count
+    kv_num_blocks, full_kv_num_blocks (Z, H, Qb) and kv_indices, full_kv_indices (Z, H, Qb, C),
+    int32: the block mask (None without one); m0..m3: the mask program's captured tensors
 Exported entry: kernel(q, k, v, kv_len_or_None, o_part, lse_part, out, lse, scale_log2, scale,
-t0, t1, t2, t3); scale_log2 = scale * log2(e) is used without a score program, scale with one.
+t0, t1, t2, t3, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, m0, m1, m2, m3);
+scale_log2 = scale * log2(e) is used without a score program, scale with one.
 """
 
 import math
@@ -74,6 +85,8 @@ class FlexDecodeSm90:
         self.producer_regs = 40
         self.consumer_regs = 232 if self.wgs == 2 else 240
         self.score_fn = make_score_fn(cfg.score_program, cfg.score_dtypes) if cfg.score_program else None
+        self.mask_fn = make_score_fn(cfg.mask_program, cfg.mask_dtypes, mask=True) if cfg.mask_program else None
+        self.sub_blocks = cfg.sparse_block // self.kvb  # kernel blocks per mask block
 
     def _setup(self):
         dt, st = self.dtype, self.cfg.stages
@@ -102,7 +115,10 @@ class FlexDecodeSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKvLen: Optional[cute.Tensor],
                  mOp: cute.Tensor, mLp: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor,
                  scale_log2: Float32, scale: Float32, mT0: Optional[cute.Tensor], mT1: Optional[cute.Tensor],
-                 mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor], mKvNum: Optional[cute.Tensor],
+                 mKvIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor], mFullIdx: Optional[cute.Tensor],
+                 mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor], mM2: Optional[cute.Tensor],
+                 mM3: Optional[cute.Tensor], stream: cuda.CUstream):
         self._setup()
         assert self.shared_storage.size_in_bytes() == smem_bytes(self.cfg)  # config_error budgets with it
         self._check_acc_layout(self.mma_qk, (ROWS, self.kvb))
@@ -119,7 +135,7 @@ class FlexDecodeSm90:
         batch, kv_heads, q_len = mQ.shape[0], mK.shape[1], mQ.shape[2]
         row_tiles = cute.ceil_div(q_len * self.group, ROWS)
         self.split_kernel(mQ, tma_k, gK, tma_v, gV, mKvLen, mOp, mLp, scale_log2, scale, mT0, mT1, mT2, mT3,
-                          self.mma_qk, self.mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout
+                          mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.mma_qk, self.mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout
                           ).launch(grid=[row_tiles, mOp.shape[0], batch * kv_heads],
                                    block=[128 + self.consumer_threads, 1, 1], min_blocks_per_mp=1, stream=stream)
         rows = batch * mQ.shape[1] * q_len
@@ -131,7 +147,10 @@ class FlexDecodeSm90:
     def split_kernel(self, mQ: cute.Tensor, tma_k: cute.CopyAtom, gK_full: cute.Tensor, tma_v: cute.CopyAtom,
                      gV_full: cute.Tensor, mKvLen: Optional[cute.Tensor], mOp: cute.Tensor, mLp: cute.Tensor,
                      scale_log2: Float32, scale: Float32, mT0: Optional[cute.Tensor], mT1: Optional[cute.Tensor],
-                     mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor], mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+                     mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor], mKvNum: Optional[cute.Tensor],
+                     mKvIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor], mFullIdx: Optional[cute.Tensor],
+                     mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor], mM2: Optional[cute.Tensor],
+                     mM3: Optional[cute.Tensor], mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                      sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         row_tile, split, bh = cute.arch.block_idx()
@@ -156,11 +175,18 @@ class FlexDecodeSm90:
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         cute.arch.mbarrier_init_fence()
 
-        # The split's KV blocks: this batch's length cut into blocks, dealt out evenly over splits.
+        # The split's KV blocks: this batch's length cut into blocks (or the block mask's list of
+        # partial then full blocks), dealt out evenly over splits.
         seq_len = gK_full.shape[0]
         if const_expr(self.cfg.has_kv_len):
             seq_len = cutlass.max(cutlass.min(mKvLen[b], seq_len), 0)
         n_blocks = cute.ceil_div(seq_len, self.kvb)
+        n_partial = Int32(0)
+        zm, hm = b, hkv
+        if const_expr(self.cfg.sparse_block > 0):
+            zm, hm = b % mKvNum.shape[0], hkv % mKvNum.shape[1]
+            n_partial = mKvNum[(zm, hm, 0)]
+            n_blocks = (n_partial + mFullNum[(zm, hm, 0)]) * self.sub_blocks
         per_split = cute.ceil_div(n_blocks, mOp.shape[0])
         first_block = split * per_split
         my_blocks = cutlass.max(cutlass.min(n_blocks - first_block, per_split), 0)
@@ -178,7 +204,7 @@ class FlexDecodeSm90:
                                                    cute.group_modes(gV, 0, 2))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
                 for i in range(my_blocks):
-                    blk = first_block + i
+                    blk, _ = self._block_at(first_block + i, n_partial, zm, hm, mKvIdx, mFullIdx)
                     kv_pipe.producer_acquire(state)
                     bar = kv_pipe.producer_get_barrier(state)
                     cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b)], tKsK[(None, state.index)], tma_bar_ptr=bar)
@@ -215,11 +241,11 @@ class FlexDecodeSm90:
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
             for i in range(my_blocks):
-                blk = first_block + i
+                blk, partial = self._block_at(first_block + i, n_partial, zm, hm, mKvIdx, mFullIdx)
                 kv_pipe.consumer_wait(state)
                 if const_expr(self.cfg.has_kv_len):
-                    if (blk + 1) * self.kvb > seq_len:
-                        self._zero_v_tail(sV, state.index, seq_len - blk * self.kvb, ctid)
+                    if (blk + 1) * self.kvb > seq_len:  # a mask's block may lie wholly past the end
+                        self._zero_v_tail(sV, state.index, cutlass.max(seq_len - blk * self.kvb, 0), ctid)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
                     mma_qk.set(warpgroup.Field.ACCUMULATE, kb != 0)
@@ -231,6 +257,9 @@ class FlexDecodeSm90:
                     acc_s.store(acc_s.load() * scale_log2)
                 else:
                     self._apply_score_mod(acc_s, tScS, scale, b, hkv, row0, blk, (mT0, mT1, mT2, mT3))
+                if const_expr(self.mask_fn is not None):
+                    if partial:  # full blocks are known unmasked: torch skips their mask_mod too
+                        self._apply_mask_mod(acc_s, tScS, b, hkv, row0, blk, (mM0, mM1, mM2, mM3))
 
                 # only the block that holds the end of the sequence has columns to mask
                 if (blk + 1) * self.kvb > seq_len:
@@ -250,6 +279,35 @@ class FlexDecodeSm90:
                 state.advance()
 
             self._store_partials(acc_o, tOcO, row_max, row_sum, mOp, mLp, split, b, hkv, row0, n_rows)
+
+    @cute.jit
+    def _block_at(self, j: Int32, n_partial: Int32, zm: Int32, hm: Int32, mKvIdx: Optional[cute.Tensor],
+                  mFullIdx: Optional[cute.Tensor]):
+        """(kernel block index in kv_block units, whether it is a partial block) of entry j of the
+        CTA's block list: j itself without a block mask (every block partial), else sub-block
+        j % sub_blocks of the (j // sub_blocks)-th mask block, partial ones first."""
+        blk, partial = j, True
+        if const_expr(self.cfg.sparse_block > 0):
+            entry, sub = j // self.sub_blocks, j % self.sub_blocks
+            partial = entry < n_partial
+            idx = Int32(0)
+            if partial:
+                idx = mKvIdx[(zm, hm, 0, entry)]
+            else:
+                idx = mFullIdx[(zm, hm, 0, entry - n_partial)]
+            blk = idx * self.sub_blocks + sub
+        return blk, partial
+
+    def _apply_mask_mod(self, acc_s: cute.Tensor, tScS: cute.Tensor, b: Int32, hkv: Int32, row0: Int32,
+                        blk: Int32, tensors: tuple):
+        """x = -inf where mask_mod(b, h, q, kv) is False, per element (unrolled at trace time),
+        with the element's indices as in _apply_score_mod."""
+        tensors = [t for t in tensors if t is not None]
+        for v in range(cute.size(acc_s)):
+            p = row0 + tScS[v][0]
+            head, pos = hkv * self.group + p % self.group, p // self.group
+            keep = self.mask_fn(b, head, pos, blk * self.kvb + tScS[v][1], tensors)
+            acc_s[v] = Float32(cutlass.select_(keep, acc_s[v], Float32(NEG_INF)))
 
     def _apply_score_mod(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale: Float32, b: Int32, hkv: Int32,
                          row0: Int32, blk: Int32, tensors: tuple):
@@ -414,10 +472,11 @@ class FlexDecodeSm90:
 
 
 def build(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_warpgroups, has_kv_len,
-          score_program="", score_dtypes=()):
+          score_program="", score_dtypes=(), mask_program="", mask_dtypes=(), sparse_block=0):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     cfg = FlexDecodeConfig(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_warpgroups,
-                           has_kv_len, score_program, tuple(score_dtypes))
+                           has_kv_len, score_program, tuple(score_dtypes), mask_program, tuple(mask_dtypes),
+                           sparse_block)
     err = config_error(cfg)
     if err:
         raise ValueError(err)
@@ -437,8 +496,17 @@ def build(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_war
     lse_part = make_fake_compact_tensor(Float32, (S, B, Hq, Lq), stride_order=(3, 2, 1, 0))
     out = make_fake_compact_tensor(dt, (B, Hq, Lq, head_dim_v), stride_order=(3, 2, 1, 0), assumed_align=16)
     lse = make_fake_compact_tensor(Float32, (B, Hq, Lq), stride_order=(2, 1, 0))
-    score_tensors = [make_fake_compact_tensor(SCORE_TENSOR_DTYPES[dt], (cute.sym_int(),)) for dt in cfg.score_dtypes]
-    score_tensors += [None] * (MAX_TENSORS - len(score_tensors))
+    def captured(dtypes):
+        return ([make_fake_compact_tensor(SCORE_TENSOR_DTYPES[dt], (cute.sym_int(),)) for dt in dtypes]
+                + [None] * (MAX_TENSORS - len(dtypes)))
+
+    block_mask = [None] * 4
+    if sparse_block:
+        Z, H, Qb, C, Cf = (cute.sym_int() for _ in range(5))
+        block_mask = [make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
+                      make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb, C), stride_order=(3, 2, 1, 0)),
+                      make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
+                      make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb, Cf), stride_order=(3, 2, 1, 0))]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return FlexDecodeSm90(cfg), (q, k, v, kv_len, o_part, lse_part, out, lse, Float32(1.0), Float32(1.0),
-                                 *score_tensors, stream)
+                                 *captured(cfg.score_dtypes), *block_mask, *captured(cfg.mask_dtypes), stream)

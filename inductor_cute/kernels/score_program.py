@@ -15,6 +15,9 @@ float math is fp32, as the stock flex kernels compute it. The kernel clamps load
 tensor (padding rows and columns of a tile compute scores that are then thrown away); an index
 out of range for a real element is the caller's error, as it is in torch.
 
+A **mask program** (flex_attention's mask_mod, `mask=True` below) has the same format without
+the "score" leaf and ends in a bool: True keeps the key.
+
 Plain Python here; the CuTe DSL is imported only by `make_score_fn`.
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 
 LEAVES = {"score": "f", "b": "i", "h": "i", "q": "i", "kv": "i"}
+MASK_LEAVES = {k: t for k, t in LEAVES.items() if k != "score"}
 TENSOR_DTYPES = {"float32": "f", "bfloat16": "f", "float16": "f", "int32": "i"}
 MAX_TENSORS = 4  # the kernel's fixed number of captured-tensor slots
 
@@ -45,8 +49,8 @@ def dumps(steps: list[list]) -> str:
     return json.dumps(steps, separators=(",", ":"))
 
 
-def canonical(text: str, tensor_dtypes=()) -> str:
-    return dumps(loads(text, tensor_dtypes))
+def canonical(text: str, tensor_dtypes=(), mask: bool = False) -> str:
+    return dumps(loads(text, tensor_dtypes, mask))
 
 
 def _literal_type(x) -> str | None:
@@ -85,9 +89,9 @@ def _result_type(op: str, types: list[str], name: str) -> str:
     return "i"
 
 
-def types_of(steps: list[list], tensor_dtypes=()) -> dict[str, str]:
+def types_of(steps: list[list], tensor_dtypes=(), mask: bool = False) -> dict[str, str]:
     """The type of every leaf and step; raises ValueError naming the first problem."""
-    types = dict(LEAVES)
+    types = dict(MASK_LEAVES if mask else LEAVES)
     tensors = {tensor_name(i): dt for i, dt in enumerate(tensor_dtypes)}
     for step in steps:
         if not isinstance(step, list) or len(step) < 2 or not isinstance(step[0], str):
@@ -116,9 +120,9 @@ def types_of(steps: list[list], tensor_dtypes=()) -> dict[str, str]:
     return types
 
 
-def loads(text: str, tensor_dtypes=()) -> list[list]:
-    """Parse and validate a program against its captured tensors' dtypes (names of
-    TENSOR_DTYPES); raises ValueError naming the first problem."""
+def loads(text: str, tensor_dtypes=(), mask: bool = False) -> list[list]:
+    """Parse and validate a program (a mask program with `mask`) against its captured tensors'
+    dtypes (names of TENSOR_DTYPES); raises ValueError naming the first problem."""
     for dt in tensor_dtypes:
         if dt not in TENSOR_DTYPES:
             raise ValueError(f"captured tensor dtype {dt} is not supported (supported: {', '.join(TENSOR_DTYPES)})")
@@ -130,9 +134,9 @@ def loads(text: str, tensor_dtypes=()) -> list[list]:
         raise ValueError(f"score program is not JSON: {e}") from None
     if not isinstance(steps, list) or not steps:
         raise ValueError("score program must be a non-empty list of steps")
-    types = types_of(steps, tensor_dtypes)
-    if types[steps[-1][0]] != "f":
-        raise ValueError("score program must end in a float")
+    types = types_of(steps, tensor_dtypes, mask)
+    if types[steps[-1][0]] != ("b" if mask else "f"):
+        raise ValueError("mask program must end in a bool" if mask else "score program must end in a float")
     return steps
 
 
@@ -147,6 +151,21 @@ def evaluate(steps: list[list], env: dict, ops: dict):
 def reference(text: str, score, b, h, q, kv, tensors=()):
     """The program on torch tensors (broadcasting; score fp32, indices int32), for tests and
     CPU stand-ins: what the kernel computes per element."""
+    import torch
+
+    out = _run_torch(text, {"score": score.float(), "b": b, "h": h, "q": q, "kv": kv}, tensors, mask=False)
+    return torch.as_tensor(out, dtype=torch.float32).expand(torch.broadcast_shapes(score.shape, out.shape))
+
+
+def reference_mask(text: str, b, h, q, kv, tensors=()):
+    """A mask program on torch index tensors (broadcasting, int32): the bool keep-mask."""
+    import torch
+
+    out = _run_torch(text, {"b": b, "h": h, "q": q, "kv": kv}, tensors, mask=True)
+    return torch.as_tensor(out).expand(torch.broadcast_shapes(*(torch.as_tensor(x).shape for x in (b, h, q, kv, out))))
+
+
+def _run_torch(text: str, env: dict, tensors, mask: bool):
     import torch
 
     def maximum(a, c):
@@ -171,23 +190,23 @@ def reference(text: str, score, b, h, q, kv, tensors=()):
         "load": lambda t, i: t[torch.as_tensor(i).long()],
     }
     dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
-    steps = loads(text, dtypes)
-    env = {"score": score.float(), "b": b, "h": h, "q": q, "kv": kv}
+    steps = loads(text, dtypes, mask)
+    env = dict(env)
     env.update({tensor_name(i): t.float() if t.is_floating_point() else t for i, t in enumerate(tensors)})
-    out = evaluate(steps, env, ops)
-    return torch.as_tensor(out, dtype=torch.float32).expand(torch.broadcast_shapes(score.shape, out.shape))
+    return evaluate(steps, env, ops)
 
 
-def make_score_fn(text: str, tensor_dtypes=()):
+def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
     """The kernel's per-element hook: fn(score, b, h, q, kv, tensors) on DSL scalars (score
     Float32, indices Int32, tensors the captured 1-D cute.Tensors) -> Float32. Numbers become
-    constants of their step's type; float math is IEEE-accurate (no approximate tanh or exp)."""
+    constants of their step's type; float math is IEEE-accurate (no approximate tanh or exp).
+    With `mask`, a mask program's hook: fn(b, h, q, kv, tensors) -> Boolean (True keeps)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Boolean, Float32, Int32
 
-    steps = loads(text, tensor_dtypes)
-    types = types_of(steps, tensor_dtypes)
+    steps = loads(text, tensor_dtypes, mask)
+    types = types_of(steps, tensor_dtypes, mask)
     dsl = {"f": Float32, "i": Int32, "b": Boolean}
 
     def sel(c, a, d, t):
@@ -233,8 +252,7 @@ def make_score_fn(text: str, tensor_dtypes=()):
             return "f"
         return types[name]
 
-    def score_fn(score, b, h, q, kv, tensors):
-        values = {"score": score, "b": b, "h": h, "q": q, "kv": kv}
+    def program_fn(values: dict, tensors):
         values.update({tensor_name(i): t for i, t in enumerate(tensors)})
         for name, op, *args in steps:
             arg_types = [types[a] if isinstance(a, str) and a in types else _literal_type(a) for a in args]
@@ -250,4 +268,38 @@ def make_score_fn(text: str, tensor_dtypes=()):
             values[name] = ops[op](*vals)
         return values[steps[-1][0]]
 
-    return score_fn
+    if mask:
+        return lambda b, h, q, kv, tensors: program_fn({"b": b, "h": h, "q": q, "kv": kv}, tensors)
+    return lambda score, b, h, q, kv, tensors: program_fn({"score": score, "b": b, "h": h, "q": q, "kv": kv}, tensors)
+
+
+def reference_keep(shape, mask_text: str = "", mask_tensors=(), block_mask=None, kv_block_size: int = 128,
+                   q_block_size: int = 128, device=None):
+    """(B, Hq, Lq, Lkv) bool, the keys the decode kernel attends before kv_len, as flex_attention
+    defines them: with a block mask (kv_num_blocks, kv_indices, full_kv_num_blocks or None,
+    full_kv_indices or None; batch b reads row b % Z, head h row h % H, query q block
+    q // q_block_size) the keys of its full blocks and the mask program's keys of its partial
+    blocks; without one, the mask program's keys ("" keeps all). For tests and CPU stand-ins."""
+    import torch
+
+    batch, heads, q_len, kv_len = shape
+    idx = [torch.arange(n, dtype=torch.int32, device=device).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate(shape)]
+    keep = reference_mask(mask_text, *idx, mask_tensors) if mask_text else torch.ones((), dtype=torch.bool,
+                                                                                    device=device)
+    keep = keep.expand(shape)
+    if block_mask is None or block_mask[0] is None:
+        return keep
+    num, ind, full_num, full_ind = block_mask
+    rows = (torch.arange(batch, device=device) % num.shape[0])[:, None, None]
+    hs = (torch.arange(heads, device=device) % num.shape[1])[None, :, None]
+    qb = (torch.arange(q_len, device=device) // q_block_size)[None, None, :]
+    key_block = torch.arange(kv_len, device=device) // kv_block_size
+
+    def listed(n, i):  # key's block among the first n entries of the row's list
+        n, i = n[rows, hs, qb], i[rows, hs, qb]  # (B, H, Lq), (B, H, Lq, C)
+        valid = torch.arange(i.shape[-1], device=device) < n[..., None]
+        return ((i[..., None, :] == key_block[:, None]) & valid[..., None, :]).any(-1)
+
+    full = listed(full_num, full_ind) if full_num is not None else torch.zeros_like(keep)
+    return full | (listed(num, ind) & keep)
