@@ -86,17 +86,23 @@ def decisions(monkeypatch):
     return record_decisions(monkeypatch)
 
 
-def _stand_in(q, k, v, scale, score_mod, score_tensors):
+def _stand_in(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks, kv_indices,
+              full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size):
     """The custom op's contract on the CPU (fp32 math): out in q's dtype, natural-log lse; the
-    score program by the reference evaluator."""
+    programs and the block mask by the reference evaluators; rows with no key out 0, lse -inf."""
     g = q.shape[1] // k.shape[1]
     s = (q.float() @ k.float().repeat_interleave(g, 1).transpose(-1, -2)) * scale
     if score_mod:
         idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
                for d, n in enumerate(s.shape)]
         s = sp.reference(score_mod, s, *idx, score_tensors)
+    keep = sp.reference_keep(s.shape, mask_mod, mask_tensors,
+                             (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), kv_block_size,
+                             q_block_size)
+    s = s.masked_fill(~keep, float("-inf"))
     lse = s.logsumexp(-1)
-    return ((s - lse[..., None]).exp() @ v.float().repeat_interleave(g, 1)).to(q.dtype), lse
+    p = (s - lse[..., None]).exp().nan_to_num(0.0)
+    return (p @ v.float().repeat_interleave(g, 1)).to(q.dtype), lse
 
 
 @functools.cache
@@ -205,16 +211,35 @@ def test_untranslatable_score_mods_are_declined_with_the_reason(decisions, hoppe
     assert "float64" in decline_reason(problem)
 
 
-def test_masks_are_declined(decisions, hopper):
-    for mask_mod in (causal, sliding_window):
-        masked = traced_problem(decisions, block_mask=create_block_mask(mask_mod, None, None, 1, 300, device="cpu"))
-        assert not flex.is_noop_mask_mod(masked.mask_graph)
-        assert decline_reason(masked) == "a mask_mod or block mask"
-    # A BlockMask passed in carries its blocks as data the lowering cannot see: declined even
-    # when its mask_mod is the noop.
-    unseen = traced_problem(decisions, block_mask=create_block_mask(noop_mask, None, None, 1, 300, device="cpu"))
-    assert flex.is_noop_mask_mod(unseen.mask_graph) and not unseen.keys_all_in_blocks
-    assert decline_reason(unseen) == "a mask_mod or block mask"
+def test_block_masks_are_translated_and_taken(decisions, hopper):
+    masked = traced_problem(decisions, block_mask=create_block_mask(sliding_window, None, None, 1, 300, device="cpu"))
+    assert not masked.keys_all_in_blocks and masked.block_sizes == (128, 128) and masked.mask_heads == 1
+    program = flex.mask_program(masked.mask_graph, masked.mask_buffers)
+    assert [step[1] for step in sp.loads(program, mask=True)] == ["ge", "sub", "lt", "and"]
+    idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate((2, 3, 200, 300))]
+    assert torch.equal(sp.reference_mask(program, *idx), sliding_window(*idx).expand(2, 3, 200, 300))
+    assert decline_reason(masked) is None
+    # a BlockMask of the noop mask_mod: its blocks are data, walked by the kernel; no mask program
+    noop = traced_problem(decisions, block_mask=create_block_mask(noop_mask, None, None, 1, 300, device="cpu"))
+    assert flex.mask_program(noop.mask_graph) == "" and decline_reason(noop) is None
+    assert flex.mask_program(traced_problem(decisions).mask_graph) == ""  # no block mask at all
+
+
+def test_block_masks_we_cannot_walk_are_declined(decisions, hopper):
+    small = traced_problem(decisions, block_mask=create_block_mask(causal, None, None, 1, 300, device="cpu",
+                                                                    BLOCK_SIZE=64))
+    assert decline_reason(small) == "block mask: block mask KV block size 64 is not a multiple of the kernel's " \
+                                    "KV block 128"
+    assert decline_reason(dataclasses.replace(small, head_dim_qk=256, head_dim_v=256)) is None  # kv_block 64
+    per_head = traced_problem(decisions, block_mask=create_block_mask(causal, None, 8, 1, 300, device="cpu"))
+    assert per_head.mask_heads == 8
+    assert "per query head" in decline_reason(per_head)  # 8 query heads on 2 KV heads share one CTA
+    assert decline_reason(dataclasses.replace(per_head, kv_heads=8)) is None  # no GQA: one list per CTA
+    assert "query block" in decline_reason(dataclasses.replace(small, block_sizes=(128, 16), q_len=32))
+    sine_mask = traced_problem(decisions, block_mask=create_block_mask(
+        lambda b, h, m, n: torch.sin(n.float()) > 0, None, None, 1, 300, device="cpu"))
+    assert decline_reason(sine_mask) == "a mask_mod we cannot translate: aten.sin.default is not supported"
 
 
 DECLINED = {
@@ -269,7 +294,7 @@ def test_fake_impl_shapes():
         q = torch.empty(2, 16, 4, 192, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(2, 2, 1000, 192, dtype=torch.bfloat16, device="cuda")
         v = torch.empty(2, 2, 1000, 128, dtype=torch.bfloat16, device="cuda")
-        out, lse = torch.ops.inductor_cute.flex_decode(q, k, v, 0.1, "", [])
+        out, lse = torch.ops.inductor_cute.flex_decode(q, k, v, 0.1, "", [], "", [], None, None, None, None, 0, 0)
     assert (out.shape, out.dtype, out.device.type) == ((2, 16, 4, 128), torch.bfloat16, "cuda")
     assert (lse.shape, lse.dtype) == ((2, 16, 4), torch.float32)
     assert out.is_contiguous() and lse.is_contiguous()
@@ -360,3 +385,79 @@ def test_a_failing_decision_delegates_to_the_stock_lowering(cpu_accepted, monkey
     out, code = compiled(flex_attention, q, k, v, enable_gqa=True)
     assert OUR_CALL not in code
     torch.testing.assert_close(out, flex_attention(q, k, v, enable_gqa=True), atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------- mask_mod and block masks, compiled end to end
+
+KV = 700  # keys: 5 full and one partial block of 128 at the end
+
+
+def decode_sliding(offset, window=200):
+    """The query at position q_idx + offset (a closure constant) sees the window keys up to itself."""
+    def mask_mod(b, h, m, n):
+        return (m + offset >= n) & (m + offset - n < window)
+
+    return mask_mod
+
+
+OFFSETS = torch.tensor([KV - 2, 300], dtype=torch.int32)  # per batch: where the queries sit
+
+
+def causal_captured_offset(b, h, m, n):
+    return m + OFFSETS[b] >= n
+
+
+DOC_IDS = (torch.arange(KV, dtype=torch.int32) // 250).to(torch.int32)  # three documents
+
+
+def document(b, h, m, n):
+    return DOC_IDS[n] == DOC_IDS[m + KV - 2]
+
+
+def prefix_lm(b, h, m, n):
+    return (n < 100) | (m + KV - 2 >= n)
+
+
+def empty_rows(b, h, m, n):
+    return (b == 0) & (n < 300)  # batch 1 attends nothing: out 0, lse -inf
+
+
+MASKS = {"sliding": (decode_sliding(KV - 2), ()), "causal-captured-offset": (causal_captured_offset, (OFFSETS,)),
+         "document": (document, (DOC_IDS,)), "prefix-lm": (prefix_lm, ()), "empty-rows": (empty_rows, ())}
+
+
+@pytest.mark.parametrize("block", [128, 256])
+@pytest.mark.parametrize("name", MASKS)
+def test_block_mask_runs_our_op_and_matches(cpu_accepted, decisions, name, block):
+    mask_mod, _ = MASKS[name]
+    q, k, v = qkv(q_len=2, kv_len=KV, dtype=torch.bfloat16)
+    block_mask = create_block_mask(mask_mod, 2, None, 2, KV, device="cpu", BLOCK_SIZE=block)
+    (out, lse), code = compiled(flex_attention, q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+    assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
+    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True,
+                                  return_lse=True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    if name == "empty-rows":
+        assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
+
+
+def test_block_mask_with_a_score_mod(cpu_accepted, decisions):
+    q, k, v = qkv(q_len=1, kv_len=KV, dtype=torch.bfloat16)
+    block_mask = create_block_mask(prefix_lm, None, None, 1, KV, device="cpu")
+    (out, lse), code = compiled(flex_attention, q, k, v, score_mod=alibi, block_mask=block_mask, enable_gqa=True,
+                                return_lse=True)
+    assert OUR_CALL in code
+    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), score_mod=alibi, block_mask=block_mask,
+                                  enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_a_block_mask_we_cannot_walk_delegates(cpu_accepted, decisions):
+    q, k, v = qkv(kv_len=KV, dtype=torch.bfloat16)
+    block_mask = create_block_mask(prefix_lm, None, 8, 1, KV, device="cpu")  # per query head, GQA 4
+    out, code = compiled(flex_attention, q, k, v, block_mask=block_mask, enable_gqa=True)
+    assert "per query head" in decisions[0][1] and OUR_CALL not in code
+    torch.testing.assert_close(out, flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True), atol=2e-2,
+                               rtol=2e-2)

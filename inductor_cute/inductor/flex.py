@@ -1,6 +1,7 @@
-"""The flex_attention higher-order op under torch.compile: decoding-shaped calls with no mask and
-no score_mod, or a score_mod we can translate into a score program (kernels/score_program.py),
-run our split-KV kernel (`ops.flex_decode`); everything else goes to the stock lowering, unchanged.
+"""The flex_attention higher-order op under torch.compile: decoding-shaped calls whose score_mod and
+mask_mod we can translate into score / mask programs (kernels/score_program.py), with or without a
+BlockMask our kernel can walk, run our split-KV kernel (`ops.flex_decode`); everything else goes
+to the stock lowering, unchanged.
 
 `install()` wraps `torch._inductor.lowering.lowerings[flex_attention]`. For a call we accept, the
 output code calls the custom op `torch.ops.inductor_cute.flex_decode` and imports this module
@@ -37,17 +38,23 @@ _NEUTRAL_OPTIONS = frozenset({"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE
 
 @torch.library.custom_op("inductor_cute::flex_decode", mutates_args=(), device_types="cuda")
 def flex_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, score_mod: str,
-                   score_tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops.flex_decode for compiled graphs: (out, lse), lse in natural-log units; score_mod is a
-    score program's text, "" for none."""
+                   score_tensors: list[torch.Tensor], mask_mod: str, mask_tensors: list[torch.Tensor],
+                   kv_num_blocks: torch.Tensor | None, kv_indices: torch.Tensor | None,
+                   full_kv_num_blocks: torch.Tensor | None, full_kv_indices: torch.Tensor | None,
+                   kv_block_size: int, q_block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.flex_decode for compiled graphs: (out, lse), lse in natural-log units; score_mod and
+    mask_mod are programs' texts, "" for none; the block-mask tensors are None without one."""
     from .. import ops
 
     return ops.flex_decode(q, _streamable(k), _streamable(v), scale=scale, return_lse=True,
-                           score_mod=score_mod or None, score_tensors=tuple(score_tensors))
+                           score_mod=score_mod or None, score_tensors=tuple(score_tensors),
+                           mask_mod=mask_mod or None, mask_tensors=tuple(mask_tensors), kv_num_blocks=kv_num_blocks,
+                           kv_indices=kv_indices, full_kv_num_blocks=full_kv_num_blocks,
+                           full_kv_indices=full_kv_indices, kv_block_size=kv_block_size, q_block_size=q_block_size)
 
 
 @flex_decode_op.register_fake
-def _flex_decode_fake(q, k, v, scale, score_mod, score_tensors):
+def _flex_decode_fake(q, k, v, scale, *programs_and_block_mask):
     batch, heads, q_len, _ = q.shape
     return q.new_empty(batch, heads, q_len, v.shape[-1]), q.new_empty(batch, heads, q_len, dtype=torch.float32)
 
@@ -78,7 +85,11 @@ class FlexProblem:
     score_graph: torch.fx.GraphModule
     score_buffers: tuple  # per captured score_mod buffer: its dtype, or None unless a 1-D tensor on q's device
     mask_graph: torch.fx.GraphModule
+    mask_buffers: tuple  # the same for the mask_mod's captured buffers
     keys_all_in_blocks: bool  # the block-sparse tensors visit every key (no block mask was given)
+    block_sizes: tuple  # the block mask's (KV, Q) block sizes
+    mask_heads: int | None  # the block mask's head dim (1: broadcast)
+    block_tensors_ok: bool  # the block-mask tensors are int32 and on q's device
     scale: Any
     kernel_options: dict
     inference: bool
@@ -108,13 +119,38 @@ def decline_reason(p: FlexProblem) -> str | None:
         return problem
     if not isinstance(p.scale, (int, float)):
         return f"scale is not a constant ({p.scale!r})"
-    if not is_noop_mask_mod(p.mask_graph) or not p.keys_all_in_blocks:
-        return "a mask_mod or block mask"
+    if not p.keys_all_in_blocks:
+        problem = _block_mask_reason(p)
+        if problem:
+            return problem
     try:
         score_program(p.score_graph, p.score_buffers)
     except ValueError as e:
         return f"a score_mod we cannot translate: {e}"
+    try:
+        mask_program(p.mask_graph, p.mask_buffers)
+    except ValueError as e:
+        return f"a mask_mod we cannot translate: {e}"
     return _options_reason(p.kernel_options)
+
+
+def _block_mask_reason(p: FlexProblem) -> str | None:
+    """Why our kernel cannot walk this BlockMask (fdc.sparse_block_reason says what it needs)."""
+    from ..kernels import flex_decode_config as fdc
+
+    kv_block_size, q_block_size = p.block_sizes
+    if not (isinstance(kv_block_size, int) and isinstance(q_block_size, int)):
+        return f"block mask block sizes {p.block_sizes} are not constants"
+    if p.mask_heads is None:
+        return "the block mask's head dim is symbolic"
+    if not p.block_tensors_ok:
+        return "block-mask tensors that are not int32 on the query's device"
+    if p.mask_heads not in (1, p.heads):
+        return f"a block mask of {p.mask_heads} heads for {p.heads} query heads"
+    kv_block = fdc.HEAD_DIMS[(p.head_dim_qk, p.head_dim_v)][0]
+    problem = fdc.sparse_block_reason(kv_block_size, kv_block, q_block_size, p.q_len, p.mask_heads,
+                                      p.heads // p.kv_heads)
+    return f"block mask: {problem}" if problem else None
 
 
 def _device_reason(device: torch.device) -> str | None:
@@ -159,6 +195,7 @@ def is_identity_score_mod(gm: torch.fx.GraphModule) -> bool:
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 _LEAVES = ("score", "b", "h", "q", "kv")  # the score_mod's placeholders (score, b, h, m, n) in program terms
+_MASK_LEAVES = _LEAVES[1:]  # the mask_mod's (b, h, m, n)
 _OPS = {
     **dict.fromkeys((_aten.add.Tensor, _aten.add.Scalar), "add"), **dict.fromkeys((_aten.sub.Tensor, _aten.sub.Scalar), "sub"),
     **dict.fromkeys((_aten.mul.Tensor, _aten.mul.Scalar), "mul"), **dict.fromkeys((_aten.div.Tensor, _aten.div.Scalar), "truediv"),
@@ -182,20 +219,35 @@ def score_program(gm: torch.fx.GraphModule, buffer_dtypes: tuple = ()) -> str:
     """The canonical score program of a score_mod graph, "" for the identity; raises ValueError
     saying what cannot be translated. All float math is fp32, as the stock kernels compute it
     (the graph's dtypes say bf16 for a bf16 query, but its scores are fp32)."""
-    from ..kernels import score_program as sp
-
     if is_identity_score_mod(gm):
         return ""
+    return _translate(gm, buffer_dtypes, _LEAVES)
+
+
+def mask_program(gm: torch.fx.GraphModule, buffer_dtypes: tuple = ()) -> str:
+    """The canonical mask program of a mask_mod graph, "" for flex_attention's noop_mask; raises
+    ValueError saying what cannot be translated."""
+    if is_noop_mask_mod(gm):
+        return ""
+    return _translate(gm, buffer_dtypes, _MASK_LEAVES)
+
+
+def _translate(gm: torch.fx.GraphModule, buffer_dtypes: tuple, leaves: tuple) -> str:
+    """A score_mod (leaves _LEAVES) or mask_mod (_MASK_LEAVES) graph as a canonical program."""
+    from ..kernels import score_program as sp
+
+    mask = leaves == _MASK_LEAVES
+    what = "mask_mod" if mask else "score_mod"
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) < 5:
-        raise ValueError("score_mod graph without its five arguments")
-    values = dict(zip(placeholders, _LEAVES))  # node -> program argument (a name or a number)
+    if len(placeholders) < len(leaves):
+        raise ValueError(f"{what} graph without its {len(leaves)} arguments")
+    values = dict(zip(placeholders, leaves))  # node -> program argument (a name or a number)
     tensors = {}  # captured buffer placeholder -> tensor name
-    for i, (node, dtype) in enumerate(zip(placeholders[5:], buffer_dtypes)):
+    for i, (node, dtype) in enumerate(zip(placeholders[len(leaves):], buffer_dtypes)):
         if dtype is None:
             raise ValueError(f"captured buffer {i} is not a 1-D tensor on the query's device")
         tensors[node] = sp.tensor_name(i)
-    if len(placeholders) - 5 != len(buffer_dtypes):
+    if len(placeholders) - len(leaves) != len(buffer_dtypes):
         raise ValueError("captured buffers do not match the graph")
     dtypes = tuple(str(dt).removeprefix("torch.") for dt in buffer_dtypes)
     steps: list[list] = []
@@ -210,7 +262,7 @@ def score_program(gm: torch.fx.GraphModule, buffer_dtypes: tuple = ()) -> str:
         raise ValueError(f"argument {x!r}")
 
     def type_of(a) -> str:
-        return sp.types_of(steps, dtypes)[a] if isinstance(a, str) else sp._literal_type(a)
+        return sp.types_of(steps, dtypes, mask)[a] if isinstance(a, str) else sp._literal_type(a)
 
     def emit(node, op, *args):
         steps.append([node.name, op, *args])
@@ -246,10 +298,10 @@ def score_program(gm: torch.fx.GraphModule, buffer_dtypes: tuple = ()) -> str:
             raise ValueError(f"{target} is not supported")
     out = arg(_output_value(gm))
     if not steps or out != steps[-1][0]:
-        if type_of(out) != "f":
-            raise ValueError("the score_mod does not return a float")
-        steps.append(["out", "mul", out, 1.0])
-    return sp.canonical(sp.dumps(steps), dtypes)
+        if type_of(out) != ("b" if mask else "f"):
+            raise ValueError(f"the {what} does not return a {'bool' if mask else 'float'}")
+        steps.append(["out", "and", out, out] if mask else ["out", "mul", out, 1.0])
+    return sp.canonical(sp.dumps(steps), dtypes, mask)
 
 
 def _cast(node, x, dtype, type_of, emit, values) -> None:
@@ -285,10 +337,11 @@ def _is_full(node, value) -> bool:
 
 
 def _block_mask_fields(block_mask: tuple) -> tuple:
-    """(kv_num_blocks, kv_indices, full_kv_num_blocks, KV block size, mask graph) of the HOP's
-    block-mask tuple. It has 13 entries in torch 2.11 and 17 in 2.13 (backward-only orderings
-    were added in the middle); the fields we read sit at the same places from either end."""
-    return block_mask[2], block_mask[3], block_mask[4], block_mask[-2], block_mask[-1]
+    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, Q block size, KV block
+    size, mask graph) of the HOP's block-mask tuple (BlockMask.as_tuple()). It has 13 entries in
+    torch 2.11 and 17 in 2.13 (backward-only orderings were added in the middle); the fields we
+    read sit at the same places from either end."""
+    return (*block_mask[2:6], *block_mask[-3:])
 
 
 def _keys_all_in_blocks(node: torch.fx.Node, kv_len) -> bool:
@@ -297,7 +350,7 @@ def _keys_all_in_blocks(node: torch.fx.Node, kv_len) -> bool:
     recognised from the FX nodes that build it. A BlockMask passed in is data we cannot see."""
     if node.target is not _HOP or len(node.args) < 5:
         return False
-    num_blocks, indices, full_num_blocks, block, _ = _block_mask_fields(node.args[4])
+    num_blocks, indices, full_num_blocks, _, _, block, _ = _block_mask_fields(node.args[4])
     spans = isinstance(block, int) and (block >= _WHOLE_SEQUENCE_BLOCK
                                         or V.graph.sizevars.statically_known_leq(kv_len, block))
     return full_num_blocks is None and _is_full(num_blocks, 1) and _is_full(indices, 0) and spans
@@ -317,18 +370,27 @@ def _buffer_dtype(buf, device):
     return buf.get_dtype()
 
 
-def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, score_buffers=()) -> FlexProblem:
+def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, score_buffers=(),
+             mask_buffers=()) -> FlexProblem:
     sizevars = V.graph.sizevars
     (bq, hq, lq, dqk), (bk, hk, lk, dk), (bv, hv, lv, dv) = (x.get_size() for x in (query, key, value))
     same = sizevars.statically_known_equals
     operands_match = all(same(a, b) for a, b in ((bq, bk), (bq, bv), (dqk, dk), (hk, hv), (lk, lv)))
+    *block_tensors, q_block, kv_block, mask_graph = _block_mask_fields(block_mask)
+    present = [t for t in block_tensors if t is not None]
+    block_tensors_ok = all(isinstance(t, ir.IRNode) and t.get_dtype() == torch.int32
+                           and t.get_device() == query.get_device() for t in present)
     return FlexProblem(
         device=query.get_device(), dtypes=(query.get_dtype(), key.get_dtype(), value.get_dtype()),
         heads=_static(hq), kv_heads=_static(hk), q_len=_static(lq), head_dim_qk=_static(dqk), head_dim_v=_static(dv),
         operands_match=operands_match,
         score_graph=subgraph.graph_module,
-        score_buffers=tuple(_buffer_dtype(buf, query.get_device()) for buf in score_buffers), mask_graph=_block_mask_fields(block_mask)[-1].graph_module,
-        keys_all_in_blocks=_keys_all_in_blocks(V.graph.current_node, lk), scale=scale,
+        score_buffers=tuple(_buffer_dtype(buf, query.get_device()) for buf in score_buffers),
+        mask_graph=mask_graph.graph_module,
+        mask_buffers=tuple(_buffer_dtype(buf, query.get_device()) for buf in mask_buffers),
+        keys_all_in_blocks=_keys_all_in_blocks(V.graph.current_node, lk), block_sizes=(kv_block, q_block),
+        mask_heads=_static(block_tensors[0].get_size()[1]) if block_tensors[0] is not None else None,
+        block_tensors_ok=block_tensors_ok and len(present) in (2, 4), scale=scale,
         kernel_options=dict(kernel_options), inference=V.graph.is_inference)
 
 
@@ -347,22 +409,28 @@ class _FlexDecodeCall(ir.FallbackKernel):
 
 def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_options,
                     score_mod_other_buffers, mask_mod_other_buffers):
-    program = ""
+    programs = ("", "")
     try:
         problem = None if V.graph.cpp_wrapper else _problem(query, key, value, subgraph, block_mask, scale,
-                                                              kernel_options, score_mod_other_buffers)
+                                                              kernel_options, score_mod_other_buffers,
+                                                              mask_mod_other_buffers)
         reason = _call_reason(problem, query, key)
         if not reason:
-            program = score_program(problem.score_graph, problem.score_buffers)
+            programs = (score_program(problem.score_graph, problem.score_buffers),
+                        mask_program(problem.mask_graph, problem.mask_buffers))
     except Exception as e:  # our decision must never fail a compile
         reason = f"the decision failed: {type(e).__name__}: {e}"
     if reason:
         log.debug("inductor-cute: flex_attention left to the stock lowering: %s", reason)
         return _stock(query, key, value, subgraph, block_mask, scale, kernel_options,
                       score_mod_other_buffers, mask_mod_other_buffers)
-    log.info("inductor-cute: flex_attention %s runs our decode kernel%s", list(query.get_size()),
-             f" with score program {program}" if program else "")
-    return _lower_to_decode(query, key, value, float(scale), program, list(score_mod_other_buffers))
+    log.info("inductor-cute: flex_attention %s runs our decode kernel (score program %r, mask program %r%s)",
+             list(query.get_size()), *programs, "" if problem.keys_all_in_blocks else ", a block mask")
+    *block_tensors, q_block, kv_block, _ = _block_mask_fields(block_mask)
+    if problem.keys_all_in_blocks:  # flex_attention's "no block mask": walk the whole sequence
+        block_tensors, q_block, kv_block = [None] * 4, 0, 0
+    return _lower_to_decode(query, key, value, float(scale), programs, list(score_mod_other_buffers),
+                            list(mask_mod_other_buffers), block_tensors, kv_block, q_block)
 
 
 def _call_reason(problem: FlexProblem | None, query, key) -> str | None:
@@ -379,14 +447,16 @@ def _grid_reason(query, key) -> str | None:
     return None
 
 
-def _lower_to_decode(query, key, value, scale: float, program: str, score_buffers: list):
+def _lower_to_decode(query, key, value, scale: float, programs: tuple, score_buffers: list, mask_buffers: list,
+                     block_tensors: list, kv_block: int, q_block: int):
     """The HOP's outputs (out, lse, max_scores): lse in log2 units like every flex kernel's;
     max_scores only allocated, as the stock kernels leave it when OUTPUT_MAX is off."""
     from torch._inductor.lowering import empty_strided, lowerings
 
     out, lse = (ir.TensorBox.create(x)
                 for x in _FlexDecodeCall.create(torch.ops.inductor_cute.flex_decode.default, query, key, value, scale,
-                                                program, score_buffers))
+                                                programs[0], score_buffers, programs[1], mask_buffers, *block_tensors,
+                                                kv_block, q_block))
     lse2 = lowerings[torch.ops.aten.mul.Tensor](lse, _LOG2E)
     max_scores = empty_strided(lse.get_size(), None, dtype=torch.float32, device=query.get_device())
     return out, lse2, max_scores
