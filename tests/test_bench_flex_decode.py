@@ -109,3 +109,15 @@ def test_softcap_program_is_the_softcap_score_mod():
     idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
            for d, n in enumerate(score.shape)]
     torch.testing.assert_close(sp.reference(fd.softcap_program(), score, *idx), fd.softcap()(score, *idx))
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_sliding_window_program_is_the_sliding_window_mask_mod(q_len):
+    """Our runner's mask program keeps the keys the triton runner's mask_mod keeps."""
+    from inductor_cute.kernels import score_program as sp
+
+    shape = (2, 4, q_len, 3000)
+    idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate(shape)]
+    keep = sp.reference_mask(fd.sliding_window_program(3000, q_len), *idx)
+    assert torch.equal(keep, fd.sliding_window(3000, q_len)(*idx).expand(shape))

@@ -1,8 +1,9 @@
 """torch.compile(flex_attention) with inductor-cute enabled on the H200: decode calls with no mask
 and no score_mod, or a translatable one (softcap, ALiBi), run our split-KV kernel (the output code
 calls the custom op) and match an fp64 reference and eager flex_attention, lse included; an
-untranslatable score_mod or a mask goes to the stock lowering and still matches; a graph from the
-FX cache works in a process that never lowered it."""
+untranslatable score_mod or a block mask we cannot walk goes to the stock lowering and still matches;
+BlockMasks with translatable mask_mods (sliding window, causal with an offset, document, prefix-LM)
+run our kernel; a graph from the FX cache works in a process that never lowered it."""
 
 import json
 import math
@@ -121,10 +122,6 @@ def sine(score, b, h, m, n):
     return score + torch.sin(score)  # no sin in score programs
 
 
-def sink_and_window(b, h, m, n):
-    return (n < 256) | (n >= 2048 - 512)  # the first 256 keys and the last 512 of 2048
-
-
 def test_untranslatable_score_mod_goes_to_the_stock_lowering():
     q, k, v = rand(4, 32, 1, 128), rand(4, 8, 2048, 128), rand(4, 8, 2048, 128)
     out, code = compiled_run(q, k, v, score_mod=sine, enable_gqa=True)
@@ -161,13 +158,71 @@ def test_alibi_runs_our_kernel_and_matches():
                                     rand(2, 8, 3000, 128))
 
 
-def test_mask_goes_to_the_stock_lowering():
+KV = 3000
+OFFSETS = torch.tensor([KV - 1, 1000, 17, 2500], dtype=torch.int32)
+DOC_IDS = (torch.arange(KV) // 700).to(torch.int32)
+
+
+def mask_mods():
+    offsets, doc = OFFSETS.cuda(), DOC_IDS.cuda()
+    return {
+        "sliding": lambda b, h, m, n: (m + KV - 4 >= n) & (m + KV - 4 - n < 512),
+        "causal-captured-offset": lambda b, h, m, n: m + offsets[b] >= n,
+        "document": lambda b, h, m, n: (doc[n] == doc[m + KV - 4]) & (m + KV - 4 >= n),
+        "prefix-lm": lambda b, h, m, n: (n < 300) | (m + KV - 4 >= n),
+        "sink-and-window": lambda b, h, m, n: (n < 256) | (n >= KV - 512),
+        "empty-batch-1": lambda b, h, m, n: (b == 0) & (n < 1000),
+    }
+
+
+@pytest.mark.parametrize("block", [128, 256])
+@pytest.mark.parametrize("name", ["sliding", "causal-captured-offset", "document", "prefix-lm", "sink-and-window",
+                                  "empty-batch-1"])
+@pytest.mark.parametrize("group", [1, 8])
+def test_block_mask_runs_our_kernel_and_matches(name, block, group):
+    mask_mod = mask_mods()[name]
+    q = rand(4, 2 * group, 4, 128) * 3
+    k, v = rand(4, 2, KV, 128), rand(4, 2, KV, 128)
+    block_mask = create_block_mask(mask_mod, 4, None, 4, KV, BLOCK_SIZE=block)
+    (out, lse), code = compiled_run(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+    assert code.count(OUR_CALL) == 1
+    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True,
+                                  return_lse=True)
+    assert_out_close(out, ref, q.dtype)
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (out[empty] == 0).all()
+    assert_lse_close(lse[~empty], ref_lse[~empty])
+    if name == "empty-batch-1":
+        assert empty[1].all()
+
+
+def test_block_mask_with_a_closure_offset_and_a_dynamic_length():
+    """Causal with the decode offset as a closure constant; the cache view's length changes
+    between calls (dynamic=True) with a new BlockMask each time."""
+    cache_k, cache_v = rand(2, 4096, 8, 128), rand(2, 4096, 8, 128)
+    q = rand(2, 32, 1, 128) * 3
+    for kv_len in (1000, 1537):
+        torch._dynamo.reset()
+        k, v = cache_k[:, :kv_len].transpose(1, 2), cache_v[:, :kv_len].transpose(1, 2)
+        offset = kv_len - 1
+        block_mask = create_block_mask(lambda b, h, m, n: (m + offset >= n) & (m + offset - n < 300), None, None,
+                                       1, kv_len)
+        out, code = compiled_run(q, k, v, block_mask=block_mask, enable_gqa=True, dynamic=True)
+        assert OUR_CALL in code
+        ref = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
+        assert_out_close(out, ref, q.dtype)
+
+
+def test_block_mask_we_cannot_walk_goes_to_the_stock_lowering():
     q, k, v = rand(2, 16, 1, 128), rand(2, 4, 2048, 128), rand(2, 4, 2048, 128)
-    block_mask = create_block_mask(sink_and_window, None, None, 1, 2048)
-    out, code = compiled_run(q, k, v, block_mask=block_mask, enable_gqa=True)
-    assert OUR_CALL not in code
-    ref = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    per_head = create_block_mask(lambda b, h, m, n: (n < 256 * (h + 1)), None, 16, 1, 2048)  # GQA 4
+    small = create_block_mask(mask_mods()["sink-and-window"], None, None, 1, 2048, BLOCK_SIZE=64)  # < our 128
+    for block_mask in (per_head, small):
+        torch._dynamo.reset()
+        out, code = compiled_run(q, k, v, block_mask=block_mask, enable_gqa=True)
+        assert OUR_CALL not in code
+        ref = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
 def test_unsupported_head_dim_and_long_query_go_to_the_stock_lowering():

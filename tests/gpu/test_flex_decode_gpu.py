@@ -24,9 +24,9 @@ def poison_allocator(nbytes: int) -> None:
     del junk
 
 
-def reference(q, k, v, scale=None, kv_len=None, score_mod=None, score_tensors=()):
+def reference(q, k, v, scale=None, kv_len=None, score_mod=None, score_tensors=(), keep=None):
     """fp64 softmax(scale q k^T) v with GQA expansion (the score program in fp32 on fp64-accurate
-    scores); rows with no key give out 0, lse -inf."""
+    scores), over the keys `keep` (B, Hq, Lq, Lkv) holds; rows with no key give out 0, lse -inf."""
     b, hq, lq, dqk = q.shape
     hkv, lkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(dqk) if scale is None else scale
@@ -37,6 +37,8 @@ def reference(q, k, v, scale=None, kv_len=None, score_mod=None, score_tensors=()
         idx = [torch.arange(n, device=q.device, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
                for d, n in enumerate(s.shape)]
         s = sp.reference(score_mod, s.float(), *idx, score_tensors).double()
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
     if kv_len is not None:
         past_end = torch.arange(lkv, device=q.device)[None, :] >= kv_len.long()[:, None]  # (b, lkv)
         s = s.masked_fill(past_end[:, None, None, :], float("-inf"))
@@ -46,11 +48,12 @@ def reference(q, k, v, scale=None, kv_len=None, score_mod=None, score_tensors=()
     return p @ vv, lse
 
 
-def check(q, k, v, scale=None, kv_len=None, num_splits=None, score_mod=None, score_tensors=()):
-    ref_out, ref_lse = reference(q, k, v, scale, kv_len, score_mod, score_tensors)
+def check(q, k, v, scale=None, kv_len=None, num_splits=None, score_mod=None, score_tensors=(), keep=None,
+          **mask_args):
+    ref_out, ref_lse = reference(q, k, v, scale, kv_len, score_mod, score_tensors, keep)
     poison_allocator(64 * ref_out.numel() + (1 << 20))
     out, lse = ops.flex_decode(q, k, v, scale=scale, kv_len=kv_len, return_lse=True, num_splits=num_splits,
-                               score_mod=score_mod, score_tensors=score_tensors)
+                               score_mod=score_mod, score_tensors=score_tensors, **mask_args)
     assert out.shape == ref_out.shape and out.dtype == q.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
     assert not out.isnan().any(), "unwritten (poisoned) or NaN elements in the output"
@@ -232,3 +235,117 @@ def test_unsupported_inputs_are_refused_in_one_line():
     with pytest.raises(UnsupportedError, match="float64 is not supported"):
         ops.flex_decode(q, rand(1, 8, 16, 128), rand(1, 8, 16, 128), score_mod=ALIBI,
                         score_tensors=(torch.ones(8, device="cuda", dtype=torch.float64),))
+
+
+# ------------------------------------------------------------------ mask_mod and block masks
+
+KV = 3000  # cache length; the decoding queries sit at KV - Lq + i
+DOC_IDS = (torch.arange(KV) // 700).to(torch.int32)  # five documents
+# mask programs (q is the query's index 0..Lq-1; the offset puts it at its cache position)
+SLIDING = sp.dumps([["pos", "add", "q", KV - 4], ["c", "ge", "pos", "kv"], ["d", "sub", "pos", "kv"],
+                    ["w", "lt", "d", 512], ["o", "and", "c", "w"]])
+CAUSAL_OFFSET = sp.dumps([["off", "load", "t0", "b"], ["pos", "add", "q", "off"], ["o", "ge", "pos", "kv"]])
+DOCUMENT = sp.dumps([["pos", "add", "q", KV - 4], ["qd", "load", "t0", "pos"], ["kd", "load", "t0", "kv"],
+                     ["same", "eq", "qd", "kd"], ["c", "ge", "pos", "kv"], ["o", "and", "same", "c"]])
+PREFIX_LM = sp.dumps([["pre", "lt", "kv", 300], ["pos", "add", "q", KV - 4], ["c", "ge", "pos", "kv"],
+                      ["o", "or", "pre", "c"]])
+NOTHING_IN_BATCH_1 = sp.dumps([["z", "eq", "b", 0], ["c", "lt", "kv", 1000], ["o", "and", "z", "c"]])
+
+
+def mask_mods(offsets, doc):
+    """The Python mask_mods the programs above stand for (create_block_mask builds the blocks)."""
+    return {
+        "sliding": lambda b, h, m, n: (m + KV - 4 >= n) & (m + KV - 4 - n < 512),
+        "causal-offset": lambda b, h, m, n: m + offsets[b] >= n,
+        "document": lambda b, h, m, n: (doc[n] == doc[m + KV - 4]) & (m + KV - 4 >= n),
+        "prefix-lm": lambda b, h, m, n: (n < 300) | (m + KV - 4 >= n),
+        "empty-batch-1": lambda b, h, m, n: (b == 0) & (n < 1000),
+    }
+
+
+PROGRAMS = {"sliding": (SLIDING, "none"), "causal-offset": (CAUSAL_OFFSET, "offsets"),
+            "document": (DOCUMENT, "doc"), "prefix-lm": (PREFIX_LM, "none"),
+            "empty-batch-1": (NOTHING_IN_BATCH_1, "none")}
+
+
+def check_block_mask(name, q, k, v, block, kv_len=None, num_splits=None, score_mod=None, score_tensors=()):
+    """ours with create_block_mask's BlockMask and the mask program against the fp64 reference on
+    the keys torch keeps (the program is first checked to be the Python mask_mod, densely)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, heads, q_len = q.shape[:3]
+    offsets = torch.tensor([KV - 4, 1000, 17][:batch], device="cuda", dtype=torch.int32)
+    doc = DOC_IDS.cuda()
+    mask_mod = mask_mods(offsets, doc)[name]
+    program, captured = PROGRAMS[name]
+    tensors = {"none": (), "offsets": (offsets,), "doc": (doc,)}[captured]
+    bm = create_block_mask(mask_mod, batch, None, q_len, KV, device="cuda", BLOCK_SIZE=block)
+    blocks = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    shape = (batch, heads, q_len, KV)
+    keep = sp.reference_keep(shape, program, tensors, blocks, block, block, device="cuda")
+    idx = [torch.arange(n, device="cuda").view([-1 if i == d else 1 for i in range(4)]) for d, n in enumerate(shape)]
+    assert torch.equal(keep, mask_mod(*idx).expand(shape)), "program and mask_mod differ"
+    check(q, k, v, kv_len=kv_len, num_splits=num_splits, score_mod=score_mod, score_tensors=score_tensors,
+          keep=keep, mask_mod=program, mask_tensors=tensors, kv_num_blocks=blocks[0], kv_indices=blocks[1],
+          full_kv_num_blocks=blocks[2], full_kv_indices=blocks[3], kv_block_size=block, q_block_size=block)
+
+
+@pytest.mark.parametrize("block", [128, 256])
+@pytest.mark.parametrize("name", PROGRAMS)
+@pytest.mark.parametrize("group", [1, 8])
+def test_block_masks(name, block, group):
+    hkv = 2
+    check_block_mask(name, sharp(3, hkv * group, 4, 128), rand(3, hkv, KV, 128), rand(3, hkv, KV, 128), block)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (256, 256), (192, 128), (576, 512)])
+def test_block_masks_over_kernel_sub_blocks(dqk, dv):
+    # kernel KV blocks of 64 and 32 keys: each mask block is 2 or 4 pipeline stages
+    hq, hkv = (16, 1) if dqk == 576 else (8, 2)
+    check_block_mask("document", sharp(2, hq, 2, dqk), rand(2, hkv, KV, dqk), rand(2, hkv, KV, dv), 128)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 5, 64])
+def test_block_mask_with_kv_len_and_forced_splits(num_splits):
+    # kv_len cuts into listed blocks (and past one's end); fully masked rows of batch 1
+    kv_len = torch.tensor([2500, 900, 129], device="cuda", dtype=torch.int32)
+    for name in ("prefix-lm", "empty-batch-1"):
+        check_block_mask(name, sharp(3, 16, 1, 128), rand(3, 2, KV, 128), rand(3, 2, KV, 128), 128, kv_len=kv_len,
+                         num_splits=num_splits)
+
+
+def test_mask_program_without_a_block_mask_and_with_a_score_mod():
+    q, k, v = sharp(2, 16, 1, 128), rand(2, 4, KV, 128), rand(2, 4, KV, 128)
+    shape = (2, 16, 1, KV)
+    keep = sp.reference_keep(shape, PREFIX_LM, device="cuda")
+    check(q, k, v, keep=keep, mask_mod=PREFIX_LM, score_mod=SOFTCAP)
+
+
+def test_masks_change_the_result():
+    q, k, v = sharp(2, 16, 1, 128), rand(2, 4, KV, 128), rand(2, 4, KV, 128)
+    keep = sp.reference_keep((2, 16, 1, KV), SLIDING, device="cuda")
+    assert (reference(q, k, v, keep=keep)[0] - reference(q, k, v)[0]).abs().max() > 0.1
+
+
+def test_matches_torch_flex_attention_with_a_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = sharp(2, 16, 1, 128), rand(2, 4, KV, 128), rand(2, 4, KV, 128)
+    bm = create_block_mask(mask_mods(None, None)["sliding"], None, None, 1, KV, device="cuda")
+    ref_out, ref_lse = flex_attention(q.float(), k.float(), v.float(), block_mask=bm, enable_gqa=True,
+                                      return_lse=True)
+    out, lse = ops.flex_decode(q, k, v, return_lse=True, mask_mod=SLIDING, kv_num_blocks=bm.kv_num_blocks,
+                               kv_indices=bm.kv_indices, full_kv_num_blocks=bm.full_kv_num_blocks,
+                               full_kv_indices=bm.full_kv_indices)
+    assert (out.float() - ref_out).abs().max().item() < 2e-2
+    assert (lse - ref_lse).abs().max().item() < LSE_TOL * ref_lse.abs().max().item()
+
+
+def test_block_masks_we_cannot_walk_are_refused():
+    q, kv = rand(1, 8, 1, 128), rand(1, 2, 1024, 128)
+    num, idx = torch.ones(1, 8, 1, device="cuda", dtype=torch.int32), torch.zeros(1, 8, 1, 8, device="cuda",
+                                                                                  dtype=torch.int32)
+    with pytest.raises(UnsupportedError, match="per query head"):
+        ops.flex_decode(q, kv, kv, kv_num_blocks=num, kv_indices=idx)
+    with pytest.raises(UnsupportedError, match="not a multiple"):
+        ops.flex_decode(q, kv, kv, kv_num_blocks=num[:, :1], kv_indices=idx[:, :1], kv_block_size=64)

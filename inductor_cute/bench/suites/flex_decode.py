@@ -2,7 +2,8 @@
 (Triton) vs SDPA, one query token per sequence, bf16, beside the HBM bound.
 
 Each shape runs plain, with a sliding-window mask_mod and with a softcap score_mod:
-  inductor_cute  ops.flex_decode; plain and softcap (as a score program) cases, no mask_mod yet
+  inductor_cute  ops.flex_decode; softcap as a score program, the sliding window as a mask program
+                 over the same BlockMask's blocks (only the window's blocks are read)
   triton         torch.compile(flex_attention), default mode, enable_gqa=True; the sliding window
                  as a BlockMask (create_block_mask), so it may skip the blocks outside the window
   aten           SDPA with enable_gqa=True; the sliding window as a boolean attn_mask (which reads
@@ -127,6 +128,13 @@ def softcap_program(cap: float = SOFTCAP) -> str:
     return score_program.dumps([["a", "truediv", "score", cap], ["t", "tanh", "a"], ["o", "mul", "t", cap]])
 
 
+def sliding_window_program(kv_len: int, q_len: int = 1, window: int = WINDOW) -> str:
+    """sliding_window()'s mask_mod as ops.flex_decode's mask program."""
+    offset = kv_len - q_len
+    return score_program.dumps([["pos", "add", "q", offset], ["c", "le", "kv", "pos"], ["d", "sub", "pos", "kv"],
+                                ["w", "lt", "d", window], ["o", "and", "c", "w"]])
+
+
 def dense_window_mask(kv_len: int, q_len: int = 1, window: int = WINDOW, device="cuda") -> torch.Tensor:
     """The sliding window as SDPA's boolean attn_mask (True = attend), (1, 1, Lq, KV)."""
     q_pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
@@ -179,14 +187,18 @@ def _case(shape: Shape, variant: str) -> Case:
     q, k, v = make_inputs(shape, variant)
     scale = shape.dqk ** -0.5
     flops, n_bytes = cost(shape, variant)
-    notes = []
+    mods = flex_mods(shape, variant)
+    ours_args = {}
     if variant == "sliding":
-        ours = None
-        notes.append("ours: mask_mod not supported yet")
-    else:
-        program = softcap_program() if variant == "softcap" else None
-        ours = lambda: ops.flex_decode(q, k, v, scale=scale, score_mod=program)  # noqa: E731
-        notes.append(_splits_note(shape))
+        bm = mods["block_mask"]
+        ours_args = dict(mask_mod=sliding_window_program(shape.kv, shape.lq), kv_num_blocks=bm.kv_num_blocks,
+                         kv_indices=bm.kv_indices, full_kv_num_blocks=bm.full_kv_num_blocks,
+                         full_kv_indices=bm.full_kv_indices, kv_block_size=bm.BLOCK_SIZE[1],
+                         q_block_size=bm.BLOCK_SIZE[0])
+    elif variant == "softcap":
+        ours_args = dict(score_mod=softcap_program())
+    ours = lambda: ops.flex_decode(q, k, v, scale=scale, **ours_args)  # noqa: E731
+    notes = [_splits_note(shape)]
     if variant == "sliding":
         notes.append(f"bound counts the {WINDOW}-key window only; aten is SDPA with a dense bool mask")
     elif variant == "softcap":
@@ -194,7 +206,6 @@ def _case(shape: Shape, variant: str) -> Case:
     if shape.v_view:
         notes.append("v is a view of k (one latent cache), counted once in bytes")
     compiled = torch.compile(flex_attention, dynamic=False)
-    mods = flex_mods(shape, variant)
     return Case(
         name=case_name(shape, variant),
         params={"B": shape.b, "Hq": shape.hq, "Hkv": shape.hkv, "Dqk": shape.dqk, "Dv": shape.dv, "KV": shape.kv,
