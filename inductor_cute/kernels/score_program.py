@@ -232,7 +232,9 @@ def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
         "sigmoid": lambda x: 1.0 / (1.0 + cute.math.exp(-x, fastmath=False)),
         "add": lambda a, d: a + d, "sub": lambda a, d: a - d, "mul": lambda a, d: a * d,
         "maximum": maximum, "minimum": minimum, "truediv": lambda a, d: a / d,
-        "floordiv": lambda a, d: a // d, "remainder": lambda a, d: a % d,  # the DSL floors like Python
+        # the DSL's Int32 `//` floors like Python (arith.floordivsi), but its `%` is arith.remsi, which
+        # truncates (C: the dividend's sign); torch.remainder takes the divisor's sign: a - floor(a/d)*d
+        "floordiv": lambda a, d: a // d, "remainder": lambda a, d: a - (a // d) * d,
         "lt": lambda a, d: a < d, "le": lambda a, d: a <= d, "gt": lambda a, d: a > d,
         "ge": lambda a, d: a >= d, "eq": lambda a, d: a == d, "ne": lambda a, d: a != d,
         "and": lambda a, d: a & d, "or": lambda a, d: a | d, "not": lambda a: ~a,

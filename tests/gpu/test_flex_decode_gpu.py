@@ -198,6 +198,18 @@ def test_score_mod_on_query_and_key_indices():
           score_tensors=(offsets,))
 
 
+NEGATIVE_INTS = sp.dumps([["d", "sub", "q", "kv"], ["r", "remainder", "d", 3], ["f", "floordiv", "d", 400],
+                         ["rf", "float", "r"], ["ff", "float", "f"], ["a", "mul", "rf", 1.5], ["x", "add", "score", "a"],
+                         ["o", "add", "x", "ff"]])
+
+
+def test_remainder_and_floordiv_of_negative_ints_follow_torch():
+    # q - kv < 0 almost everywhere: torch.remainder takes the divisor's sign (the DSL's Int32 `%`
+    # truncates like C), floor division floors; a wrong sign moves scores by up to 3 and 1
+    kv_len = torch.tensor([1000, 333], device="cuda", dtype=torch.int32)
+    check(sharp(2, 8, 2, 128), rand(2, 2, 1000, 128), rand(2, 2, 1000, 128), kv_len=kv_len, score_mod=NEGATIVE_INTS)
+
+
 def test_score_mods_change_the_result():
     # the tests above would not notice an ignored score_mod unless it moves the output
     q, k, v = sharp(2, 16, 1, 128), rand(2, 4, 1000, 128), rand(2, 4, 1000, 128)
