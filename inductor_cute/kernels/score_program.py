@@ -11,9 +11,10 @@ the first argument of `load`: `[name, "load", "t0", index]` reads t0[index] (flo
 
 Every value has a type: "f" (fp32), "i" (int32) or "b" (bool). Arithmetic follows torch's
 promotion (an int and a float give a float; an int literal takes the other side's type); all
-float math is fp32, as the stock flex kernels compute it. The kernel clamps load indices into the
-tensor (padding rows and columns of a tile compute scores that are then thrown away); an index
-out of range for a real element is the caller's error, as it is in torch.
+float math is fp32, as the stock flex kernels compute it. A negative load index counts from the
+end, as in torch; the kernel then clamps indices into the tensor (padding rows and columns of a
+tile compute scores that are then thrown away); an index out of range for a real element is the
+caller's error, as it is in torch.
 
 A **mask program** (flex_attention's mask_mod, `mask=True` below) has the same format without
 the "score" leaf and ends in a bool: True keeps the key.
@@ -221,7 +222,9 @@ def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
         return sel(d != d, d, sel(a != a, a, m, "f"), "f") if isinstance(a, Float32) else m
 
     def load(t, i):
-        i = cutlass.max(cutlass.min(i, Int32(t.shape[0] - 1)), Int32(0))
+        n = Int32(t.shape[0])
+        i = sel(i < 0, i + n, i, "i")  # a negative index counts from the end, as torch indexing does
+        i = cutlass.max(cutlass.min(i, n - 1), Int32(0))
         v = t[i]
         return v if t.element_type is Int32 else Float32(v)
 

@@ -210,6 +210,14 @@ def test_remainder_and_floordiv_of_negative_ints_follow_torch():
     check(sharp(2, 8, 2, 128), rand(2, 2, 1000, 128), rand(2, 2, 1000, 128), kv_len=kv_len, score_mod=NEGATIVE_INTS)
 
 
+def test_negative_load_indices_count_from_the_end():
+    # score + table[q - kv]: q - kv <= 1 here, mostly negative; torch indexing wraps those
+    table = torch.randn(1000, device="cuda", dtype=torch.float32) * 2
+    program = sp.dumps([["d", "sub", "q", "kv"], ["x", "load", "t0", "d"], ["o", "add", "score", "x"]])
+    check(sharp(2, 8, 2, 128), rand(2, 2, 1000, 128), rand(2, 2, 1000, 128), score_mod=program,
+          score_tensors=(table,))
+
+
 def test_score_mods_change_the_result():
     # the tests above would not notice an ignored score_mod unless it moves the output
     q, k, v = sharp(2, 16, 1, 128), rand(2, 4, 1000, 128), rand(2, 4, 1000, 128)
