@@ -461,3 +461,27 @@ def test_a_block_mask_we_cannot_walk_delegates(cpu_accepted, decisions):
     assert "per query head" in decisions[0][1] and OUR_CALL not in code
     torch.testing.assert_close(out, flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True), atol=2e-2,
                                rtol=2e-2)
+
+
+def test_block_mask_under_dynamic_shapes_is_taken(cpu_accepted, decisions):
+    # dynamic=True turns the BlockMask's block sizes into symbols; the lowering specialises them
+    # (guard_int, as the stock lowerings do) instead of declining every dynamic block-masked call.
+    # The decode offset as a captured tensor is taken; as a closure int it becomes a SymInt operand
+    # of the mask_mod, which mask programs cannot read yet: declined with the reason.
+    g = torch.Generator().manual_seed(0)
+    cache_k, cache_v = (torch.randn(2, 2048, 2, 64, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(2, 8, 1, 64, generator=g).bfloat16()
+    for kv_len in (1000, 1537):
+        k, v = cache_k[:, :kv_len].transpose(1, 2), cache_v[:, :kv_len].transpose(1, 2)
+        offset = kv_len - 1
+        offsets = torch.tensor([offset], dtype=torch.int32)
+        for mask_mod, taken in ((lambda b, h, m, n: (m + offsets[0] >= n) & (m + offsets[0] - n < 300), True),
+                                (lambda b, h, m, n: (m + offset >= n) & (m + offset - n < 300), False)):
+            block_mask = create_block_mask(mask_mod, None, None, 1, kv_len, device="cpu")
+            out, code = compiled(flex_attention, q, k, v, block_mask=block_mask, enable_gqa=True, dynamic=True)
+            if taken:
+                assert decisions[-1][1] is None and OUR_CALL in code
+            else:
+                assert "captured buffer 0 is not a 1-D tensor" in decisions[-1][1] and OUR_CALL not in code
+            ref = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
+            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

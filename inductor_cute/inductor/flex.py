@@ -370,6 +370,14 @@ def _buffer_dtype(buf, device):
     return buf.get_dtype()
 
 
+def _block_size(size):
+    """A BlockMask block size as an int: under dynamic=True it arrives as a symbol, which the stock
+    lowerings specialise with guard_int too (the same guard, whoever takes the call)."""
+    if isinstance(size, sympy.Expr) and not size.is_number:
+        return V.graph.sizevars.guard_int(size)
+    return int(size) if isinstance(size, (int, sympy.Integer)) else size
+
+
 def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, score_buffers=(),
              mask_buffers=()) -> FlexProblem:
     sizevars = V.graph.sizevars
@@ -388,7 +396,8 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
         score_buffers=tuple(_buffer_dtype(buf, query.get_device()) for buf in score_buffers),
         mask_graph=mask_graph.graph_module,
         mask_buffers=tuple(_buffer_dtype(buf, query.get_device()) for buf in mask_buffers),
-        keys_all_in_blocks=_keys_all_in_blocks(V.graph.current_node, lk), block_sizes=(kv_block, q_block),
+        keys_all_in_blocks=_keys_all_in_blocks(V.graph.current_node, lk),
+        block_sizes=(_block_size(kv_block), _block_size(q_block)),
         mask_heads=_static(block_tensors[0].get_size()[1]) if block_tensors[0] is not None else None,
         block_tensors_ok=block_tensors_ok and len(present) in (2, 4), scale=scale,
         kernel_options=dict(kernel_options), inference=V.graph.is_inference)
@@ -426,7 +435,8 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
                       score_mod_other_buffers, mask_mod_other_buffers)
     log.info("inductor-cute: flex_attention %s runs our decode kernel (score program %r, mask program %r%s)",
              list(query.get_size()), *programs, "" if problem.keys_all_in_blocks else ", a block mask")
-    *block_tensors, q_block, kv_block, _ = _block_mask_fields(block_mask)
+    *block_tensors, _, _, _ = _block_mask_fields(block_mask)
+    kv_block, q_block = problem.block_sizes  # ints (a symbolic size was specialised in _problem)
     if problem.keys_all_in_blocks:  # flex_attention's "no block mask": walk the whole sequence
         block_tensors, q_block, kv_block = [None] * 4, 0, 0
     return _lower_to_decode(query, key, value, float(scale), programs, list(score_mod_other_buffers),

@@ -196,21 +196,26 @@ def test_block_mask_runs_our_kernel_and_matches(name, block, group):
         assert empty[1].all()
 
 
-def test_block_mask_with_a_closure_offset_and_a_dynamic_length():
-    """Causal with the decode offset as a closure constant; the cache view's length changes
-    between calls (dynamic=True) with a new BlockMask each time."""
+def test_block_mask_with_a_dynamic_length():
+    """Causal-window with the decode offset, the cache view's length changing between calls
+    (dynamic=True) with a new BlockMask each time. dynamic=True makes the block sizes symbols
+    (specialised by the lowering) and a closure int offset a SymInt operand of the mask_mod, which
+    mask programs cannot read: that form goes to the stock lowering, the captured-tensor form
+    runs our kernel (CPU twin: test_flex_lowering.test_block_mask_under_dynamic_shapes_is_taken)."""
     cache_k, cache_v = rand(2, 4096, 8, 128), rand(2, 4096, 8, 128)
     q = rand(2, 32, 1, 128) * 3
     for kv_len in (1000, 1537):
-        torch._dynamo.reset()
         k, v = cache_k[:, :kv_len].transpose(1, 2), cache_v[:, :kv_len].transpose(1, 2)
         offset = kv_len - 1
-        block_mask = create_block_mask(lambda b, h, m, n: (m + offset >= n) & (m + offset - n < 300), None, None,
-                                       1, kv_len)
-        out, code = compiled_run(q, k, v, block_mask=block_mask, enable_gqa=True, dynamic=True)
-        assert OUR_CALL in code
-        ref = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
-        assert_out_close(out, ref, q.dtype)
+        offsets = torch.tensor([offset], device="cuda", dtype=torch.int32)
+        for mask_mod, ours in ((lambda b, h, m, n: (m + offsets[0] >= n) & (m + offsets[0] - n < 300), True),
+                               (lambda b, h, m, n: (m + offset >= n) & (m + offset - n < 300), False)):
+            torch._dynamo.reset()
+            block_mask = create_block_mask(mask_mod, None, None, 1, kv_len)
+            out, code = compiled_run(q, k, v, block_mask=block_mask, enable_gqa=True, dynamic=True)
+            assert (OUR_CALL in code) == ours
+            ref = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
+            assert_out_close(out, ref, q.dtype)
 
 
 def test_block_mask_we_cannot_walk_goes_to_the_stock_lowering():
