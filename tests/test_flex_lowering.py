@@ -485,3 +485,12 @@ def test_block_mask_under_dynamic_shapes_is_taken(cpu_accepted, decisions):
                 assert "captured buffer 0 is not a 1-D tensor" in decisions[-1][1] and OUR_CALL not in code
             ref = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
             torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_an_untyped_scalar_tensor_is_a_float_constant():
+    g = torch.fx.Graph()
+    score, *_ = (g.placeholder(name) for name in ("score", "b", "h", "m", "n"))
+    two = g.call_function(torch.ops.aten.scalar_tensor.default, (2,))  # no dtype: float32 in torch
+    g.output(g.call_function(torch.ops.aten.mul.Tensor, (score, two)))
+    program = flex.score_program(torch.fx.GraphModule({}, g))
+    assert "2.0" in program and '2]' not in program

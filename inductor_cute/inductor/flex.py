@@ -287,7 +287,9 @@ def _translate(gm: torch.fx.GraphModule, buffer_dtypes: tuple, leaves: tuple) ->
             dtype = kwargs.get("dtype")
             if isinstance(value, bool) or dtype is torch.bool:
                 raise ValueError("a boolean constant")
-            values[node] = float(value) if (dtype is not None and dtype.is_floating_point) else value
+            # scalar_tensor without a dtype is float32 (the default dtype); full infers it from the value
+            floating = dtype.is_floating_point if dtype is not None else target is _aten.scalar_tensor.default
+            values[node] = float(value) if floating else value
         elif target in _IDENTITY:
             values[node] = arg(args[0])
         elif target is _aten.index.Tensor and args[0] in tensors and len(args[1]) == 1:
