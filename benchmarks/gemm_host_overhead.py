@@ -23,7 +23,7 @@ def main():
     print("loader stats after first call:", dict(stats))
     plan, args, _ = ops._prepare_gemm("mm", a.unsqueeze(0), w.t().unsqueeze(0), None, None, 1.0, None,
                                       "identity", None, out.unsqueeze(0))
-    kernel = ops._gemm_kernel(*plan)
+    kernel = ops._gemm_kernel(*plan[:3])  # plan[3]: the GEMV's workspace sizes (None here: M=333)
     rows = {
         "torch.mm (cuBLAS)": lambda: torch.mm(a, w.t(), out=out),
         "raw kernel (TVM-FFI)": lambda: kernel(*args),

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from ... import ops
 from ...kernels.gemm_candidates import candidate_configs
-from ...kernels.gemm_config import gemm_spec
+from ...kernels.gemm_kernels import kernel_spec
+from ...kernels.gemv_config import GemvConfig
+from ...kernels.gemv_config import candidate_configs as gemv_candidates
 from ...runtime import precompile
 from ..harness import Case
 from ..timing import time_us
@@ -39,7 +41,11 @@ def _autotuned(a, b, **kw):
     as torch.compile's autotuning does; (runner, note naming the pick and the default's time)."""
     problem, default, num_sms = ops.gemm_plan(a, b, **kw)
     configs = candidate_configs(a.shape[0], b.shape[1], problem, 1, num_sms)
-    precompile([gemm_spec(problem, cfg, num_sms) for cfg in configs])
+    if isinstance(default, GemvConfig):  # M <= 16 against a K-major weight: the GEMV's configs too
+        configs = gemv_candidates(a.shape[0], b.shape[1], a.shape[1], num_sms) + configs
+    if default not in configs:
+        configs = [default, *configs]
+    precompile([kernel_spec(problem, cfg, num_sms) for cfg in configs])
     times = {cfg: time_us(lambda cfg=cfg: ops.mm(a, b, config=cfg, **kw), reps=30) for cfg in configs}
     best = min(times, key=times.get)
     note = f"ours autotuned over {len(configs)} configs: {best.describe()}; heuristic default {times[default]:.1f} us"
