@@ -140,7 +140,9 @@ def _default_gemm_config(problem, batch: int, m: int, n: int, k: int, num_sms: i
     from .kernels.gemm_config import default_config
 
     if batch == 1 and gemv_config.unsupported_reason(m, n, k, problem) is None:
-        return gemv_config.default_config(m, n, k, num_sms)
+        gemv = gemv_config.default_config(m, n, k, num_sms)
+        if gemv_config.config_error(gemv, problem, m=m, k=k) is None:  # a K past 64 full A slices cannot
+            return gemv
     return default_config(m, n, problem, batch, num_sms)
 
 

@@ -149,3 +149,12 @@ def test_column_major_a_with_an_odd_m_is_copied_k_major(monkeypatch):
     b = torch.randn(1, 64, 32, dtype=torch.bfloat16)
     plan, args, _ = _plan(monkeypatch, a, b, None, None, 1.0, None, "identity", None, None)
     assert plan[0].a_major == "k" and args[0].stride(1) == 1 and torch.equal(args[0], a.permute(1, 2, 0))
+
+
+def test_a_k_too_deep_for_the_gemv_falls_back_to_the_gemm(monkeypatch):
+    from inductor_cute.kernels.gemm_config import GemmConfig
+
+    k = 64 * 11 * 1024  # 64 splits of an A slice that no longer fits in shared memory
+    a, w = torch.randn(1, 8, k, dtype=torch.bfloat16), torch.randn(64, k, dtype=torch.bfloat16)
+    plan, _, _ = _plan(monkeypatch, a, w.t().unsqueeze(0), None, None, 1.0, None, "identity", None, None)
+    assert isinstance(plan[1], GemmConfig) and plan[3] is None
