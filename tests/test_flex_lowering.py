@@ -357,15 +357,21 @@ def test_a_kv_cache_view_of_a_new_length_reuses_the_compiled_graph(cpu_accepted)
     assert len(codes) == 1 and OUR_CALL in codes[0], "the second length recompiled"
 
 
+def taken_and_matching(decisions, q, k, v, **mods):
+    """Compile flex_attention with `mods`; assert our op took the call and that (out, lse) match
+    eager flex_attention in fp32. Returns (out, lse)."""
+    (out, lse), code = compiled(flex_attention, q, k, v, enable_gqa=True, return_lse=True, **mods)
+    assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
+    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), enable_gqa=True, return_lse=True, **mods)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    return out, lse
+
+
 @pytest.mark.parametrize("score_mod", [softcap, alibi, relative_parity])
 def test_translated_score_mod_runs_our_op_and_matches(cpu_accepted, decisions, score_mod):
     q, k, v = qkv(q_len=2, dtype=torch.bfloat16)
-    (out, lse), code = compiled(flex_attention, q, k, v, score_mod=score_mod, enable_gqa=True, return_lse=True)
-    assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
-    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), score_mod=score_mod, enable_gqa=True,
-                                  return_lse=True)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    taken_and_matching(decisions, q, k, v, score_mod=score_mod)
 
 
 def test_untranslatable_score_mod_delegates_when_the_device_is_accepted(cpu_accepted, decisions):
@@ -432,12 +438,7 @@ def test_block_mask_runs_our_op_and_matches(cpu_accepted, decisions, name, block
     mask_mod, _ = MASKS[name]
     q, k, v = qkv(q_len=2, kv_len=KV, dtype=torch.bfloat16)
     block_mask = create_block_mask(mask_mod, 2, None, 2, KV, device="cpu", BLOCK_SIZE=block)
-    (out, lse), code = compiled(flex_attention, q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
-    assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
-    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True,
-                                  return_lse=True)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    out, lse = taken_and_matching(decisions, q, k, v, block_mask=block_mask)
     if name == "empty-rows":
         assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
 
@@ -445,13 +446,7 @@ def test_block_mask_runs_our_op_and_matches(cpu_accepted, decisions, name, block
 def test_block_mask_with_a_score_mod(cpu_accepted, decisions):
     q, k, v = qkv(q_len=1, kv_len=KV, dtype=torch.bfloat16)
     block_mask = create_block_mask(prefix_lm, None, None, 1, KV, device="cpu")
-    (out, lse), code = compiled(flex_attention, q, k, v, score_mod=alibi, block_mask=block_mask, enable_gqa=True,
-                                return_lse=True)
-    assert OUR_CALL in code
-    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), score_mod=alibi, block_mask=block_mask,
-                                  enable_gqa=True, return_lse=True)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    taken_and_matching(decisions, q, k, v, score_mod=alibi, block_mask=block_mask)
 
 
 def test_a_block_mask_we_cannot_walk_delegates(cpu_accepted, decisions):
