@@ -480,7 +480,8 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
         block_slots = _block_mask_operands(block_mask, kv_block_size, q_block_size, heads, group, q_len, kv_block,
                                            q.device)
         sparse_block = kv_block_size
-        columns = block_slots[1].shape[-1] + (block_slots[3].shape[-1] if block_slots[3] is not None else 0)
+        # counted on the arguments: without full blocks, the kernel's full-index slot repeats kv_indices
+        columns = kv_indices.shape[-1] + (full_kv_indices.shape[-1] if full_kv_indices is not None else 0)
         keys = min(seq, kv_block_size * columns)  # partial and full blocks bound the keys: no sync to count
 
     out = torch.empty(batch, heads, q_len, dv, device=q.device, dtype=q.dtype)
