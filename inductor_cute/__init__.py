@@ -9,7 +9,7 @@ from .errors import CompileError, DSLUnavailableError, InductorCuteError, Unsupp
 
 
 
-def enable(fuse_epilogues: bool = False, flex_decode: bool = False):
+def enable(fuse_epilogues: bool = False, flex_decode: bool = True):
     """Let torch.compile's max-autotune pick our GEMM kernels where they measure faster; returns a
     context manager that undoes it. See inductor_cute.inductor."""
     from .inductor import enable as _enable

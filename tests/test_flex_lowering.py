@@ -119,9 +119,9 @@ def cpu_accepted(monkeypatch):
 
 def test_enable_wraps_the_lowering_and_disable_restores_it():
     stock = lowering.lowerings[HOP]
-    with inductor_cute.enable():
-        assert lowering.lowerings[HOP] is stock  # opt-in
-    with inductor_cute.enable(flex_decode=True):
+    with inductor_cute.enable(flex_decode=False):
+        assert lowering.lowerings[HOP] is stock
+    with inductor_cute.enable():  # on by default
         assert lowering.lowerings[HOP] is flex._flex_attention
         inductor_cute.enable(flex_decode=True)  # nested
         inductor_cute.disable()

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import first_line
 from . import record as rec
-from .timing import bound_us, host_overhead_us, measure_ceilings, time_us
+from .timing import bound_us, host_overhead_us, measure_ceilings, time_side_by_side
 
 
 @dataclass
@@ -70,9 +70,9 @@ def run_case(case: Case, ceilings: dict) -> dict:
         bad = mismatch.split()[0]
         case.runners[bad] = None
         times[bad] = None
-    for backend, fn in case.runners.items():
-        if fn is not None:
-            times[backend] = round(time_us(fn), 2)
+    runnable = {backend: fn for backend, fn in case.runners.items() if fn is not None}
+    if runnable:
+        times.update({b: round(t, 2) for b, t in time_side_by_side(runnable).items()})
     return {"name": case.name, "params": case.params, "flops": case.flops, "bytes": case.bytes,
             "bound_us": round(bound_us(case.flops if case.matmul else 0, case.bytes, ceilings), 2),
             "times_us": times, "notes": "; ".join(case.notes)}

@@ -20,17 +20,44 @@ def time_us(fn, reps: int = 100, warmup: int = 10) -> float:
     queue every run, so events measure device time only and a backend's host overhead (dynamo
     guards, argument conversion) does not leak in; `host_overhead_us` reports that separately.
     """
+    return time_side_by_side({0: fn}, reps, rounds=1, warmup=warmup)[0]
+
+
+def time_side_by_side(fns: dict, reps: int = 100, rounds: int = 5, warmup: int = 10) -> dict:
+    """Median GPU time in microseconds of each `fns[key]()`, the runs interleaved: `rounds`
+    rounds, each timing reps/rounds runs of every function in turn (the order rotating), so every
+    function meets the same clocks. On the H200 the SM clock follows power and temperature: one
+    8192^3 GEMM config read 1385 us and then 1573 us a minute later in one run
+    (benchmarks/results/gemm-h200-20261202.md), more than the differences being compared."""
+    keys = list(fns)
+    for key in keys:
+        for _ in range(warmup):
+            fns[key]()
+    torch.cuda.synchronize()
+    flush = _flush_buffer()
+    per_round = max(1, reps // rounds)
+    samples = {key: [] for key in keys}
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            samples[key] += _device_times_ms(fns[key], per_round, flush)
+    return {key: sorted(t)[len(t) // 2] * 1e3 for key, t in samples.items()}
+
+
+def _flush_buffer() -> torch.Tensor:
+    return torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+
+
+def _device_times_ms(fn, reps: int, flush: torch.Tensor) -> list[float]:
+    """Device times of `reps` runs of `fn()`, each after an L2 flush, queued behind a GPU sleep."""
     import time
 
     start = time.perf_counter()
-    for _ in range(warmup):
-        fn()
+    fn()
     torch.cuda.synchronize()
-    host_per_call_s = (time.perf_counter() - start) / warmup
-    flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    host_per_call_us = (time.perf_counter() - start) * 1e6
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    head_start_us = 2 * reps * (host_per_call_s * 1e6 + 20) + 1000
+    head_start_us = 2 * reps * (host_per_call_us + 20) + 1000
     torch.cuda._sleep(int(head_start_us * 2000))  # ~2000 cycles per us at H200 clocks; more is harmless
     for i in range(reps):
         flush.sum()
@@ -38,8 +65,7 @@ def time_us(fn, reps: int = 100, warmup: int = 10) -> float:
         fn()
         ends[i].record()
     torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return times[len(times) // 2] * 1e3
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
 def host_overhead_us(fn, calls: int = 2000) -> float:
@@ -59,10 +85,13 @@ def host_overhead_us(fn, calls: int = 2000) -> float:
 def measure_ceilings() -> dict:
     """Device copy bandwidth (bytes read + written) and the bf16 matmul rate of a large cuBLAS GEMM."""
     n_bytes = 2 << 30
-    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    copy_us = time_us(lambda: dst.copy_(src))
-    del src, dst
+
+    def copy_time_us():  # its 4 GiB of buffers are freed on return
+        src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+        dst = torch.empty_like(src)
+        return time_us(lambda: dst.copy_(src))
+
+    copy_us = copy_time_us()
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -58,14 +58,14 @@ class _Enabled:
         disable()
 
 
-def enable(fuse_epilogues: bool = False, flex_decode: bool = False) -> _Enabled:
+def enable(fuse_epilogues: bool = False, flex_decode: bool = True) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
     epilogue. That needs Inductor's `benchmark_epilogue_fusion` off (otherwise only Triton
     templates are fused), which also changes how Triton templates pick their fusions.
-    With `flex_decode`, flex_attention decoding calls whose score_mod, mask_mod and BlockMask
-    our split-KV kernel can take run it (inductor/flex.py). Both stay opt-in until proven on the GPU."""
+    With `flex_decode` (on by default), flex_attention decoding calls whose score_mod, mask_mod and
+    BlockMask our split-KV kernel can take run it (inductor/flex.py); the rest take the stock lowering."""
     from torch._inductor import config
 
     from .extern import fusion_enabled, set_fusion

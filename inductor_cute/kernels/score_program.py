@@ -228,6 +228,19 @@ def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
         v = t[i]
         return v if t.element_type is Int32 else Float32(v)
 
+    def floor_div_mod(a, d):
+        # torch floors the quotient and gives the remainder the divisor's sign. The DSL's Int32 `//`
+        # (arith.floordivsi) came out as a truncating division in the PTX, wrong on the H200 for a
+        # negative dividend. So divide magnitudes (every rounding agrees there), take the truncated
+        # quotient and step it down where the operands' signs differ and the division is inexact
+        one, zero = Int32(1), Int32(0)
+        magnitude = sel(a < 0, -a, a, "i") // sel(d < 0, -d, d, "i")
+        signs_differ = sel(a < 0, one, zero, "i") != sel(d < 0, one, zero, "i")
+        q = sel(signs_differ, -magnitude, magnitude, "i")
+        r = a - q * d
+        fix = (r != 0) & signs_differ
+        return sel(fix, q - 1, q, "i"), sel(fix, r + d, r, "i")
+
     ops = {
         "neg": lambda x: -x, "abs": lambda x: sel(x < 0, -x, x, "f" if isinstance(x, Float32) else "i"),
         "exp": lambda x: cute.math.exp(x, fastmath=False), "log": lambda x: cute.math.log(x, fastmath=False),
@@ -235,9 +248,7 @@ def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
         "sigmoid": lambda x: 1.0 / (1.0 + cute.math.exp(-x, fastmath=False)),
         "add": lambda a, d: a + d, "sub": lambda a, d: a - d, "mul": lambda a, d: a * d,
         "maximum": maximum, "minimum": minimum, "truediv": lambda a, d: a / d,
-        # the DSL's Int32 `//` floors like Python (arith.floordivsi), but its `%` is arith.remsi, which
-        # truncates (C: the dividend's sign); torch.remainder takes the divisor's sign: a - floor(a/d)*d
-        "floordiv": lambda a, d: a // d, "remainder": lambda a, d: a - (a // d) * d,
+        "floordiv": lambda a, d: floor_div_mod(a, d)[0], "remainder": lambda a, d: floor_div_mod(a, d)[1],
         "lt": lambda a, d: a < d, "le": lambda a, d: a <= d, "gt": lambda a, d: a > d,
         "ge": lambda a, d: a >= d, "eq": lambda a, d: a == d, "ne": lambda a, d: a != d,
         "and": lambda a, d: a & d, "or": lambda a, d: a | d, "not": lambda a: ~a,

@@ -14,7 +14,7 @@ from ...kernels.gemv_config import GemvConfig
 from ...kernels.gemv_config import candidate_configs as gemv_candidates
 from ...runtime import precompile
 from ..harness import Case
-from ..timing import time_us
+from ..timing import time_side_by_side
 
 # (M, N, K): the anchors of DESIGN.md, then decoder layers of Llama-3 8B/70B, DeepSeek-V3, Qwen3.
 SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (4096, 4096, 14336), (2048, 7168, 2048),
@@ -46,7 +46,7 @@ def _autotuned(a, b, **kw):
     if default not in configs:
         configs = [default, *configs]
     precompile([kernel_spec(problem, cfg, num_sms) for cfg in configs])
-    times = {cfg: time_us(lambda cfg=cfg: ops.mm(a, b, config=cfg, **kw), reps=30) for cfg in configs}
+    times = time_side_by_side({cfg: (lambda cfg=cfg: ops.mm(a, b, config=cfg, **kw)) for cfg in configs}, reps=30, rounds=3)
     best = min(times, key=times.get)
     note = f"ours autotuned over {len(configs)} configs: {best.describe()}; heuristic default {times[default]:.1f} us"
     return (lambda: ops.mm(a, b, config=best, **kw)), note
