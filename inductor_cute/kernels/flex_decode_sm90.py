@@ -253,13 +253,20 @@ class FlexDecodeSm90:
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 # scale (or score_mod) before masking: a negative scale would turn a masked -inf into +inf
+                # score_mod and mask_mod only on a thread's real rows: a decode tile's 64 rows are
+                # mostly padding (8 real with 8 query heads per KV head), and the mods are per-element
+                # work (a softcap: 4 MUFU ops) that the padding would multiply
                 if const_expr(self.score_fn is None):
                     acc_s.store(acc_s.load() * scale_log2)
                 else:
-                    self._apply_score_mod(acc_s, tScS, scale, b, hkv, row0, blk, (mT0, mT1, mT2, mT3))
+                    for h in cutlass.range_constexpr(2):
+                        if row0 + tScS[0][0] + 8 * h < n_rows:
+                            self._apply_score_mod(acc_s, tScS, scale, b, hkv, row0, blk, (mT0, mT1, mT2, mT3), h)
                 if const_expr(self.mask_fn is not None):
                     if partial:  # full blocks are known unmasked: torch skips their mask_mod too
-                        self._apply_mask_mod(acc_s, tScS, b, hkv, row0, blk, (mM0, mM1, mM2, mM3))
+                        for h in cutlass.range_constexpr(2):
+                            if row0 + tScS[0][0] + 8 * h < n_rows:
+                                self._apply_mask_mod(acc_s, tScS, b, hkv, row0, blk, (mM0, mM1, mM2, mM3), h)
 
                 # only the block that holds the end of the sequence has columns to mask
                 if (blk + 1) * self.kvb > seq_len:
@@ -299,23 +306,24 @@ class FlexDecodeSm90:
         return blk, partial
 
     def _apply_mask_mod(self, acc_s: cute.Tensor, tScS: cute.Tensor, b: Int32, hkv: Int32, row0: Int32,
-                        blk: Int32, tensors: tuple):
-        """x = -inf where mask_mod(b, h, q, kv) is False, per element (unrolled at trace time),
-        with the element's indices as in _apply_score_mod."""
+                        blk: Int32, tensors: tuple, half: int):
+        """x = -inf where mask_mod(b, h, q, kv) is False, per element of the thread's row `half`
+        (unrolled at trace time), with the element's indices as in _apply_score_mod."""
         tensors = [t for t in tensors if t is not None]
-        for v in range(cute.size(acc_s)):
+        for v in _row_half(cute.size(acc_s), half):
             p = row0 + tScS[v][0]
             head, pos = hkv * self.group + p % self.group, p // self.group
             keep = self.mask_fn(b, head, pos, blk * self.kvb + tScS[v][1], tensors)
             acc_s[v] = Float32(cutlass.select_(keep, acc_s[v], Float32(NEG_INF)))
 
     def _apply_score_mod(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale: Float32, b: Int32, hkv: Int32,
-                         row0: Int32, blk: Int32, tensors: tuple):
-        """x = score_mod(s * scale, b, h, q, kv) * log2(e) per element, unrolled at trace time. The
-        element's query head and position come from its packed row (as in _store_partials), its
-        key from the block's column. Padding rows and columns get scores too, never used."""
+                         row0: Int32, blk: Int32, tensors: tuple, half: int):
+        """x = score_mod(s * scale, b, h, q, kv) * log2(e) per element of the thread's row `half`,
+        unrolled at trace time. The element's query head and position come from its packed row (as
+        in _store_partials), its key from the block's column. Padding columns get scores too, never
+        used; padding rows are skipped by the caller and keep raw scores, never stored."""
         tensors = [t for t in tensors if t is not None]
-        for v in range(cute.size(acc_s)):
+        for v in _row_half(cute.size(acc_s), half):
             p = row0 + tScS[v][0]
             head, pos = hkv * self.group + p % self.group, p // self.group
             x = self.score_fn(acc_s[v] * scale, b, head, pos, blk * self.kvb + tScS[v][1], tensors)

@@ -200,7 +200,8 @@ def _run_torch(text: str, env: dict, tensors, mask: bool):
 def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
     """The kernel's per-element hook: fn(score, b, h, q, kv, tensors) on DSL scalars (score
     Float32, indices Int32, tensors the captured 1-D cute.Tensors) -> Float32. Numbers become
-    constants of their step's type; float math is IEEE-accurate (no approximate tanh or exp).
+    constants of their step's type; float math is IEEE-accurate (no approximate tanh or exp), but
+    for division by a constant, which multiplies by the reciprocal.
     With `mask`, a mask program's hook: fn(b, h, q, kv, tensors) -> Boolean (True keeps)."""
     import cutlass
     import cutlass.cute as cute
@@ -271,6 +272,11 @@ def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
     def program_fn(values: dict, tensors):
         values.update({tensor_name(i): t for i, t in enumerate(tensors)})
         for name, op, *args in steps:
+            if op == "truediv" and not isinstance(args[1], str) and args[1] != 0:
+                # by a constant: times its reciprocal, within an ulp of IEEE division (Triton's `/`
+                # is approximate too); div.rn costs a slow-path branch per element that kept the
+                # compiler from interleaving elements (softcap ran 7x slower than plain decode)
+                op, args = "mul", [args[0], 1.0 / args[1]]
             arg_types = [types[a] if isinstance(a, str) and a in types else _literal_type(a) for a in args]
             to = operand_type(op, name, arg_types)
             vals = []

@@ -219,6 +219,7 @@ def test_fusion_on_3d_activations_with_dynamic_tokens_and_cuda_graphs():
     with inductor_cute.enable(fuse_epilogues=True), inductor_config.patch(max_autotune_gemm_backends="ICUTE"):
         fn = torch.compile(block, mode="max-autotune")
         out, codes = run_and_get_code(fn, x, r)
+        out = out.clone()  # a CUDA-graph output is overwritten by the next replay
         for s in (77, 300, 513):  # other token counts, replayed through CUDA graphs
             y = torch.randn(2, s, 1024, device="cuda", dtype=torch.bfloat16)
             q = torch.randn(2, s, 2048, device="cuda", dtype=torch.bfloat16)
