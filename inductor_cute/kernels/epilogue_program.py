@@ -24,21 +24,33 @@ def dumps(steps: list[list]) -> str:
     return json.dumps(steps, separators=(",", ":"))
 
 
-def loads(text: str) -> list[list]:
-    """Parse and validate a program; raises ValueError naming the first problem."""
+def parse_steps(text: str, kind: str) -> list:
+    """The JSON list of steps of a `kind` ("epilogue", "score") program, not yet validated."""
     try:
         steps = json.loads(text)
     except ValueError as e:
-        raise ValueError(f"epilogue program is not JSON: {e}") from None
+        raise ValueError(f"{kind} program is not JSON: {e}") from None
     if not isinstance(steps, list) or not steps:
-        raise ValueError("epilogue program must be a non-empty list of steps")
+        raise ValueError(f"{kind} program must be a non-empty list of steps")
+    return steps
+
+
+def split_step(step, arity: dict, kind: str) -> tuple[str, str, list]:
+    """(name, op, args) of one step [name, op, *args] whose op is in `arity` with that many args."""
+    if not isinstance(step, list) or len(step) < 2 or not isinstance(step[0], str):
+        raise ValueError(f"bad {kind} step {step!r}")
+    name, op, args = step[0], step[1], step[2:]
+    if op not in arity or len(args) != arity[op]:
+        raise ValueError(f"{kind} op {op!r} with {len(args)} arguments is not supported")
+    return name, op, args
+
+
+def loads(text: str) -> list[list]:
+    """Parse and validate a program; raises ValueError naming the first problem."""
+    steps = parse_steps(text, "epilogue")
     names = set(LEAVES)
     for step in steps:
-        if not isinstance(step, list) or len(step) < 2 or not isinstance(step[0], str):
-            raise ValueError(f"bad epilogue step {step!r}")
-        name, op, args = step[0], step[1], step[2:]
-        if op not in ARITY or len(args) != ARITY[op]:
-            raise ValueError(f"epilogue op {op!r} with {len(args)} arguments is not supported")
+        name, op, args = split_step(step, ARITY, "epilogue")
         for arg in args:
             if isinstance(arg, bool) or not (isinstance(arg, (int, float)) or arg in names):
                 raise ValueError(f"epilogue step {name}: unknown argument {arg!r}")

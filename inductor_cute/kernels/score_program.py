@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 
+from .epilogue_program import parse_steps, split_step
+
 LEAVES = {"score": "f", "b": "i", "h": "i", "q": "i", "kv": "i"}
 MASK_LEAVES = {k: t for k, t in LEAVES.items() if k != "score"}
 TENSOR_DTYPES = {"float32": "f", "bfloat16": "f", "float16": "f", "int32": "i"}
@@ -95,11 +97,7 @@ def types_of(steps: list[list], tensor_dtypes=(), mask: bool = False) -> dict[st
     types = dict(MASK_LEAVES if mask else LEAVES)
     tensors = {tensor_name(i): dt for i, dt in enumerate(tensor_dtypes)}
     for step in steps:
-        if not isinstance(step, list) or len(step) < 2 or not isinstance(step[0], str):
-            raise ValueError(f"bad score step {step!r}")
-        name, op, args = step[0], step[1], step[2:]
-        if op not in ARITY or len(args) != ARITY[op]:
-            raise ValueError(f"score op {op!r} with {len(args)} arguments is not supported")
+        name, op, args = split_step(step, ARITY, "score")
         if name in types or name in tensors:
             raise ValueError(f"score step name {name!r} is used twice")
         if op == "load":
@@ -129,12 +127,7 @@ def loads(text: str, tensor_dtypes=(), mask: bool = False) -> list[list]:
             raise ValueError(f"captured tensor dtype {dt} is not supported (supported: {', '.join(TENSOR_DTYPES)})")
     if len(tensor_dtypes) > MAX_TENSORS:
         raise ValueError(f"{len(tensor_dtypes)} captured tensors, at most {MAX_TENSORS} are supported")
-    try:
-        steps = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"score program is not JSON: {e}") from None
-    if not isinstance(steps, list) or not steps:
-        raise ValueError("score program must be a non-empty list of steps")
+    steps = parse_steps(text, "score")
     types = types_of(steps, tensor_dtypes, mask)
     if types[steps[-1][0]] != ("b" if mask else "f"):
         raise ValueError("mask program must end in a bool" if mask else "score program must end in a float")
@@ -197,6 +190,17 @@ def _run_torch(text: str, env: dict, tensors, mask: bool):
     return evaluate(steps, env, ops)
 
 
+def _reciprocal_of_constant_divisor(step: list) -> list:
+    """A division by a nonzero constant as a multiply by its reciprocal, within an ulp of IEEE
+    division (Triton's `/` is approximate too): div.rn costs a slow-path branch per element that
+    kept the compiler from interleaving elements (softcap ran 7x slower than plain decode). The
+    step keeps its name, so its type ("f") is unchanged."""
+    name, op, *args = step
+    if op == "truediv" and not isinstance(args[1], str) and args[1] != 0:
+        return [name, "mul", args[0], 1.0 / args[1]]
+    return step
+
+
 def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
     """The kernel's per-element hook: fn(score, b, h, q, kv, tensors) on DSL scalars (score
     Float32, indices Int32, tensors the captured 1-D cute.Tensors) -> Float32. Numbers become
@@ -209,6 +213,7 @@ def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
 
     steps = loads(text, tensor_dtypes, mask)
     types = types_of(steps, tensor_dtypes, mask)
+    steps = [_reciprocal_of_constant_divisor(step) for step in steps]
     dsl = {"f": Float32, "i": Int32, "b": Boolean}
 
     def sel(c, a, d, t):
@@ -272,11 +277,6 @@ def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
     def program_fn(values: dict, tensors):
         values.update({tensor_name(i): t for i, t in enumerate(tensors)})
         for name, op, *args in steps:
-            if op == "truediv" and not isinstance(args[1], str) and args[1] != 0:
-                # by a constant: times its reciprocal, within an ulp of IEEE division (Triton's `/`
-                # is approximate too); div.rn costs a slow-path branch per element that kept the
-                # compiler from interleaving elements (softcap ran 7x slower than plain decode)
-                op, args = "mul", [args[0], 1.0 / args[1]]
             arg_types = [types[a] if isinstance(a, str) and a in types else _literal_type(a) for a in args]
             to = operand_type(op, name, arg_types)
             vals = []
