@@ -7,8 +7,11 @@ within a process. Parallel compilation uses worker processes (see runtime.pool).
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib
+import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -32,9 +35,24 @@ class CompiledObject:
     ptxas_report: str | None = None  # ptxas -v: registers, stack frame, spill stores/loads
 
 
+def ptx_fingerprint(ptx: str) -> str:
+    """Hash of the PTX with kernel symbol names (which spell the builder's module path) taken out:
+    equal fingerprints mean the same generated code, wherever the kernel's module lives."""
+    return hashlib.sha256(re.sub(r"kernel_cutlass_kernel_\w*?_object_at_", "K_", ptx).encode()).hexdigest()[:16]
+
+
+def _log_ptx(spec: KernelSpec, ptx: str | None) -> None:
+    # INDUCTOR_CUTE_PTX_LOG=FILE: one line per compile (params, fingerprint), to check that a
+    # refactoring leaves every kernel's code unchanged.
+    with open(os.environ["INDUCTOR_CUTE_PTX_LOG"], "a") as f:
+        f.write(json.dumps([spec.module.rsplit(".", 1)[-1], spec.kwargs, ptx_fingerprint(ptx or "")],
+                           sort_keys=True, default=repr) + "\n")
+
+
 def compile_spec(spec: KernelSpec, arch: str, keep_ptx: bool = False) -> CompiledObject:
     """Trace and compile `spec` for `arch`; returns the exported object (and PTX and the ptxas
     report if asked)."""
+    keep_ptx = keep_ptx or bool(os.environ.get("INDUCTOR_CUTE_PTX_LOG"))
     cutlass = import_cute(arch)
     cute = cutlass.cute
     builder = importlib.import_module(spec.module)
@@ -61,6 +79,8 @@ def compile_spec(spec: KernelSpec, arch: str, keep_ptx: bool = False) -> Compile
             if os.path.exists(report_path):
                 with open(report_path) as f:
                     report = f.read()
+        if os.environ.get("INDUCTOR_CUTE_PTX_LOG"):
+            _log_ptx(spec, ptx)
         with open(path, "rb") as f:
             return CompiledObject(f.read(), elapsed, ptx, report)
 
