@@ -23,7 +23,7 @@ import tempfile
 
 SHAPES = [(4096, 14336, 4096), (128, 14336, 4096), (16, 4096, 4096)]
 VARIANTS = {"stock": "ATEN,TRITON", "ours": "ATEN,ICUTE"}
-OUR_CALL = "inductor_cute.inductor.runtime.gemm("
+OUR_CALL = "inductor_cute.inductor.gemm.runtime.gemm("
 
 CHILD = r'''
 import json, sys, time
@@ -39,7 +39,7 @@ timers = {"precompile": 0.0, "load": 0.0}
 kernels_before = None
 if ours:
     import inductor_cute
-    from inductor_cute.inductor import specs
+    from inductor_cute.inductor.gemm import specs
     from inductor_cute.runtime import CompiledKernelCache, loader
 
     def timed(module, name, key):
@@ -78,7 +78,7 @@ ref = F.linear(a.float(), w.float())
 code = "\n".join(codes)
 if not code:
     winner = "cached graph"
-elif "inductor_cute.inductor.runtime.gemm(" in code:
+elif "inductor_cute.inductor.gemm.runtime.gemm(" in code:
     winner = "ours"
 elif "extern_kernels." in code:
     winner = "aten"

@@ -10,6 +10,7 @@ import pstats
 import torch
 
 from inductor_cute import ops
+from inductor_cute.host import gemm as host_gemm
 from inductor_cute.bench.timing import host_overhead_us, time_us
 from inductor_cute.runtime import precompile, stats
 
@@ -21,13 +22,13 @@ def main():
     precompile([ops.gemm_spec_for(a, w.t())])
     ops.mm(a, w.t(), out=out)
     print("loader stats after first call:", dict(stats))
-    plan, args, _ = ops._prepare_gemm("mm", a.unsqueeze(0), w.t().unsqueeze(0), None, None, 1.0, None,
+    plan, args, _ = host_gemm._prepare_gemm("mm", a.unsqueeze(0), w.t().unsqueeze(0), None, None, 1.0, None,
                                       "identity", None, out.unsqueeze(0))
-    kernel = ops._gemm_kernel(*plan[:3])  # plan[3]: the GEMV's workspace sizes (None here: M=333)
+    kernel = host_gemm._gemm_kernel(*plan[:3])  # plan[3]: the GEMV's workspace sizes (None here: M=333)
     rows = {
         "torch.mm (cuBLAS)": lambda: torch.mm(a, w.t(), out=out),
         "raw kernel (TVM-FFI)": lambda: kernel(*args),
-        "ops._prepare_gemm only": lambda: ops._prepare_gemm("mm", a.unsqueeze(0), w.t().unsqueeze(0), None, None, 1.0,
+        "host_gemm._prepare_gemm only": lambda: host_gemm._prepare_gemm("mm", a.unsqueeze(0), w.t().unsqueeze(0), None, None, 1.0,
                                                             None, "identity", None, out.unsqueeze(0)),
         "ops.mm": lambda: ops.mm(a, w.t(), out=out),
     }

@@ -10,7 +10,7 @@ a write flush, a read flush (L2 left holding clean lines) and rotating input cop
 import torch
 
 from inductor_cute import ops
-from inductor_cute.kernels.gemm_config import GemmConfig as G
+from inductor_cute.kernels.gemm.config import GemmConfig as G
 from inductor_cute.runtime import precompile
 
 SHAPES = [(16, 4096, 4096), (128, 14336, 4096), (128, 4096, 14336), (4096, 4096, 4096)]

@@ -12,7 +12,7 @@ import torch
 
 from inductor_cute import ops
 from inductor_cute.bench.timing import measure_ceilings, time_us
-from inductor_cute.kernels.gemm_config import GemmConfig as G
+from inductor_cute.kernels.gemm.config import GemmConfig as G
 from inductor_cute.runtime import precompile
 
 SMALL = [(16, 4096, 4096), (128, 14336, 4096), (128, 4096, 14336)]

@@ -15,8 +15,8 @@ import torch
 
 from inductor_cute import ops
 from inductor_cute.bench.timing import measure_ceilings, time_us
-from inductor_cute.kernels.gemm_config import GemmProblem
-from inductor_cute.kernels.gemv_config import (GemvConfig, config_error, default_config, gemv_spec, splits,
+from inductor_cute.kernels.gemm.config import GemmProblem
+from inductor_cute.kernels.gemm.gemv_config import (GemvConfig, config_error, default_config, gemv_spec, splits,
                                                workspace_sizes)
 from inductor_cute.runtime import get_kernel, precompile
 

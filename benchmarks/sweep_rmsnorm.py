@@ -8,7 +8,7 @@ import itertools
 import torch
 
 from inductor_cute.bench.timing import time_us
-from inductor_cute.kernels.rmsnorm_config import RMSNormConfig, default_config, rmsnorm_spec
+from inductor_cute.kernels.norm.rmsnorm_config import RMSNormConfig, default_config, rmsnorm_spec
 from inductor_cute.runtime import get_kernel, precompile
 
 SHAPES = [(256, 8192), (1024, 8192), (4096, 4096), (16384, 4096), (4096, 7168), (32768, 2048)]

@@ -69,7 +69,7 @@ def _self_check(target: str, gpu: bool) -> int:
     """Compile (or load) one kernel; on a GPU also run it against PyTorch."""
     from . import ops
     from .errors import InductorCuteError
-    from .kernels.rmsnorm_config import rmsnorm_spec
+    from .kernels.norm.rmsnorm_config import rmsnorm_spec
     from .runtime import get_kernel, stats
 
     spec = rmsnorm_spec(4096, "bfloat16")

@@ -103,7 +103,7 @@ def test_bf16_outputs_are_large_enough_for_the_tolerance_to_mean_something():
 
 def test_softcap_program_is_the_softcap_score_mod():
     """Our runner's score program computes what the triton runner's score_mod does."""
-    from inductor_cute.kernels import score_program as sp
+    from inductor_cute.kernels.common.programs import score as sp
 
     score = torch.randn(2, 4, 3, 50) * 40
     idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
@@ -114,7 +114,7 @@ def test_softcap_program_is_the_softcap_score_mod():
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_sliding_window_program_is_the_sliding_window_mask_mod(q_len):
     """Our runner's mask program keeps the keys the triton runner's mask_mod keeps."""
-    from inductor_cute.kernels import score_program as sp
+    from inductor_cute.kernels.common.programs import score as sp
 
     shape = (2, 4, q_len, 3000)
     idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])

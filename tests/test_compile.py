@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from inductor_cute.kernels import rmsnorm_config
+from inductor_cute.kernels.norm import rmsnorm_config
 from inductor_cute.runtime import CompiledKernelCache, KernelSpec, get_kernel, stats
 from inductor_cute.runtime.compiler import compile_spec
 from inductor_cute.runtime.loader import forget_loaded, kernel_key
@@ -111,7 +111,7 @@ def test_object_that_fails_to_load_is_recompiled(monkeypatch):
 
 WARM_PROCESS = """
 import json, sys
-from inductor_cute.kernels.rmsnorm_config import rmsnorm_spec
+from inductor_cute.kernels.norm.rmsnorm_config import rmsnorm_spec
 from inductor_cute.runtime import get_kernel, stats
 get_kernel(rmsnorm_spec(2048, "float16"), "sm_90a")
 print(json.dumps({"stats": dict(stats), "dsl_imported": "cutlass" in sys.modules}))

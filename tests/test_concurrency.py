@@ -6,13 +6,13 @@ import subprocess
 import sys
 import time
 
-from inductor_cute.kernels.rmsnorm_config import rmsnorm_spec
+from inductor_cute.kernels.norm.rmsnorm_config import rmsnorm_spec
 from inductor_cute.runtime import CompiledKernelCache, KernelSpec, precompile
 from inductor_cute.runtime.loader import kernel_key
 
 WORKER = r"""
 import json, os, sys, time
-from inductor_cute.kernels.rmsnorm_config import rmsnorm_spec
+from inductor_cute.kernels.norm.rmsnorm_config import rmsnorm_spec
 from inductor_cute.runtime import get_kernel, stats
 from inductor_cute.runtime.dsl import import_cute
 import_cute("sm_90a")  # pay the DSL import before the start line, so compiles overlap

@@ -19,9 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from inductor_cute.inductor.epilogue import translate
-from inductor_cute.kernels.epilogue_program import dumps, evaluate, loads, reference_ops
-from inductor_cute.kernels.gemm_config import GemmConfig, GemmProblem, gemm_spec, problem_error
+from inductor_cute.inductor.gemm.epilogue import translate
+from inductor_cute.kernels.common.programs.epilogue import dumps, evaluate, loads, reference_ops
+from inductor_cute.kernels.gemm.config import GemmConfig, GemmProblem, gemm_spec, problem_error
 from inductor_cute.runtime.compiler import compile_spec
 
 
@@ -172,7 +172,7 @@ def test_real_roundings_to_16_bits_are_refused():
 
 
 def test_addmm_input_roles_follow_torch():
-    from inductor_cute.inductor.runtime import input_role
+    from inductor_cute.inductor.gemm.runtime import input_role
 
     assert input_role((32,), (1,), 32, 1.0) == "row"
     assert input_role((8, 32), (0, 1), 32, 1.0) == "row"
@@ -238,7 +238,7 @@ _CONFIG = (128, 128, 64, 1, 1, 6, 2, True, False)  # what the H200 picked for th
 def _our_addmm(inp, mat1, mat2, *, beta=1, alpha=1):
     from torch._inductor import lowering
 
-    from inductor_cute.inductor.template import CuteGemmTemplateBuffer
+    from inductor_cute.inductor.gemm.template import CuteGemmTemplateBuffer
 
     (m, _), (_, n) = mat1.get_size(), mat2.get_size()
     inputs = [ir.ExternKernel.realize_input(t) for t in (lowering.expand(inp, [m, n]), mat1, mat2)]
@@ -260,8 +260,8 @@ def scheduled(fn, shapes, dynamic=(), codegen=False):
     from torch._inductor import lowering
     from torch._inductor.debug import DebugContext
 
-    from inductor_cute.inductor import extern, template
-    from inductor_cute.inductor.choices import CuteChoices
+    from inductor_cute.inductor.gemm import extern, template
+    from inductor_cute.inductor.gemm.choices import CuteChoices
 
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env)

@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from inductor_cute.kernels.flex_decode_config import (HEAD_DIMS, SMEM_BUDGET, FlexDecodeConfig, config_error,
+from inductor_cute.kernels.attention.flex_decode_config import (HEAD_DIMS, SMEM_BUDGET, FlexDecodeConfig, config_error,
                                                       default_config, flex_decode_spec, m_tiles, num_splits,
                                                       smem_bytes, unsupported_reason)
-from inductor_cute.kernels.score_program import dumps
+from inductor_cute.kernels.common.programs.score import dumps
 from inductor_cute.runtime.compiler import compile_spec
 
 # (head_dim_qk, head_dim_v, dtype, q_per_kv, has_kv_len)
@@ -130,7 +130,7 @@ def test_block_masks_and_mask_programs_reach_the_split_kernel():
 
 
 def test_mask_and_block_mask_configs_are_validated():
-    from inductor_cute.kernels.flex_decode_config import sparse_block_reason
+    from inductor_cute.kernels.attention.flex_decode_config import sparse_block_reason
 
     base = default_config(128, 128, "bfloat16", 8)
     assert config_error(dataclasses.replace(base, mask_program=SLIDING, sparse_block=256)) is None

@@ -15,9 +15,9 @@ from torch._inductor.utils import run_and_get_code
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
 
 import inductor_cute
-from inductor_cute.inductor import flex
-from inductor_cute.inductor.flex import decline_reason  # the real one: `decisions` patches the module's
-from inductor_cute.kernels import score_program as sp
+from inductor_cute.inductor.flex import lowering as flex
+from inductor_cute.inductor.flex.lowering import decline_reason  # the real one: `decisions` patches the module's
+from inductor_cute.kernels.common.programs import score as sp
 
 HOP = torch.ops.higher_order.flex_attention
 OUR_CALL = "torch.ops.inductor_cute.flex_decode.default"
@@ -315,7 +315,7 @@ def test_kv_views_are_streamed_in_place_unless_misaligned():
 def test_taken_call_matches_eager_flex_attention(cpu_accepted, q_len):
     q, k, v = qkv(q_len=q_len, dtype=torch.bfloat16)
     (out, lse), code = compiled(flex_attention, q, k, v, enable_gqa=True, return_lse=True)
-    assert OUR_CALL in code and "import inductor_cute.inductor.flex" in code
+    assert OUR_CALL in code and "import inductor_cute.inductor.flex.lowering" in code
     ref, ref_lse = flex_attention(q, k, v, enable_gqa=True, return_lse=True)
     assert out.shape == ref.shape and out.dtype == ref.dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)

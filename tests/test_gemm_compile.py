@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from inductor_cute.kernels.gemm_config import (GemmConfig, GemmProblem, config_error, default_config, gemm_spec,
+from inductor_cute.kernels.gemm.config import (GemmConfig, GemmProblem, config_error, default_config, gemm_spec,
                                                smem_bytes)
 from inductor_cute.runtime.compiler import compile_spec
 

@@ -2,7 +2,8 @@
 
 import torch
 
-from inductor_cute.ops import _operand, _tma_view
+from inductor_cute.host import gemm as host_gemm
+from inductor_cute.host.gemm import _operand, _tma_view
 
 
 def strides_ok(view, unit):
@@ -62,11 +63,9 @@ def test_impossible_layout_reports_none():
 
 def _plan(monkeypatch, *args, **kwargs):
     """mm's planning on CPU tensors: the device checks are what a CPU cannot pass."""
-    from inductor_cute import ops
-
-    monkeypatch.setattr(ops, "_check_cuda", lambda *a: None)
-    monkeypatch.setattr(ops, "_sm_count", lambda index: 132)
-    return ops._prepare_gemm("mm", *args, **kwargs)
+    monkeypatch.setattr(host_gemm, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(host_gemm, "sm_count", lambda index: 132)
+    return host_gemm._prepare_gemm("mm", *args, **kwargs)
 
 
 def test_plan_reads_linear_weights_in_place_and_defaults_beta(monkeypatch):
@@ -81,8 +80,8 @@ def test_plan_reads_linear_weights_in_place_and_defaults_beta(monkeypatch):
 
 
 def test_up_to_16_rows_against_a_linear_weight_run_the_gemv(monkeypatch):
-    from inductor_cute.kernels.gemm_config import GemmConfig
-    from inductor_cute.kernels.gemv_config import GemvConfig, default_config
+    from inductor_cute.kernels.gemm.config import GemmConfig
+    from inductor_cute.kernels.gemm.gemv_config import GemvConfig, default_config
 
     w = torch.randn(4096, 4096, dtype=torch.bfloat16)
     for m in (1, 7, 16):
@@ -113,9 +112,9 @@ def test_up_to_16_rows_against_a_linear_weight_run_the_gemv(monkeypatch):
 
 
 def test_config_tuples_round_trip_for_generated_code():
-    from inductor_cute.kernels.gemm_config import GemmConfig
-    from inductor_cute.kernels.gemm_kernels import as_tuple, from_tuple
-    from inductor_cute.kernels.gemv_config import GemvConfig
+    from inductor_cute.kernels.gemm.config import GemmConfig
+    from inductor_cute.kernels.gemm.family import as_tuple, from_tuple
+    from inductor_cute.kernels.gemm.gemv_config import GemvConfig
 
     for cfg in (GemmConfig(128, 128, 64, 2, 1, 6, 2, True, False), GemvConfig(8, 1024, 8, 2)):
         assert from_tuple(as_tuple(cfg)) == cfg and eval(repr(as_tuple(cfg))) == as_tuple(cfg)
@@ -152,7 +151,7 @@ def test_column_major_a_with_an_odd_m_is_copied_k_major(monkeypatch):
 
 
 def test_a_k_too_deep_for_the_gemv_falls_back_to_the_gemm(monkeypatch):
-    from inductor_cute.kernels.gemm_config import GemmConfig
+    from inductor_cute.kernels.gemm.config import GemmConfig
 
     k = 64 * 11 * 1024  # 64 splits of an A slice that no longer fits in shared memory
     a, w = torch.randn(1, 8, k, dtype=torch.bfloat16), torch.randn(64, k, dtype=torch.bfloat16)

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from inductor_cute.kernels.epilogue_program import dumps
-from inductor_cute.kernels.gemm_config import GemmProblem
-from inductor_cute.kernels.gemv_config import (MAX_REGISTERS, GemvConfig, candidate_configs, config_error,
+from inductor_cute.kernels.common.programs.epilogue import dumps
+from inductor_cute.kernels.gemm.config import GemmProblem
+from inductor_cute.kernels.gemm.gemv_config import (MAX_REGISTERS, GemvConfig, candidate_configs, config_error,
                                                default_config, gemv_spec, splits, unsupported_reason, workspace_sizes)
 from inductor_cute.runtime.compiler import compile_spec
 
@@ -133,6 +133,6 @@ def test_workspace_covers_every_fragment():
 
 def test_spec_names_the_config_and_drops_operand_majors():
     spec = gemv_spec(BF16, GemvConfig())
-    assert spec.module == "inductor_cute.kernels.gemv_sm90"
+    assert spec.module == "inductor_cute.kernels.gemm.gemv_sm90"
     assert "a_major" not in spec.kwargs and spec.kwargs["k_slice"] == 512
     assert gemv_spec(BF16, GemvConfig(m_tiles=2)).name != spec.name

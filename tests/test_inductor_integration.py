@@ -8,10 +8,11 @@ import torch
 from torch._inductor import config as inductor_config
 
 import inductor_cute
-from inductor_cute.inductor import choices as choices_mod
-from inductor_cute.inductor import choices_factory, is_enabled, runtime
-from inductor_cute.kernels.gemm_candidates import candidate_configs
-from inductor_cute.kernels.gemm_config import GemmConfig, GemmProblem, config_error, default_config
+from inductor_cute.inductor.gemm import choices as choices_mod
+from inductor_cute.inductor import choices_factory, is_enabled
+from inductor_cute.inductor.gemm import runtime
+from inductor_cute.kernels.gemm.candidates import candidate_configs
+from inductor_cute.kernels.gemm.config import GemmConfig, GemmProblem, config_error, default_config
 
 
 def test_off_by_default_enable_adds_token_once_and_disable_restores():
@@ -176,8 +177,8 @@ def test_compiled_cpu_model_is_untouched_by_our_hook(caplog):
 def test_fusion_installs_our_cuda_scheduling_and_restores_everything():
     from torch._inductor.codegen import common
 
-    from inductor_cute.inductor.extern import fusion_enabled
-    from inductor_cute.inductor.template import CuteCUDAScheduling, scheduling_installed
+    from inductor_cute.inductor.gemm.extern import fusion_enabled
+    from inductor_cute.inductor.gemm.template import CuteCUDAScheduling, scheduling_installed
 
     if not common.device_codegens:
         common.init_backend_registration()
@@ -196,8 +197,8 @@ def test_fusion_installs_our_cuda_scheduling_and_restores_everything():
 
 
 def test_runtime_passes_a_gemv_config_through(recorded):
-    from inductor_cute.kernels.gemm_kernels import as_tuple
-    from inductor_cute.kernels.gemv_config import GemvConfig
+    from inductor_cute.kernels.gemm.family import as_tuple
+    from inductor_cute.kernels.gemm.gemv_config import GemvConfig
 
     a, b, out = torch.randn(4, 8), torch.randn(16, 8).t(), torch.empty(4, 16)
     runtime.gemm(a, b, out=out, op="mm", config=as_tuple(GemvConfig(8, 1024, 8, 1)))
@@ -228,8 +229,8 @@ class _Sizes:
 def test_gemv_candidates_only_for_static_small_m_against_a_k_major_weight():
     import sympy
 
-    from inductor_cute.kernels.gemm_config import GemmProblem
-    from inductor_cute.kernels.gemv_config import candidate_configs as gemv_candidates
+    from inductor_cute.kernels.gemm.config import GemmProblem
+    from inductor_cute.kernels.gemm.gemv_config import candidate_configs as gemv_candidates
 
     weight = GemmProblem("bfloat16", "bfloat16", "k", "k")
     assert choices_mod._gemv_candidates(_Sizes(8, 4096, 4096), weight, 132) == gemv_candidates(8, 4096, 4096, 132)

@@ -21,7 +21,7 @@ def test_non_tensor_is_refused():
 
 
 def test_unsupported_sizes_and_dtypes_are_named():
-    from inductor_cute.kernels import rmsnorm_config
+    from inductor_cute.kernels.norm import rmsnorm_config
 
     assert "dtype" in rmsnorm_config.unsupported_reason(4096, "int32")
     assert rmsnorm_config.unsupported_reason(4096, "bfloat16") is None

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from inductor_cute import UnsupportedError, ops
-from inductor_cute.kernels import score_program as sp
+from inductor_cute.host import flex as host_flex
+from inductor_cute.kernels.common.programs import score as sp
 
 SOFTCAP = sp.dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
 ALIBI = sp.dumps([["slope", "load", "t0", "h"], ["d", "sub", "kv", "q"], ["bias", "mul", "slope", "d"],
@@ -77,12 +78,12 @@ def test_canonical_text_is_whitespace_free_and_stable():
 def test_flex_decode_refuses_bad_score_programs_in_one_line():
     cpu = torch.device("cpu")
     with pytest.raises(UnsupportedError, match="^flex_decode: score_mod: score step a: unknown argument 'x'$"):
-        ops._score_mod_operands('[["a", "add", "score", "x"]]', (), cpu)
+        host_flex._score_mod_operands('[["a", "add", "score", "x"]]', (), cpu)
     with pytest.raises(UnsupportedError, match="must be a 1-D tensor"):
-        ops._score_mod_operands(ALIBI, (torch.ones(2, 2),), cpu)
+        host_flex._score_mod_operands(ALIBI, (torch.ones(2, 2),), cpu)
     with pytest.raises(UnsupportedError, match="without a score_mod"):
-        ops._score_mod_operands(None, (torch.ones(2),), cpu)
-    text, dtypes, slots = ops._score_mod_operands(ALIBI.replace(",", ", "), (torch.ones(8)[::2],), cpu)
+        host_flex._score_mod_operands(None, (torch.ones(2),), cpu)
+    text, dtypes, slots = host_flex._score_mod_operands(ALIBI.replace(",", ", "), (torch.ones(8)[::2],), cpu)
     assert text == ALIBI and dtypes == ("float32",) and slots[0].is_contiguous() and slots[1:] == [None] * 3
 
 
@@ -97,7 +98,7 @@ def test_mask_programs_have_no_score_and_end_in_a_bool():
     with pytest.raises(ValueError, match="must end in a bool"):
         sp.loads('[["o", "add", "kv", 1]]', mask=True)
     with pytest.raises(UnsupportedError, match="^flex_decode: mask_mod: mask program must end in a bool$"):
-        ops._score_mod_operands('[["o", "add", "kv", 1]]', (), torch.device("cpu"), "mask")
+        host_flex._score_mod_operands('[["o", "add", "kv", 1]]', (), torch.device("cpu"), "mask")
 
 
 def test_reference_keep_follows_flex_attention_block_masks():
@@ -129,7 +130,7 @@ def test_block_mask_operands_are_checked_in_one_line():
     num, idx = torch.ones(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 4, dtype=torch.int32)
 
     def operands(block_mask, kv_block_size=128, q_block_size=128, heads=8, group=4, q_len=1, kv_block=128):
-        return ops._block_mask_operands(block_mask, kv_block_size, q_block_size, heads, group, q_len, kv_block, cpu)
+        return host_flex._block_mask_operands(block_mask, kv_block_size, q_block_size, heads, group, q_len, kv_block, cpu)
 
     slots = operands((num, idx.long(), None, None))
     assert [t.dtype for t in slots] == [torch.int32] * 4 and slots[2].sum() == 0  # no full blocks: zero counts

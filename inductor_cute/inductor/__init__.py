@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from .choices import BACKEND_TOKEN, CuteChoices
+from .gemm.choices import BACKEND_TOKEN, CuteChoices
 
 log = logging.getLogger(__name__)
 _saved: list[tuple] = []
@@ -32,8 +32,8 @@ def choices_factory(fuse_epilogues: bool = False, flex_decode: bool = False) -> 
     from .. import __version__
     from ..runtime.spec import source_hash
 
-    h = hashlib.sha256(source_hash(f"{__name__}.runtime").encode())  # kernels + runtime calling convention
-    for path in sorted(Path(__file__).parent.glob("*.py")):  # lowering, fusion and code generation
+    h = hashlib.sha256(source_hash(f"{__name__}.gemm.runtime").encode())  # kernels + runtime calling convention
+    for path in sorted(Path(__file__).parent.rglob("*.py")):  # lowering, fusion and code generation
         h.update(path.read_bytes())
     code = h.hexdigest()[:16]
     settings = f"fuse{int(fuse_epilogues)}-flex{int(flex_decode)}"
@@ -68,10 +68,10 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True) -> _Enabled:
     BlockMask our split-KV kernel can take run it (inductor/flex.py); the rest take the stock lowering."""
     from torch._inductor import config
 
-    from .extern import fusion_enabled, set_fusion
-    from .flex import install as install_flex
-    from .flex import installed as flex_installed
-    from .template import install_scheduling
+    from .gemm.extern import fusion_enabled, set_fusion
+    from .flex.lowering import install as install_flex
+    from .flex.lowering import installed as flex_installed
+    from .gemm.template import install_scheduling
 
     current = config.inductor_choices_class
     if current is not None and getattr(current, "func", current) is not CuteChoices:
@@ -98,9 +98,9 @@ def disable() -> None:
     """Undo the last enable(); a no-op when not enabled."""
     from torch._inductor import config
 
-    from .extern import set_fusion
-    from .flex import uninstall as uninstall_flex
-    from .template import uninstall_scheduling
+    from .gemm.extern import set_fusion
+    from .flex.lowering import uninstall as uninstall_flex
+    from .gemm.template import uninstall_scheduling
 
     if not _saved:
         return
@@ -129,7 +129,7 @@ def _install_feedback_logger() -> None:
 
 
 def _log_timings(timings, name, input_nodes, choices, profiled_time_fn, precompile_times=None) -> None:
-    from .extern import CuteGemmCaller
+    from .gemm.extern import CuteGemmCaller
 
     ours = [c for c in timings if isinstance(c, CuteGemmCaller)]
     if not ours or not log.isEnabledFor(logging.INFO):

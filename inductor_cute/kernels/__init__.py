@@ -14,8 +14,8 @@ def library_specs(dtypes=("bfloat16", "float16")):
     """KernelSpecs of the default configurations of the whole library, for precompiling: RMSNorm
     over common hidden sizes, and nn.Linear-shaped bf16 GEMMs (prefill and decode tiles, plain and
     with a bias+GELU epilogue)."""
-    from .gemm_config import GemmProblem, default_config, gemm_spec
-    from .rmsnorm_config import rmsnorm_spec
+    from .gemm.config import GemmProblem, default_config, gemm_spec
+    from .norm.rmsnorm_config import rmsnorm_spec
 
     specs = [rmsnorm_spec(n, d) for d in dtypes for n in LIBRARY_HIDDEN_SIZES]
     for problem in (GemmProblem("bfloat16", "bfloat16", "k", "k"),

@@ -255,7 +255,7 @@ CACHED_SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     q = torch.randn(2, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 4, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    registered_before = "inductor_cute.inductor.flex" in sys.modules
+    registered_before = "inductor_cute.inductor.flex.lowering" in sys.modules
     out = torch.compile(flex_attention)(q, k, v, enable_gqa=True)
     err = (out.float() - flex_attention(q, k, v, enable_gqa=True).float()).abs().max().item()
     print(json.dumps({"fx_hits": counters["inductor"]["fxgraph_cache_hit"], "err": err,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inductor_cute import UnsupportedError, ops
-from inductor_cute.kernels import score_program as sp
+from inductor_cute.kernels.common.programs import score as sp
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from inductor_cute import UnsupportedError, ops
-from inductor_cute.kernels.gemm_config import GemmConfig
+from inductor_cute.host import gemm as host_gemm
+from inductor_cute.kernels.gemm.config import GemmConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -222,28 +223,28 @@ def test_pingpong_config_is_checked():
 
 
 def test_repeat_calls_take_the_fast_path_and_stay_correct():
-    ops._FAST_PATHS.clear()
+    host_gemm._FAST_PATHS.clear()
     a, b = operand_a(1000, 1024, "k", torch.bfloat16), operand_b(1024, 2048, "k", torch.bfloat16)
     bias, c = torch.randn(2048, device="cuda", dtype=torch.bfloat16), torch.randn(1000, 2048, device="cuda",
                                                                                  dtype=torch.bfloat16)
     out = poisoned((1000, 2048), torch.bfloat16)
     ops.mm(a, b, bias=bias, c=c, out=out)
-    assert len(ops._FAST_PATHS) == 1
+    assert len(host_gemm._FAST_PATHS) == 1
     for t in (a, b, bias, c):  # fresh values in the same buffers, then a poisoned output
         t.copy_(torch.randn_like(t))
     out.fill_(float("nan"))
     ops.mm(a, b, bias=bias, c=c, out=out)
-    assert len(ops._FAST_PATHS) == 1
+    assert len(host_gemm._FAST_PATHS) == 1
     check(out, reference(a, b, bias=bias, c=c), torch.bfloat16)
     # an operand that must be copied (odd row stride) never takes the fast path
     wide = torch.randn(1000, 1027, device="cuda", dtype=torch.bfloat16)[:, :1024]
     ops.mm(wide, b, out=out)
-    assert len(ops._FAST_PATHS) == 1
+    assert len(host_gemm._FAST_PATHS) == 1
     check(out, reference(wide, b), torch.bfloat16)
 
 
 def test_epilogue_program_with_row_and_full_operands():
-    from inductor_cute.kernels.epilogue_program import dumps
+    from inductor_cute.kernels.common.programs.epilogue import dumps
 
     program = dumps([["v0", "add", "acc", "row"], ["v1", "sigmoid", "v0"], ["v2", "mul", "v0", "v1"],
                      ["v3", "maximum", "v2", "full"], ["v4", "gt", "v0", 0.5], ["v5", "where", "v4", "v3", "full"]])

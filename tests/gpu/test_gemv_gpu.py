@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inductor_cute.kernels.epilogue_program import dumps
-from inductor_cute.kernels.gemm_config import GemmProblem
-from inductor_cute.kernels.gemv_config import (GemvConfig, config_error, default_config, gemv_spec, splits,
+from inductor_cute.kernels.common.programs.epilogue import dumps
+from inductor_cute.kernels.gemm.config import GemmProblem
+from inductor_cute.kernels.gemm.gemv_config import (GemvConfig, config_error, default_config, gemv_spec, splits,
                                                unsupported_reason, workspace_sizes)
 from inductor_cute.runtime import get_kernel, precompile
 

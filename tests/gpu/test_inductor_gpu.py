@@ -17,7 +17,7 @@ import inductor_cute
 from inductor_cute.runtime import CompiledKernelCache
 
 pytestmark = pytest.mark.gpu
-OUR_CALL = "inductor_cute.inductor.runtime.gemm("
+OUR_CALL = "inductor_cute.inductor.gemm.runtime.gemm("
 
 
 @pytest.fixture(autouse=True)

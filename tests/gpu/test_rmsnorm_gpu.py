@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from inductor_cute import UnsupportedError, ops
-from inductor_cute.kernels import rmsnorm_config
+from inductor_cute.host import rmsnorm as host_rmsnorm
+from inductor_cute.kernels.norm import rmsnorm_config
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +50,7 @@ def test_matches_fp64_and_writes_every_element(m, n, dtype):
     x = torch.randn(m, n, device="cuda", dtype=dtype) * torch.rand(m, 1, device="cuda", dtype=dtype).add(0.1) * 3
     w = torch.randn(n, device="cuda", dtype=dtype)
     out = torch.full_like(x, float("nan"))  # poison: an unwritten element shows as NaN
-    ops._rmsnorm_kernel(n, DTYPES[dtype])(x, w, out, EPS)
+    host_rmsnorm._rmsnorm_kernel(n, DTYPES[dtype])(x, w, out, EPS)
     torch.cuda.synchronize()
     assert not out.isnan().any()
     assert rel_err(out, reference(x, w)) < TOL[dtype]
@@ -168,7 +169,7 @@ def test_host_overhead_is_reported():
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     ours = host_overhead_us(lambda: ops.rmsnorm(x, w))
-    kernel = ops._rmsnorm_kernel(4096, "bfloat16")
+    kernel = host_rmsnorm._rmsnorm_kernel(4096, "bfloat16")
     out = torch.empty_like(x)
     raw = host_overhead_us(lambda: kernel(x, w, out, 1e-6))
     eager = host_overhead_us(lambda: F.rms_norm(x, (4096,), w, 1e-6))

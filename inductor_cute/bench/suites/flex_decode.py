@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from ... import ops
-from ...kernels import score_program
+from ...kernels.common.programs import score as score_program
 from ..harness import Case
 
 WINDOW = 1024  # sliding-window keys (Gemma-3-like local layers)
@@ -173,7 +173,7 @@ def aten_runner(shape: Shape, variant: str, q, k, v, scale: float):
 
 
 def _splits_note(shape: Shape) -> str:
-    from ...kernels import flex_decode_config as fdc
+    from ...kernels.attention import flex_decode_config as fdc
 
     s = shape
     kv_block = fdc.HEAD_DIMS[(s.dqk, s.dv)][0]

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from ... import ops
-from ...kernels.gemm_candidates import candidate_configs
-from ...kernels.gemm_kernels import kernel_spec
-from ...kernels.gemv_config import GemvConfig
-from ...kernels.gemv_config import candidate_configs as gemv_candidates
+from ...kernels.gemm.candidates import candidate_configs
+from ...kernels.gemm.family import kernel_spec
+from ...kernels.gemm.gemv_config import GemvConfig
+from ...kernels.gemm.gemv_config import candidate_configs as gemv_candidates
 from ...runtime import precompile
 from ..harness import Case
 from ..timing import time_side_by_side

@@ -4,7 +4,7 @@ K-major). DSL-free."""
 
 from __future__ import annotations
 
-from .gemm_config import GemmConfig, GemmProblem, config_error, gemm_spec
+from .config import GemmConfig, GemmProblem, config_error, gemm_spec
 from .gemv_config import GemvConfig, gemv_spec
 from .gemv_config import config_error as gemv_config_error
 from .gemv_config import unsupported_reason as gemv_unsupported_reason

@@ -23,7 +23,7 @@ from torch._inductor.ops_handler import DefaultHandler
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 
-from ..kernels.epilogue_program import ARITY, dumps
+from ...kernels.common.programs.epilogue import ARITY, dumps
 from .runtime import input_role
 
 _OPS_AS_IS = set(ARITY) - {"relu"}

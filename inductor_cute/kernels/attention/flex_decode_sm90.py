@@ -57,7 +57,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
 from .flex_decode_config import ROWS, FlexDecodeConfig, config_error, smem_bytes
-from .score_program import MAX_TENSORS, make_score_fn
+from ..common.programs.score import MAX_TENSORS, make_score_fn
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 SCORE_TENSOR_DTYPES = {"float32": Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,

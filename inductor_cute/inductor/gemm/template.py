@@ -21,10 +21,10 @@ from torch._inductor.codegen.cuda_combined_scheduling import CUDACombinedSchedul
 from torch._inductor.scheduler import BaseScheduling
 from torch._inductor.virtualized import V
 
-from ..errors import CompileError, first_line
-from ..ops import DTYPE_NAMES
-from ..kernels.gemm_config import problem_error
-from ..kernels.gemm_kernels import config_problem, from_tuple, kernel_spec
+from ...errors import CompileError, first_line
+from ...host.common import DTYPE_NAMES
+from ...kernels.gemm.config import problem_error
+from ...kernels.gemm.family import config_problem, from_tuple, kernel_spec
 from .epilogue import Operand, translate
 from .runtime import MODULE as RUNTIME
 
@@ -95,7 +95,7 @@ class CuteGemmScheduling(BaseScheduling):
         return False
 
     def codegen_template(self, template_node, epilogue_nodes, prologue_nodes):
-        from ..runtime import precompile
+        from ...runtime import precompile
 
         assert not prologue_nodes
         template = _ours(template_node)

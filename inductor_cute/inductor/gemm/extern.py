@@ -1,5 +1,5 @@
 """Our GEMM as an Inductor extern-kernel choice: benchmarked in-process beside ATen and Triton,
-emitted into output code as a call to `inductor_cute.inductor.runtime.gemm`."""
+emitted into output code as a call to `inductor_cute.inductor.gemm.runtime.gemm`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 from torch._inductor import ir
 from torch._inductor.select_algorithm import ExternKernelCaller, ExternKernelChoice
 
-from ..errors import first_line
+from ...errors import first_line
 from . import runtime
 
 log = logging.getLogger(__name__)

@@ -8,12 +8,12 @@ import time
 
 from torch._inductor.virtualized import V
 
-from ..ops import DTYPE_NAMES
-from ..kernels.gemm_config import GemmConfig, GemmProblem
-from ..kernels.gemm_kernels import kernel_spec
-from ..kernels.gemv_config import GemvConfig
-from ..runtime import precompile, target_arch
-from ..runtime.loader import kernel_key
+from ...host.common import DTYPE_NAMES
+from ...kernels.gemm.config import GemmConfig, GemmProblem
+from ...kernels.gemm.family import kernel_spec
+from ...kernels.gemm.gemv_config import GemvConfig
+from ...runtime import precompile, target_arch
+from ...runtime.loader import kernel_key
 from .runtime import input_role
 
 log = logging.getLogger(__name__)

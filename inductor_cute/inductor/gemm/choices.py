@@ -11,8 +11,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
 
-from ..errors import first_line
-from ..ops import DTYPE_NAMES
+from ...errors import first_line
+from ...host.common import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _static(expr) -> int | None:
 def unsupported_reason(kernel_inputs, op_name) -> str | None:
     """Why our kernels cannot serve this GEMM, or None. Everything the runtime could refuse is
     refused here, so a chosen kernel never fails on its inputs."""
-    from ..runtime.arch import device_arch
+    from ...runtime.arch import device_arch
 
     if V.graph.cpp_wrapper or getattr(V.graph, "aot_mode", False):
         return "cpp_wrapper / AOTInductor output code is not supported"
@@ -115,7 +115,7 @@ def unsupported_reason(kernel_inputs, op_name) -> str | None:
 def _gemv_candidates(kernel_inputs, problem, num_sms: int) -> list:
     """The decode GEMV's configs for an unbatched GEMM whose M is static and at most 16 (a
     dynamic M could outgrow it) against a K-major weight; [] otherwise."""
-    from ..kernels import gemv_config
+    from ...kernels.gemm import gemv_config
 
     m, n, k = (_static(x) for x in kernel_inputs.mnk_symbolic())
     if len(kernel_inputs.mat1mat2()[0].get_size()) != 2 or m is None:
@@ -132,8 +132,8 @@ def gemm_choices(kernel_inputs, op_name) -> list:
     if reason:
         log.info("inductor-cute skips %s %dx%dx%d: %s", op_name, m, n, k, reason)
         return []
-    from ..kernels.gemm_candidates import candidate_configs
-    from ..kernels.gemm_kernels import as_tuple
+    from ...kernels.gemm.candidates import candidate_configs
+    from ...kernels.gemm.family import as_tuple
     from .extern import CUTE_GEMM
     from .specs import problem_for, precompile_choices
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .gemm_config import ELEMENT_BYTES, GemmProblem, problem_error
+from .config import ELEMENT_BYTES, GemmProblem, problem_error
 
 MAX_M = 16
 K_STEP = 32  # K elements one warp consumes per pipeline stage (a 16-byte vector per thread and row)
 SMEM_BUDGET = 227 * 1024  # what one CTA may use
 MAX_REGISTERS = 64  # per thread; tests hold ptxas to it (occupancy)
 MAX_SPLITS = 64
-KERNEL_MODULE = "inductor_cute.kernels.gemv_sm90"
+KERNEL_MODULE = "inductor_cute.kernels.gemm.gemv_sm90"
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def workspace_sizes(n: int, k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 def gemv_spec(p: GemmProblem, config: GemvConfig):
     """The KernelSpec of one GEMV kernel (`p` as for the GEMM, with a_major = b_major = "k")."""
-    from ..runtime.spec import KernelSpec
+    from ...runtime.spec import KernelSpec
 
     params = p.as_params()
     del params["a_major"], params["b_major"]

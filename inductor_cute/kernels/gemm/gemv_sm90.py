@@ -45,8 +45,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import make_fake_tensor
 
-from .gemm_config import GemmProblem, problem_error
-from .gemm_sm90 import CUTE_DTYPES, make_epilogue
+from .config import GemmProblem, problem_error
+from .sm90 import CUTE_DTYPES, make_epilogue
 from .gemv_config import K_STEP, MAX_REGISTERS, GemvConfig, config_error, smem_bytes
 
 VEC = 8  # elements per 16-byte vector
@@ -267,7 +267,7 @@ def build(dtype_name, out_dtype_name, has_bias, has_c, activation, warps, k_slic
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     fast = out_dtype_name == "bfloat16"
     if epilogue:
-        from .epilogue_program import make_epilogue_fn
+        from ..common.programs.epilogue import make_epilogue_fn
 
         epilogue_fn = make_epilogue_fn(epilogue, fast)
     epilogue_fn = epilogue_fn or make_epilogue(activation, fast=fast)

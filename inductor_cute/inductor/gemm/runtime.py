@@ -10,8 +10,8 @@ import functools
 
 import torch
 
-from .. import ops
-from ..kernels.gemm_kernels import from_tuple
+from ... import ops
+from ...kernels.gemm.family import from_tuple
 
 MODULE = __name__  # what generated output code imports
 BATCHED = {"bmm", "baddbmm"}

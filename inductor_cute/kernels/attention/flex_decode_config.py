@@ -114,7 +114,7 @@ def config_error(cfg: FlexDecodeConfig) -> str | None:
         return f"{smem_bytes(cfg)} bytes of shared memory exceed the {SMEM_BUDGET} available"
     if cfg.sparse_block < 0 or cfg.sparse_block % cfg.kv_block:
         return f"block mask KV block size {cfg.sparse_block} is not a multiple of the kernel's KV block {cfg.kv_block}"
-    from .score_program import canonical
+    from ..common.programs.score import canonical
 
     for kind, text, dtypes in (("score", cfg.score_program, cfg.score_dtypes),
                                ("mask", cfg.mask_program, cfg.mask_dtypes)):
@@ -168,7 +168,7 @@ def num_splits(batch: int, kv_heads: int, row_tiles: int, kv_len: int, kv_block:
     return min(range(least, most + 1), key=lambda s: (cost(s), s))
 
 
-KERNEL_MODULE = "inductor_cute.kernels.flex_decode_sm90"
+KERNEL_MODULE = "inductor_cute.kernels.attention.flex_decode_sm90"
 
 
 def flex_decode_spec(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
@@ -177,7 +177,7 @@ def flex_decode_spec(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_k
                      mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0):
     """The KernelSpec of the split-KV decode kernel (with its combine step) for these parameters;
     programs in canonical form (score_program.canonical)."""
-    from ..runtime.spec import KernelSpec
+    from ...runtime.spec import KernelSpec
 
     config = config or default_config(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len,
                                       score_program, score_dtypes, mask_program, mask_dtypes, sparse_block)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 
-from .epilogue_program import parse_steps, split_step
+from .epilogue import parse_steps, split_step
 
 LEAVES = {"score": "f", "b": "i", "h": "i", "q": "i", "kv": "i"}
 MASK_LEAVES = {k: t for k, t in LEAVES.items() if k != "score"}

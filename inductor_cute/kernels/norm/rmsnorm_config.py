@@ -60,12 +60,12 @@ def default_config(n: int, dtype_name: str) -> RMSNormConfig:
     return RMSNormConfig(threads_per_cta=threads_per_row * rows, rows_per_cta=rows, vec=vec)
 
 
-KERNEL_MODULE = "inductor_cute.kernels.rmsnorm_sm90"
+KERNEL_MODULE = "inductor_cute.kernels.norm.rmsnorm_sm90"
 
 
 def rmsnorm_spec(n: int, dtype_name: str, config: RMSNormConfig | None = None):
     """The KernelSpec of an RMSNorm kernel (the default configuration unless one is given)."""
-    from ..runtime.spec import KernelSpec
+    from ...runtime.spec import KernelSpec
 
     config = config or default_config(n, dtype_name)
     return KernelSpec.make(KERNEL_MODULE, N=n, dtype_name=dtype_name, **config.as_params())

@@ -43,7 +43,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from .gemm_config import (C_STAGES, EPI_N, EPI_STAGES, GemmConfig, GemmProblem, config_error, problem_error,
+from .config import (C_STAGES, EPI_N, EPI_STAGES, GemmConfig, GemmProblem, config_error, problem_error,
                           smem_bytes)
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
@@ -520,7 +520,7 @@ def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activat
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     fast = out_dtype_name == "bfloat16"
     if epilogue:
-        from .epilogue_program import make_epilogue_fn
+        from ..common.programs.epilogue import make_epilogue_fn
 
         epilogue_fn = make_epilogue_fn(epilogue, fast)
     epilogue_fn = epilogue_fn or make_epilogue(activation, fast=fast)

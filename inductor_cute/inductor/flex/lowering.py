@@ -44,7 +44,7 @@ def flex_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                    kv_block_size: int, q_block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.flex_decode for compiled graphs: (out, lse), lse in natural-log units; score_mod and
     mask_mod are programs' texts, "" for none; the block-mask tensors are None without one."""
-    from .. import ops
+    from ... import ops
 
     return ops.flex_decode(q, _streamable(k), _streamable(v), scale=scale, return_lse=True,
                            score_mod=score_mod or None, score_tensors=tuple(score_tensors),
@@ -97,8 +97,8 @@ class FlexProblem:
 
 def decline_reason(p: FlexProblem) -> str | None:
     """Why our decode kernel does not take this call (the stock lowering does); None if it does."""
-    from ..kernels import flex_decode_config as fdc
-    from ..ops import DTYPE_NAMES
+    from ...kernels.attention import flex_decode_config as fdc
+    from ...host.common import DTYPE_NAMES
 
     problem = _device_reason(p.device)
     if problem:
@@ -136,7 +136,7 @@ def decline_reason(p: FlexProblem) -> str | None:
 
 def _block_mask_reason(p: FlexProblem) -> str | None:
     """Why our kernel cannot walk this BlockMask (fdc.sparse_block_reason says what it needs)."""
-    from ..kernels import flex_decode_config as fdc
+    from ...kernels.attention import flex_decode_config as fdc
 
     kv_block_size, q_block_size = p.block_sizes
     if not (isinstance(kv_block_size, int) and isinstance(q_block_size, int)):
@@ -154,8 +154,8 @@ def _block_mask_reason(p: FlexProblem) -> str | None:
 
 
 def _device_reason(device: torch.device) -> str | None:
-    from ..errors import UnsupportedError
-    from ..runtime import device_arch
+    from ...errors import UnsupportedError
+    from ...runtime import device_arch
 
     if device.type != "cuda":
         return f"device {device}"
@@ -234,7 +234,7 @@ def mask_program(gm: torch.fx.GraphModule, buffer_dtypes: tuple = ()) -> str:
 
 def _translate(gm: torch.fx.GraphModule, buffer_dtypes: tuple, leaves: tuple) -> str:
     """A score_mod (leaves _LEAVES) or mask_mod (_MASK_LEAVES) graph as a canonical program."""
-    from ..kernels import score_program as sp
+    from ...kernels.common.programs import score as sp
 
     mask = leaves == _MASK_LEAVES
     what = "mask_mod" if mask else "score_mod"

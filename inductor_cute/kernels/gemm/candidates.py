@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from .gemm_config import GemmConfig, GemmProblem, config_error, default_config
+from .config import GemmConfig, GemmProblem, config_error, default_config
 
 MAX_STAGES = 8
 

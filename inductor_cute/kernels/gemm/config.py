@@ -12,7 +12,7 @@ SMEM_BUDGET = 227 * 1024  # dynamic shared memory one CTA may use on H100/H200
 EPI_N = 32  # columns per epilogue subtile
 EPI_STAGES = 2  # shared-memory buffers for outgoing D subtiles
 C_STAGES = 2  # shared-memory buffers for incoming C subtiles
-KERNEL_MODULE = "inductor_cute.kernels.gemm_sm90"
+KERNEL_MODULE = "inductor_cute.kernels.gemm.sm90"
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def problem_error(p: GemmProblem) -> str | None:
     if p.activation not in ACTIVATIONS:
         return f"activation {p.activation!r} is not one of {', '.join(ACTIVATIONS)}"
     if p.epilogue:
-        from .epilogue_program import loads, operands
+        from ..common.programs.epilogue import loads, operands
 
         if p.activation != "identity":
             return "an epilogue program and an activation cannot be combined"
@@ -150,6 +150,6 @@ def default_config(m: int, n: int, p: GemmProblem, batch: int = 1, num_sms: int 
 
 def gemm_spec(p: GemmProblem, config: GemmConfig, num_sms: int = 132):
     """The KernelSpec of one GEMM kernel."""
-    from ..runtime.spec import KernelSpec
+    from ...runtime.spec import KernelSpec
 
     return KernelSpec.make(KERNEL_MODULE, num_sms=num_sms, **p.as_params(), **config.as_params())

@@ -1,0 +1,41 @@
+"""What every eager entry point shares: dtype names, device checks, 16-byte alignment."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import UnsupportedError
+from ..runtime import device_arch
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+ALIGN_BYTES = 16  # every kernel reads and writes rows with 16-byte vectors
+
+
+@functools.lru_cache(maxsize=None)
+def check_device(index: int) -> None:
+    device_arch(index)  # raises for a GPU we have no kernels for; remembered once it passes
+
+
+def check_cuda(name: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedError(f"{name}: expected torch.Tensor arguments, got {type(t).__name__}")
+        if t.device.type != "cuda":
+            raise UnsupportedError(f"{name}: tensors must be on a CUDA device, got {t.device}")
+        if t.device != tensors[0].device:
+            raise UnsupportedError(f"{name}: tensors are on {tensors[0].device} and {t.device}; expected one device")
+    check_device(tensors[0].device.index or 0)
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when contiguous and 16-byte aligned, else a copy that is."""
+    if t.is_contiguous() and t.data_ptr() % ALIGN_BYTES == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

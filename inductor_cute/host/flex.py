@@ -1,0 +1,181 @@
+"""Eager flex attention decoding (split-KV) with score/mask programs and block masks."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import UnsupportedError
+from ..runtime import get_kernel
+from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count
+
+_LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=256)
+def _flex_decode_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int, has_kv_len: bool,
+                        score_program: str = "", score_dtypes: tuple[str, ...] = (), mask_program: str = "",
+                        mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0):
+    from ..kernels.attention.flex_decode_config import flex_decode_spec
+
+    return get_kernel(flex_decode_spec(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len,
+                                       score_program=score_program, score_dtypes=score_dtypes,
+                                       mask_program=mask_program, mask_dtypes=mask_dtypes, sparse_block=sparse_block))
+
+
+def _score_mod_operands(score_mod: str | None, score_tensors, device, kind: str = "score"
+                        ) -> tuple[str, tuple[str, ...], list]:
+    """(canonical program text or "", captured tensors' dtype names, the kernel's captured-tensor
+    slots: the tensors contiguous, then None). `kind` "mask": the mask_mod's mask program."""
+    from ..kernels.common.programs import score as sp
+
+    if score_mod is None:
+        if score_tensors:
+            raise UnsupportedError(f"flex_decode: {kind}_tensors were given without a {kind}_mod")
+        return "", (), [None] * sp.MAX_TENSORS
+    if not isinstance(score_mod, str):
+        raise UnsupportedError(f"flex_decode: {kind}_mod must be a {kind} program's text (kernels.score_program)")
+    tensors = list(score_tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.device != device:
+            raise UnsupportedError(f"flex_decode: {kind} tensor t{i} must be a 1-D tensor on {device}")
+    dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
+    try:
+        text = sp.canonical(score_mod, dtypes, mask=kind == "mask")
+    except ValueError as e:
+        raise UnsupportedError(f"flex_decode: {kind}_mod: {e}") from None
+    return text, dtypes, [t.contiguous() for t in tensors] + [None] * (sp.MAX_TENSORS - len(tensors))
+
+
+def _block_mask_operands(block_mask: tuple, kv_block_size: int, q_block_size: int, heads: int, group: int,
+                         q_len: int, kv_block: int, device) -> list:
+    """The kernel's four block-mask arguments (int32, contiguous; without full blocks, zero counts
+    over kv_indices) from (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)."""
+    from ..kernels.attention.flex_decode_config import sparse_block_reason
+
+    num, idx, full_num, full_idx = block_mask
+    if num is None or idx is None or (full_num is None) != (full_idx is None):
+        raise UnsupportedError("flex_decode: a block mask needs kv_num_blocks and kv_indices, and full_kv_num_blocks "
+                               "and full_kv_indices together or not at all")
+    if full_num is None:
+        full_num, full_idx = torch.zeros_like(num), idx
+    for name, t, dim in (("kv_num_blocks", num, 3), ("kv_indices", idx, 4), ("full_kv_num_blocks", full_num, 3),
+                         ("full_kv_indices", full_idx, 4)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.device != device or \
+                t.dtype not in (torch.int32, torch.int64) or t.shape[:3] != num.shape or 0 in t.shape:
+            raise UnsupportedError(f"flex_decode: {name} must be a non-empty {dim}-D int32 tensor on {device} "
+                                   f"sharing kv_num_blocks' (batch, heads, query blocks) dims")
+    problem = sparse_block_reason(kv_block_size, kv_block, q_block_size, q_len, num.shape[1], group)
+    if problem:
+        raise UnsupportedError(f"flex_decode: {problem}")
+    if num.shape[1] not in (1, heads):
+        raise UnsupportedError(f"flex_decode: the block mask has {num.shape[1]} heads; expected 1 or {heads}")
+    return [t.to(torch.int32).contiguous() for t in (num, idx, full_num, full_idx)]
+
+
+def _decode_operand(name: str, t: torch.Tensor, copy_ok: bool) -> torch.Tensor:
+    """`t` (4-D) as TMA and 16-byte loads need it: unit last stride, other strides multiples of 8
+    elements, 16-byte aligned base. Modes of extent 1 get a packed stride. A layout that does not
+    fit is copied when `copy_ok` (q is small) and refused otherwise (k and v are the cache)."""
+    sizes, strides = list(t.shape), list(t.stride())
+    if strides[3] == 1:
+        packed = -(-max(sz * st for sz, st in zip(sizes, strides)) // 8) * 8
+        strides[:3] = [packed if sz == 1 else st for sz, st in zip(sizes[:3], strides[:3])]
+        if t.data_ptr() % ALIGN_BYTES == 0 and all(st % 8 == 0 and st > 0 for st in strides[:3]):
+            return t.as_strided(sizes, strides)
+    if copy_ok:
+        return t.clone(memory_format=torch.contiguous_format)
+    raise UnsupportedError(f"flex_decode: {name} must have a contiguous last dim, other strides multiples of "
+                           f"8 elements and a 16-byte aligned start; got strides {tuple(t.stride())}")
+
+
+def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                kv_len: torch.Tensor | None = None, return_lse: bool = False, num_splits: int | None = None,
+                score_mod: str | None = None, score_tensors=(), mask_mod: str | None = None, mask_tensors=(),
+                kv_num_blocks: torch.Tensor | None = None, kv_indices: torch.Tensor | None = None,
+                full_kv_num_blocks: torch.Tensor | None = None, full_kv_indices: torch.Tensor | None = None,
+                kv_block_size: int = 128, q_block_size: int = 128):
+    """Attention for decoding, split over the KV length: softmax(scale * q k^T) v per query head.
+
+    q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv), bf16 or fp16, Hq a multiple of
+    Hkv (GQA/MQA: query head h reads KV head h // (Hq // Hkv)), Lq at most 64. `kv_len` (B,)
+    limits each batch's keys to its first kv_len[b]; a row with no key gets out 0 and lse -inf.
+    `scale` defaults to 1/sqrt(Dqk). With `return_lse`, also returns the fp32 logsumexp (B, Hq,
+    Lq) of the scaled scores in natural-log units, as torch's flex_attention returns it.
+    `num_splits` overrides the number of KV splits chosen from the problem size.
+    `score_mod` is a score program's text (kernels.score_program: flex_attention's score_mod as
+    data) reading `score_tensors` (1-D, on q's device) as t0, t1, ...; it modifies the scaled
+    scores before the softmax, exactly as flex_attention's score_mod does.
+
+    A BlockMask's tensors (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices; (Z, H,
+    Qb[, C]) as torch builds them) and block sizes restrict the keys to its blocks: `mask_mod`, a
+    mask program's text reading `mask_tensors` as t0, t1, ..., masks keys of the partial blocks
+    (of all keys without block tensors). As in torch, batch b reads mask row b % Z and query head
+    h row h % H; H must be 1 unless Hq == Hkv, kv_block_size a multiple of the kernel's KV block,
+    and Lq at most q_block_size (every query in query block 0).
+    """
+    from ..kernels.attention import flex_decode_config as fdc
+
+    check_cuda("flex_decode", q, k, v, *(t for t in (kv_len,) if t is not None))
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise UnsupportedError(f"flex_decode: q, k and v must all be bfloat16 or float16, got {q.dtype}, "
+                               f"{k.dtype} and {v.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise UnsupportedError(f"flex_decode: expected 4-D q, k, v (batch, heads, length, dim), got "
+                               f"{q.dim()}-D, {k.dim()}-D and {v.dim()}-D")
+    batch, heads, q_len, dqk = q.shape
+    kv_heads, seq = k.shape[1], k.shape[2]
+    dv = v.shape[3]
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise UnsupportedError(f"flex_decode: batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[3] != dqk or v.shape[1] != kv_heads or v.shape[2] != seq:
+        raise UnsupportedError(f"flex_decode: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                               "do not match")
+    if kv_heads == 0 or heads % kv_heads:
+        raise UnsupportedError(f"flex_decode: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    group = heads // kv_heads
+    problem = fdc.unsupported_reason(dqk, dv, DTYPE_NAMES[q.dtype], group, max(q_len, 1))
+    if problem:
+        raise UnsupportedError(f"flex_decode: {problem}")
+    if kv_len is not None:
+        if kv_len.shape != (batch,) or kv_len.dtype not in (torch.int32, torch.int64):
+            raise UnsupportedError(f"flex_decode: kv_len must be an int32 or int64 tensor of shape ({batch},), got "
+                                   f"{kv_len.dtype} of shape {tuple(kv_len.shape)}")
+        kv_len = kv_len.to(torch.int32).contiguous()
+    if batch * kv_heads > 65535:
+        raise UnsupportedError(f"flex_decode: batch * KV heads = {batch * kv_heads} exceeds 65535 (grid limit)")
+    if num_splits is not None and not 1 <= num_splits <= fdc.MAX_SPLITS:
+        raise UnsupportedError(f"flex_decode: num_splits must be in 1..{fdc.MAX_SPLITS}, got {num_splits}")
+    program, score_dtypes, score_slots = _score_mod_operands(score_mod, score_tensors, q.device)
+    mask_program, mask_dtypes, mask_slots = _score_mod_operands(mask_mod, mask_tensors, q.device, "mask")
+    kv_block = fdc.HEAD_DIMS[(dqk, dv)][0]
+    block_mask = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    sparse_block, block_slots, keys = 0, [None] * 4, seq
+    if any(t is not None for t in block_mask):
+        block_slots = _block_mask_operands(block_mask, kv_block_size, q_block_size, heads, group, q_len, kv_block,
+                                           q.device)
+        sparse_block = kv_block_size
+        # counted on the arguments: without full blocks, the kernel's full-index slot repeats kv_indices
+        columns = kv_indices.shape[-1] + (full_kv_indices.shape[-1] if full_kv_indices is not None else 0)
+        keys = min(seq, kv_block_size * columns)  # partial and full blocks bound the keys: no sync to count
+
+    out = torch.empty(batch, heads, q_len, dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
+    if out.numel() == 0 or seq == 0:  # nothing to attend to: flex_attention's empty rows
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
+    q4 = _decode_operand("q", q, copy_ok=True)
+    k4, v4 = _decode_operand("k", k, copy_ok=False), _decode_operand("v", v, copy_ok=False)
+    kernel = _flex_decode_kernel(dqk, dv, DTYPE_NAMES[q.dtype], group, kv_len is not None, program, score_dtypes,
+                                 mask_program, mask_dtypes, sparse_block)
+    if num_splits is None:
+        num_splits = fdc.num_splits(batch, kv_heads, fdc.m_tiles(group, q_len), keys, kv_block,
+                                    sm_count(q.device.index or 0))
+    o_part = torch.empty(num_splits, batch, heads, q_len, dv, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(num_splits, batch, heads, q_len, device=q.device, dtype=torch.float32)
+    scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
+    kernel(q4, k4, v4, kv_len, o_part, lse_part, out, lse, scale * _LOG2E, scale, *score_slots, *block_slots,
+           *mask_slots)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,264 @@
+"""Eager GEMM entry points (mm, bmm): input checks, TMA views of the operands, the WGMMA GEMM or
+the decode GEMV, and a fast path for repeated calls."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import UnsupportedError
+from ..runtime import get_kernel
+from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count
+
+_GEMM_INPUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _tma_view(t: torch.Tensor, unit_mode: int) -> torch.Tensor | None:
+    """`t` (3-D) restrided for TMA with `unit_mode` contiguous, or None if its layout cannot be.
+
+    TMA needs a unit-stride mode, every other stride a multiple of 16 bytes and a 16-byte aligned
+    base. Modes of extent 1 have no meaningful stride, so they get a packed one."""
+    sizes, strides = list(t.shape), list(t.stride())
+    if t.data_ptr() % ALIGN_BYTES or (sizes[unit_mode] > 1 and strides[unit_mode] != 1):
+        return None
+    strides[unit_mode] = 1
+    packed = max(sz * st for sz, st in zip(sizes, strides))
+    for i in range(3):
+        if i == unit_mode:
+            continue
+        if sizes[i] == 1:
+            strides[i] = -(-packed // 8) * 8
+        elif strides[i] % 8 or strides[i] == 0:
+            return None
+    return t.as_strided(sizes, strides)
+
+
+def _operand(t: torch.Tensor, modes: tuple[int, ...]) -> tuple[torch.Tensor | None, int]:
+    """The TMA view of `t` with the first workable unit mode among `modes`, copying `t` into a
+    packed layout with `modes[0]` contiguous when none is; (None, mode) if even that cannot be."""
+    for mode in modes:
+        view = _tma_view(t, mode)
+        if view is not None:
+            return view, mode
+    order = [i for i in (2, 0, 1) if i != modes[0]] + [modes[0]]  # batch outermost, unit mode last
+    packed = t.permute(order).clone(memory_format=torch.contiguous_format)
+    return _tma_view(packed.permute([order.index(i) for i in range(3)]), modes[0]), modes[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_kernel(problem, config, num_sms: int):
+    from ..kernels.gemm.family import kernel_spec
+
+    return get_kernel(kernel_spec(problem, config, num_sms))
+
+
+def _gemv_workspace(device, sizes: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMV's split-K partials and arrival counters, fresh per call: a cached buffer could be
+    shared by two streams, or live in a CUDA graph's private pool that the graph later reuses.
+    The counters are zeroed only when the kernel splits K (otherwise it touches neither)."""
+    n_partials, n_counters, split = sizes
+    ws = torch.empty(n_partials + n_counters, device=device, dtype=torch.float32)
+    counters = ws[n_partials:].view(torch.int32)
+    if split:
+        counters.zero_()
+    return ws[:n_partials], counters
+
+
+def _default_gemm_config(problem, batch: int, m: int, n: int, k: int, num_sms: int):
+    """The decode GEMV for one matrix of at most 16 rows against a K-major weight, else the WGMMA
+    GEMM's heuristic tile."""
+    from ..kernels.gemm import gemv_config
+    from ..kernels.gemm.config import default_config
+
+    if batch == 1 and gemv_config.unsupported_reason(m, n, k, problem) is None:
+        gemv = gemv_config.default_config(m, n, k, num_sms)
+        if gemv_config.config_error(gemv, problem, m=m, k=k) is None:  # a K past 64 full A slices cannot
+            return gemv
+    return default_config(m, n, problem, batch, num_sms)
+
+
+def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue=""):
+    """Checks and TMA views for one GEMM: ((problem, config, num_sms), kernel arguments, out);
+    the plan and arguments are None when the output is empty."""
+    from ..kernels.gemm.config import GemmProblem, problem_error
+    from ..kernels.gemm.family import config_problem
+    from ..kernels.gemm.gemv_config import GemvConfig, splits, workspace_sizes
+
+    if a.dtype not in _GEMM_INPUT or b.dtype != a.dtype:
+        raise UnsupportedError(f"{name}: A and B must both be bfloat16 or float16, got {a.dtype} and {b.dtype}")
+    batch, m, k = a.shape
+    if b.shape[0] != batch or b.shape[1] != k:
+        raise UnsupportedError(f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
+    n = b.shape[2]
+    out_dtype = out_dtype or (out.dtype if out is not None else a.dtype)
+    if out_dtype not in DTYPE_NAMES:
+        raise UnsupportedError(f"{name}: output dtype {out_dtype} is not supported")
+    if out is None:
+        out = torch.empty(batch, m, n, device=a.device, dtype=out_dtype)
+    elif out.shape != (batch, m, n) or out.dtype != out_dtype:
+        raise UnsupportedError(f"{name}: out must be {(batch, m, n)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    if out.numel() == 0:
+        return None, None, out  # nothing to compute
+    if k == 0:
+        raise UnsupportedError(f"{name}: K must be at least 1")
+    if n % 8:
+        raise UnsupportedError(f"{name}: N={n} must be a multiple of 8 (16-byte output rows for TMA)")
+    a3, a_unit = _operand(a.permute(1, 2, 0), (1, 0))  # (M, K, L): K- or M-major
+    if a_unit == 0 and m % 8:  # M-major A needs 16-byte columns; a K-major copy may still work
+        a3, a_unit = _operand(a.permute(1, 2, 0), (1,))
+    b3, b_unit = _operand(b.permute(2, 1, 0), (0, 1))  # (N, K, L): N- or K-major
+    a_major, b_major = ("k" if a_unit == 1 else "m"), ("n" if b_unit == 0 else "k")
+    if a3 is None or b3 is None or ("k" in (a_major, b_major) and k % 8) or (a_major == "m" and m % 8):
+        raise UnsupportedError(f"{name}: the contiguous dimension of each operand must be a multiple of 8 "
+                               f"elements (TMA reads 16-byte rows); got M={m}, K={k}, N={n}")
+    d3 = _tma_view(out.permute(1, 2, 0), 1)
+    if d3 is None:
+        raise UnsupportedError(f"{name}: out must be row-major with 16-byte aligned rows")
+    c3 = None
+    if c is not None:
+        try:
+            c = c.expand(batch, m, n)
+        except RuntimeError:
+            raise UnsupportedError(f"{name}: C of shape {tuple(c.shape)} does not broadcast to {(batch, m, n)}") from None
+        c3, _ = _operand(c.to(out_dtype).permute(1, 2, 0), (1,))  # never None: N % 8 == 0
+        beta = 1.0 if beta is None else beta
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != n:
+            raise UnsupportedError(f"{name}: bias must have shape ({n},), got {tuple(bias.shape)}")
+        bias = bias.to(out_dtype).contiguous()
+    problem = GemmProblem(_GEMM_INPUT[a.dtype], DTYPE_NAMES[out_dtype], a_major, b_major,
+                          bias is not None, c is not None, activation, epilogue or "")
+    error = problem_error(problem)
+    if error:
+        raise UnsupportedError(f"{name}: {error}")
+    num_sms = sm_count(a.device.index or 0)
+    if config is None:
+        config = _default_gemm_config(problem, batch, m, n, k, num_sms)
+    else:
+        error = config_problem(config, problem, m, k)
+        if error or (batch > 1 and isinstance(config, GemvConfig)):
+            raise UnsupportedError(f"{name}: config {config} cannot run this problem: {error or 'gemv is not batched'}")
+    scalars = (float(alpha), float(beta or 0.0))
+    if isinstance(config, GemvConfig):  # 2-D operands; the workspace is added at each launch
+        n_partials, n_counters = workspace_sizes(n, k, config)
+        plan = (problem, config, num_sms, (n_partials, n_counters, splits(k, config) > 1))
+        two_d = (t[:, :, 0] if t is not None else None for t in (a3, b3, d3, c3))
+        return plan, (*two_d, bias, *scalars), out
+    return (problem, config, num_sms, None), (a3, b3, d3, c3, bias, *scalars), out
+
+
+def _launch(kernel, args: tuple, workspace: tuple | None, device) -> None:
+    if workspace is None:
+        kernel(*args)
+    else:
+        kernel(*args[:5], *_gemv_workspace(device, workspace), *args[5:])
+
+
+def _batched(name, a, b, bias, c, out):
+    """mm's operands as bmm's (a batch of one), after the checks every GEMM input needs."""
+    check_cuda(name, a, b, *(t for t in (bias, c, out) if t is not None))
+    if name == "mm":
+        if a.dim() != 2 or b.dim() != 2:
+            raise UnsupportedError(f"mm: expected 2-D tensors, got {a.dim()}-D and {b.dim()}-D")
+        return (a.unsqueeze(0), b.unsqueeze(0), c.unsqueeze(0) if c is not None and c.dim() == 2 else c,
+                out.unsqueeze(0) if out is not None else None)
+    if a.dim() != 3 or b.dim() != 3:
+        raise UnsupportedError(f"bmm: expected 3-D tensors, got {a.dim()}-D and {b.dim()}-D")
+    return a, b, c, out
+
+
+# Calls whose checks passed and whose kernel operands are plain views of the caller's tensors
+# are remembered by their argument layout, so a repeat (a compiled graph's GEMM, a training
+# step) skips the checks and only restrides: ~60 us of host time down to a few.
+_FAST_PATHS: dict[tuple, tuple] = {}
+_FAST_PATHS_MAX = 4096
+
+
+def _layout(t):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):  # never remembered: the checks will refuse it
+        return ("not a tensor", id(t))
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % ALIGN_BYTES == 0)
+
+
+def _view_of(view, t):
+    """(sizes, strides) that make `view` from `t` with as_strided, or None if it is not a view of t."""
+    if view is None or t is None or view.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() \
+            or view.storage_offset() != t.storage_offset() or view.dtype != t.dtype:
+        return None
+    return tuple(view.shape), tuple(view.stride())
+
+
+def _remember(key, kernel, kernel_args, workspace, a, b, c, out, bias):
+    a3, b3, d3, c3, bias_arg = kernel_args[:5]
+    views = [_view_of(a3, a), _view_of(b3, b), _view_of(d3, out)]
+    if None in views or (c is not None and _view_of(c3, c) is None) or bias_arg is not bias:
+        return
+    if len(_FAST_PATHS) >= _FAST_PATHS_MAX:
+        _FAST_PATHS.clear()
+    _FAST_PATHS[key] = (kernel, views, _view_of(c3, c) if c is not None else None, kernel_args[5:], workspace)
+
+
+def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue="", launch=True):
+    key = None
+    if launch and out is not None:
+        key = (name, _layout(a), _layout(b), _layout(c), _layout(bias), _layout(out), alpha, beta, activation,
+               out_dtype, config, epilogue)
+        hit = _FAST_PATHS.get(key)
+        if hit is not None:
+            kernel, views, c_view, scalars, workspace = hit
+            c3 = c.as_strided(*c_view) if c is not None else None
+            _launch(kernel, (a.as_strided(*views[0]), b.as_strided(*views[1]), out.as_strided(*views[2]), c3, bias,
+                             *scalars), workspace, out.device)
+            return out
+    a3d, b3d, c3d, out3 = _batched(name, a, b, bias, c, out)
+    plan, kernel_args, out3 = _prepare_gemm(name, a3d, b3d, bias, c3d, alpha, beta, activation, out_dtype, out3, config,
+                                            epilogue)
+    if not launch:
+        return plan[:3] if plan is not None else None
+    if plan is not None:
+        kernel = _gemm_kernel(*plan[:3])
+        _launch(kernel, kernel_args, plan[3], out3.device)
+        if key is not None:
+            _remember(key, kernel, kernel_args, plan[3], a, b, c, out, bias)
+    return out3[0] if name == "mm" else out3
+
+
+def mm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None,
+       config=None, epilogue=""):
+    """D = activation(alpha * a @ b + bias + beta * c) for 2-D a (M, K) and b (K, N).
+
+    bf16/fp16 inputs, fp32 accumulation, output in `out_dtype` (default: a's dtype). Any layout
+    of a and b is accepted (nn.Linear weights as `w.t()` are read in place); `c` broadcasts to
+    (M, N) and `beta` defaults to 1 when it is given; `bias` has shape (N,). M <= 16 against a
+    K-major b (an nn.Linear weight) runs the decode GEMV, anything else the WGMMA GEMM; `config`
+    (a kernels.gemm_config.GemmConfig or kernels.gemv_config.GemvConfig) overrides that choice
+    and its configuration. `epilogue` (a
+    kernels.epilogue_program text) replaces alpha/beta/activation: the program computes the output
+    from the accumulator, `bias` (its "row") and `c` (its "full")."""
+    return _gemm("mm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue)
+
+
+def bmm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None,
+        config=None, epilogue=""):
+    """The batched form of `mm`: a (L, M, K), b (L, K, N), any batch strides; returns (L, M, N)."""
+    return _gemm("bmm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue)
+
+
+def gemm_plan(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None,
+              out=None, config=None, epilogue=""):
+    """(GemmProblem, GemmConfig, SM count) that `mm` (2-D inputs) or `bmm` (3-D) would run."""
+    name = "mm" if a.dim() == 2 else "bmm"
+    plan = _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue, launch=False)
+    if plan is None:
+        raise UnsupportedError(f"{name}: an empty output needs no kernel")
+    return plan
+
+
+def gemm_spec_for(a, b, **kwargs):
+    """The KernelSpec that `mm` or `bmm` would run on these inputs (same arguments), for precompiling."""
+    from ..kernels.gemm.family import kernel_spec
+
+    return kernel_spec(*gemm_plan(a, b, **kwargs))
