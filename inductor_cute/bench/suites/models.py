@@ -1,0 +1,266 @@
+"""Whole transformers models as users run them (issue 11): one decode or prefill step of a causal LM
+built from its config in code (random bf16 weights, no download), `attn_implementation=
+"flex_attention"`, decode against a StaticCache.
+
+Runners of a case (all on the same model, inputs and cache):
+  inductor_cute  torch.compile in the case's mode with inductor_cute.enable()
+  triton         stock torch.compile in the same mode
+  aten           eager
+Modes: "max-autotune-no-cudagraphs" (`nocg` in case names) and "max-autotune" (CUDA graphs, `cg`).
+A step's time is wall time per step, steps issued back to back (what a serving loop sees, host cost
+included), the runners interleaved in rounds. Decode steps advance the cache position by one each
+call and wrap round before the end, so every step attends over about KV keys.
+
+Environment: INDUCTOR_CUTE_MODEL_LAYERS (decoder layers of every model; default 32 for Llama, the
+real depth for the others), INDUCTOR_CUTE_MODEL_WARM=1 (also time a warm compile in a second
+process: cold compile caches of this one reused). transformers is an optional extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..harness import Case
+
+MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
+WRAP = 256  # decode positions a runner walks through before wrapping round
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # llama, qwen3_moe, deepseek_v2
+    layers: int
+    config: dict
+
+
+def _rope(theta: float) -> dict:
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+MODELS = {
+    "llama3-8b": ModelSpec("llama3-8b", "llama", 32, dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters=_rope(500000.0))),
+    "qwen3-30b-a3b": ModelSpec("qwen3-30b-a3b", "qwen3_moe", 48, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_parameters=_rope(1e6))),
+    "dsv2-lite": ModelSpec("dsv2-lite", "deepseek_v2", 27, dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_parameters=_rope(10000.0))),
+}
+# (phase, batch, tokens): decode = KV length of the cache, prefill = prompt length
+STEPS = [("decode", 1, 32768), ("decode", 8, 8192), ("decode", 32, 4096), ("prefill", 1, 4096), ("prefill", 8, 2048)]
+QUICK = [("llama3-8b", "decode", 8, 8192, "nocg")]
+
+
+def case_name(model: str, phase: str, batch: int, tokens: int, mode: str) -> str:
+    size = f"KV{tokens}" if phase == "decode" else f"x{tokens}"
+    return f"{model} {phase} B{batch} {size} {mode}"
+
+
+def layers_of(spec: ModelSpec) -> int:
+    return int(os.environ.get("INDUCTOR_CUTE_MODEL_LAYERS", spec.layers))
+
+
+def build_model(spec: ModelSpec, layers: int, device="cuda", dtype=torch.bfloat16, **overrides):
+    """The causal LM of `spec` with `layers` decoder layers and random weights, in eval mode."""
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+                  "deepseek_v2": transformers.DeepseekV2Config}[spec.family]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+                 "deepseek_v2": transformers.DeepseekV2ForCausalLM}[spec.family]
+    config = config_cls(**{**spec.config, "num_hidden_layers": layers, **overrides})
+    config._attn_implementation = "flex_attention"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_cls(config).to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+class DecodeStep:
+    """One new token per sequence against a StaticCache of `kv` slots filled with random K/V. Each
+    call writes the next position; the position wraps round within the last WRAP slots."""
+
+    def __init__(self, model, batch: int, kv: int, device="cuda"):
+        from transformers import StaticCache
+
+        self.model, self.kv = model, kv
+        self.cache = StaticCache(config=model.config, max_cache_len=kv)
+        self.first = kv - min(WRAP, kv // 2)
+        prompt = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+        with torch.no_grad():  # initialises the cache's tensors (lazily sized by transformers)
+            model(input_ids=prompt, past_key_values=self.cache, use_cache=True)
+        gen = torch.Generator(device=device).manual_seed(1)
+        for layer in self.cache.layers:
+            for t in (layer.keys, layer.values):
+                t.normal_(generator=gen)
+        self.ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self._set(self.first)
+
+    def _set(self, pos: int) -> None:
+        self.pos = pos
+        self.position.fill_(pos)
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(pos)
+
+    def __call__(self, forward):
+        if self.pos >= self.kv - 1:
+            self._set(self.first)
+        out = forward(input_ids=self.ids, past_key_values=self.cache, cache_position=self.position,
+                      position_ids=self.position.expand(self.ids.shape[0], 1), use_cache=True).logits
+        self.pos += 1
+        self.position.add_(1)
+        return out
+
+    def reference_inputs(self):
+        """Rewind to the first position (a deterministic step to compare runners on)."""
+        self._set(self.first)
+
+
+class PrefillStep:
+    def __init__(self, model, batch: int, tokens: int, device="cuda"):
+        self.model = model
+        self.ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device=device)
+
+    def __call__(self, forward):
+        return forward(input_ids=self.ids, use_cache=False).logits
+
+    def reference_inputs(self):
+        pass
+
+
+def step_cost(spec: ModelSpec, layers: int, phase: str, batch: int, tokens: int, model) -> tuple[float, float]:
+    """(flops, bytes) of one step: every weight read once (MoE: only the experts a step can touch,
+    at most tokens * top-k of them), the KV cache read once (decode), logits written; flops 2 per
+    weight element per token plus attention's two matmuls."""
+    params = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    new = batch * (1 if phase == "decode" else tokens)
+    weights = params
+    active = params
+    if spec.family != "llama":
+        experts = cfg.num_experts if spec.family == "qwen3_moe" else cfg.n_routed_experts
+        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        moe_layers = layers - getattr(cfg, "first_k_dense_replace", 0)
+        touched = min(experts, new * cfg.num_experts_per_tok)
+        weights = params - moe_layers * (experts - touched) * per_expert
+        active = params - moe_layers * (experts - cfg.num_experts_per_tok) * per_expert
+    heads = cfg.num_attention_heads
+    if spec.family == "deepseek_v2":
+        dqk, dv, kv_width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, None
+        kv_bytes_per_token = 2 * heads * (dqk + dv)  # transformers caches decompressed K and V
+    else:
+        dqk = dv = cfg.head_dim
+        kv_bytes_per_token = 2 * cfg.num_key_value_heads * 2 * cfg.head_dim
+    keys = tokens
+    attn_flops = 2 * batch * heads * (1 if phase == "decode" else tokens) * keys * (dqk + dv) * layers
+    if phase == "prefill":
+        attn_flops //= 2  # causal
+    cache_bytes = layers * batch * tokens * kv_bytes_per_token if phase == "decode" else 0
+    flops = 2 * active * new + attn_flops
+    n_bytes = 2 * weights + cache_bytes + 2 * new * cfg.vocab_size
+    return float(flops), float(n_bytes)
+
+
+def wall_us(fns: dict, calls: int = 10, rounds: int = 5, warmup: int = 3) -> dict:
+    """Wall time per call of each fn, `calls` back to back then a sync, interleaved in rounds
+    (the order rotating); the median over rounds."""
+    keys = list(fns)
+    for k in keys:
+        for _ in range(warmup):
+            fns[k]()
+    torch.cuda.synchronize()
+    samples = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fns[k]()
+            torch.cuda.synchronize()
+            samples[k].append((time.perf_counter() - start) / calls * 1e6)
+    return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+
+
+def our_kernel_calls(code: str) -> int:
+    """Call sites of our kernels in Inductor's output code."""
+    return code.count("inductor_cute.inductor.gemm.runtime.gemm(") + code.count("torch.ops.inductor_cute.flex_decode.default(")
+
+
+def _compile(step, mode: str, ours: bool):
+    """Compile the model's forward in `mode`, run one step; (forward, logits, seconds, output code)."""
+    import inductor_cute
+    from torch._inductor import config
+
+    from .gemm_compiled import COLD, _fresh_cache, capture
+
+    codes: list[str] = []
+    enabled = inductor_cute.enable() if ours else contextlib.nullcontext()
+    torch._dynamo.reset()
+    with enabled, config.patch(**COLD), _fresh_cache(), capture(codes, []), torch.no_grad():
+        forward = torch.compile(step.model.forward, mode=mode, dynamic=False)
+        step.reference_inputs()
+        start = time.perf_counter()
+        logits = step(forward).clone()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        for _ in range(2):  # CUDA graphs record and replay inside the config
+            step(forward)
+    torch.cuda.synchronize()
+    return forward, logits, seconds, "\n".join(codes)
+
+
+def _agreement(logits, ref) -> float:
+    """Relative error of logits against eager's: ||out - ref|| / ||ref||."""
+    return ((logits.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -> Case:
+    spec = MODELS[model_name]
+    layers = layers_of(spec)
+    model = build_model(spec, layers)
+    step = (DecodeStep if phase == "decode" else PrefillStep)(model, batch, tokens)
+    flops, n_bytes = step_cost(spec, layers, phase, batch, tokens, model)
+    params = {"model": model_name, "layers": layers, "phase": phase, "batch": batch, "tokens": tokens,
+              "mode": MODES[mode_key], "dtype": "bfloat16"}
+    notes = [f"{layers} decoder layers"]
+    with torch.no_grad():
+        step.reference_inputs()
+        ref = step(model.forward).clone()
+    runners = {"aten": functools.partial(_no_grad_step, step, model.forward)}
+    for backend, ours in (("inductor_cute", True), ("triton", False)):
+        forward, logits, seconds, code = _compile(step, MODES[mode_key], ours)
+        runners[backend] = functools.partial(_no_grad_step, step, forward)
+        notes.append(f"{backend}: cold compile {seconds:.1f} s, logits rel err {_agreement(logits, ref):.2e}, "
+                     f"{our_kernel_calls(code)} call site(s) of our kernels")
+    times = wall_us(runners)
+    new = batch * (1 if phase == "decode" else tokens)
+    notes.append("tokens/s " + ", ".join(f"{k} {new / t * 1e6:.0f}" for k, t in times.items()))
+    return Case(name=case_name(model_name, phase, batch, tokens, mode_key), params=params, flops=flops,
+                bytes=n_bytes, matmul=True, runners=runners, notes=notes, atol=float("inf"), rtol=float("inf"),
+                wall_times_us=times)
+
+
+def _no_grad_step(step, forward):
+    with torch.no_grad():
+        return step(forward)
+
+
+def cases(quick: bool):
+    if quick:
+        chosen = QUICK
+    else:
+        chosen = [(m, *s, mode) for m in MODELS for s in STEPS for mode in MODES]
+    return [functools.partial(_case, *c) for c in chosen]

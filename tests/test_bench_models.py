@@ -1,0 +1,71 @@
+"""The models suite's CPU-checkable parts: models built from configs in code, decode steps that walk
+a StaticCache and wrap round, step costs, case names. transformers is an optional extra."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from inductor_cute.bench.suites import models as M  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=97)
+EXTRA = {"llama3-8b": {}, "qwen3-30b-a3b": dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+         "dsv2-lite": dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32,
+                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4)}
+
+
+def _tiny(name):
+    return M.build_model(M.MODELS[name], 2, device="cpu", dtype=torch.float32, **{**TINY, **EXTRA[name]})
+
+
+@pytest.mark.parametrize("name", list(M.MODELS))
+def test_decode_step_matches_a_plain_forward_and_wraps_round(name):
+    model = _tiny(name)
+    assert model.config._attn_implementation == "flex_attention" and len(model.model.layers) == 2
+    step = M.DecodeStep(model, batch=2, kv=64, device="cpu")
+    first = step.first
+    with torch.no_grad():
+        a = step(model.forward)
+        assert step.pos == first + 1 and int(step.position) == first + 1
+        assert all(int(layer.cumulative_length) == first + 1 for layer in step.cache.layers)
+        step.reference_inputs()
+        b = step(model.forward)
+    assert a.shape == (2, 1, 97) and torch.isfinite(a).all()
+    torch.testing.assert_close(a, b)  # same position, same cache contents: same logits
+    step._set(63)  # the last slot: the next call wraps to the first position instead of overflowing
+    with torch.no_grad():
+        step(model.forward)
+    assert step.pos == first + 1
+
+
+def test_step_costs_count_weights_cache_and_active_experts():
+    llama = _tiny("llama3-8b")
+    params = sum(p.numel() for p in llama.parameters())
+    flops, n_bytes = M.step_cost(M.MODELS["llama3-8b"], 2, "decode", 2, 64, llama)
+    cache = 2 * 2 * 64 * (2 * 2 * 16 * 2)  # layers * batch * kv * (K+V heads*dim*2 bytes)
+    assert n_bytes == 2 * params + cache + 2 * 2 * 97
+    assert flops > 2 * params * 2
+    moe = _tiny("qwen3-30b-a3b")
+    moe_params = sum(p.numel() for p in moe.parameters())
+    _, one_token = M.step_cost(M.MODELS["qwen3-30b-a3b"], 2, "decode", 1, 64, moe)
+    _, many = M.step_cost(M.MODELS["qwen3-30b-a3b"], 2, "prefill", 8, 64, moe)
+    assert one_token < 2 * moe_params  # one token touches 2 of 8 experts per layer
+    assert many >= 2 * moe_params  # 512 tokens touch every expert
+
+
+def test_case_names_and_the_suite_is_registered():
+    from inductor_cute.bench.suites import SUITES
+
+    assert SUITES["models"] is M
+    assert M.case_name("llama3-8b", "decode", 8, 8192, "nocg") == "llama3-8b decode B8 KV8192 nocg"
+    assert M.case_name("dsv2-lite", "prefill", 1, 4096, "cg") == "dsv2-lite prefill B1 x4096 cg"
+    assert len(M.cases(quick=False)) == len(M.MODELS) * len(M.STEPS) * len(M.MODES)
+    assert len(M.cases(quick=True)) == len(M.QUICK)
+
+
+def test_our_kernel_calls_counts_gemm_and_flex_call_sites():
+    code = ("buf1 = inductor_cute.inductor.gemm.runtime.gemm(a, b)\n"
+            "buf2 = torch.ops.inductor_cute.flex_decode.default(q, k, v)\n"
+            "buf3 = extern_kernels.mm(a, b)\n")
+    assert M.our_kernel_calls(code) == 2
