@@ -121,3 +121,16 @@ def test_sliding_window_program_is_the_sliding_window_mask_mod(q_len):
            for d, n in enumerate(shape)]
     keep = sp.reference_mask(fd.sliding_window_program(3000, q_len), *idx)
     assert torch.equal(keep, fd.sliding_window(3000, q_len)(*idx).expand(shape))
+
+
+@pytest.mark.parametrize("shape", TINY, ids=lambda s: s.label)
+def test_the_model_mask_sees_the_whole_cache_and_keeps_128_key_blocks(shape):
+    """The stock baseline's causal cache BlockMask (what a model passes for a decoding query at the
+    end of its cache) computes plain attention, with block size 128 rather than one 2^30-key block."""
+    q, k, v = fd.make_inputs(shape, "plain", device="cpu", dtype=torch.float32)
+    scale = shape.dqk ** -0.5
+    mods = fd.flex_mods(shape, "plain", device="cpu", model_mask=True)
+    assert mods["block_mask"].BLOCK_SIZE == (128, 128)
+    out = flex_attention(q, k, v, scale=scale, enable_gqa=True, **mods)
+    torch.testing.assert_close(out, fd.aten_runner(shape, "plain", q, k, v, scale)(), atol=1e-5, rtol=1e-5)
+    assert "block_mask" not in fd.flex_mods(shape, "plain", device="cpu")

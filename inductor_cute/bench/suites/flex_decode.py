@@ -4,11 +4,17 @@
 Each shape runs plain, with a sliding-window mask_mod and with a softcap score_mod:
   inductor_cute  ops.flex_decode; softcap as a score program, the sliding window as a mask program
                  over the same BlockMask's blocks (only the window's blocks are read)
-  triton         torch.compile(flex_attention), default mode, enable_gqa=True; the sliding window
-                 as a BlockMask (create_block_mask), so it may skip the blocks outside the window
-  aten           SDPA with enable_gqa=True; the sliding window as a boolean attn_mask (which reads
-                 the whole cache); softcap, which SDPA cannot express, by an eager math reference
-                 in fp32 (matmul, tanh, softmax, matmul on fp32 copies of q, k, v)
+  triton         stock flex_attention as models call it: compiled, enable_gqa=True, with the
+                 BlockMask create_block_mask builds for a decoding query over its cache (causal
+                 with the query at position KV - 1; the sliding window's for that variant), in
+                 whichever of default and max-autotune-no-cudagraphs mode is faster (both in notes)
+  triton_bare    stock flex_attention compiled and called with no BlockMask (the suite's baseline
+                 before 2026-12-03). It is slower because without a mask flex_attention makes one
+                 partial block of 2^30 keys, and the decoding template (flex_decode.py.jinja, torch
+                 2.11-2.13) gives each of its KV splits cdiv(kv_num_blocks * block size, SPLIT_KV)
+                 keys: the first split's share covers the whole cache and the others get none, so
+                 B * Hkv CTAs stream it (8 at B1 Hkv8). A model's mask has 128-key blocks (full
+                 blocks split by length), which the splits share out.
 The decoding query sits at position KV - 1. The bound is HBM only (matmul=False): the bytes of K
 and V a kernel must read (only the window's keys when masked; K alone when V is a view of K, as
 absorbed MLA's latent cache is), plus q and the output.
@@ -142,14 +148,50 @@ def dense_window_mask(kv_len: int, q_len: int = 1, window: int = WINDOW, device=
     return ((kv_idx <= q_pos) & (q_pos - kv_idx < window))[None, None]
 
 
-def flex_mods(shape: Shape, variant: str, device="cuda") -> dict:
-    """flex_attention's score_mod / block_mask keyword arguments for a variant."""
+def causal_cache(kv_len: int, q_len: int = 1):
+    """mask_mod of a decoding query over its cache: query i at position kv_len - q_len + i sees
+    every key up to itself (what a model's causal mask over a static cache is)."""
+    offset = kv_len - q_len
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    return mask_mod
+
+
+def flex_mods(shape: Shape, variant: str, device="cuda", model_mask: bool = False) -> dict:
+    """flex_attention's score_mod / block_mask keyword arguments for a variant; `model_mask` adds
+    the causal cache BlockMask a model passes where the variant has none."""
     if variant == "sliding":
         mask = create_block_mask(sliding_window(shape.kv, shape.lq), None, None, shape.lq, shape.kv, device=device)
         return {"block_mask": mask}
-    if variant == "softcap":
-        return {"score_mod": softcap()}
-    return {}
+    mods = {"score_mod": softcap()} if variant == "softcap" else {}
+    if model_mask:
+        mods["block_mask"] = create_block_mask(causal_cache(shape.kv, shape.lq), None, None, shape.lq, shape.kv,
+                                               device=device)
+    return mods
+
+
+def stock_runners(q, k, v, scale: float, mods: dict, bare_mods: dict | None) -> tuple[dict, list[str]]:
+    """Stock flex_attention compiled in default and max-autotune-no-cudagraphs modes: ({"triton":
+    the faster, "triton_bare": the no-BlockMask call if asked}, notes)."""
+    from ..timing import time_us
+
+    def attend(q, k, v, **kw):
+        return flex_attention(q, k, v, scale=scale, enable_gqa=True, **kw)
+
+    timed, runners, notes = {}, {}, []
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        compiled = torch.compile(attend, dynamic=False, mode=None if mode == "default" else mode)
+        fn = functools.partial(compiled, q, k, v, **mods)
+        fn()
+        timed[mode] = (time_us(fn), fn)
+    best = min(timed, key=lambda m: timed[m][0])
+    runners["triton"] = timed[best][1]
+    notes.append("stock " + ", ".join(f"{m} {t:.1f} us" for m, (t, _) in timed.items()) + f": triton is {best}")
+    if bare_mods is not None:
+        runners["triton_bare"] = functools.partial(torch.compile(attend, dynamic=False), q, k, v, **bare_mods)
+    return runners, notes
 
 
 def softcap_reference(q, k, v, scale: float, cap: float = SOFTCAP) -> torch.Tensor:
@@ -187,7 +229,7 @@ def _case(shape: Shape, variant: str) -> Case:
     q, k, v = make_inputs(shape, variant)
     scale = shape.dqk ** -0.5
     flops, n_bytes = cost(shape, variant)
-    mods = flex_mods(shape, variant)
+    mods = flex_mods(shape, variant, model_mask=True)
     ours_args = {}
     if variant == "sliding":
         bm = mods["block_mask"]
@@ -205,7 +247,8 @@ def _case(shape: Shape, variant: str) -> Case:
         notes.append("aten is an eager fp32 math reference (matmul, tanh, softmax, matmul): SDPA cannot softcap")
     if shape.v_view:
         notes.append("v is a view of k (one latent cache), counted once in bytes")
-    compiled = torch.compile(flex_attention, dynamic=False)
+    stock, stock_notes = stock_runners(q, k, v, scale, mods, flex_mods(shape, variant) if variant != "sliding" else None)
+    notes += stock_notes
     return Case(
         name=case_name(shape, variant),
         params={"B": shape.b, "Hq": shape.hq, "Hkv": shape.hkv, "Dqk": shape.dqk, "Dv": shape.dv, "KV": shape.kv,
@@ -213,9 +256,7 @@ def _case(shape: Shape, variant: str) -> Case:
                 "window": WINDOW if variant == "sliding" else None,
                 "softcap": SOFTCAP if variant == "softcap" else None, "dtype": "bfloat16"},
         flops=flops, bytes=n_bytes, matmul=False, notes=notes, atol=2e-2, rtol=2e-2,
-        runners={"inductor_cute": ours,
-                 "triton": lambda: compiled(q, k, v, scale=scale, enable_gqa=True, **mods),
-                 "aten": aten_runner(shape, variant, q, k, v, scale)},
+        runners={"inductor_cute": ours, **stock, "aten": aten_runner(shape, variant, q, k, v, scale)},
     )
 
 
