@@ -161,12 +161,13 @@ def causal_cache(kv_len: int, q_len: int = 1):
 
 def flex_mods(shape: Shape, variant: str, device="cuda", model_mask: bool = False) -> dict:
     """flex_attention's score_mod / block_mask keyword arguments for a variant; `model_mask` adds
-    the causal cache BlockMask a model passes where the variant has none."""
+    the causal cache BlockMask a model passes where the variant has none (one query token only:
+    there it masks nothing, so every runner still computes the plain variant)."""
     if variant == "sliding":
         mask = create_block_mask(sliding_window(shape.kv, shape.lq), None, None, shape.lq, shape.kv, device=device)
         return {"block_mask": mask}
     mods = {"score_mod": softcap()} if variant == "softcap" else {}
-    if model_mask:
+    if model_mask and shape.lq == 1:
         mods["block_mask"] = create_block_mask(causal_cache(shape.kv, shape.lq), None, None, shape.lq, shape.kv,
                                                device=device)
     return mods
