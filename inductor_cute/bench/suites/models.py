@@ -144,11 +144,13 @@ class PrefillStep:
 
 def step_cost(spec: ModelSpec, layers: int, phase: str, batch: int, tokens: int, model) -> tuple[float, float]:
     """(flops, bytes) of one step: every weight read once (MoE: only the experts a step can touch,
-    at most tokens * top-k of them), the KV cache read once (decode), logits written; flops 2 per
-    weight element per token plus attention's two matmuls."""
-    params = sum(p.numel() for p in model.parameters())
+    at most tokens * top-k of them; the embedding table: only the new tokens' rows), the KV cache
+    read once (decode), logits written; flops 2 per weight element per token plus attention's two
+    matmuls."""
     cfg = model.config
     new = batch * (1 if phase == "decode" else tokens)
+    embedding = model.get_input_embeddings().weight.numel()
+    params = sum(p.numel() for p in model.parameters()) - embedding + min(new, cfg.vocab_size) * cfg.hidden_size
     weights = params
     active = params
     if spec.family != "llama":
