@@ -123,7 +123,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def compile_now(fn, args, *, mode: str | None, ours: bool, backends: str | None = None) -> Compiled:
+def compile_now(fn, args, *, mode: str | None, ours: bool, backends: str | None = None,
+                dynamic: bool = False) -> Compiled:
     """torch.compile `fn` and call it once on `args`, inside its own config: inductor-cute enabled
     (backends ATEN,TRITON,ICUTE) or not (ATEN,TRITON), cold caches, no_grad. Later calls must not
     recompile (they would not see this config): this checks that they do not."""
@@ -143,7 +144,7 @@ def compile_now(fn, args, *, mode: str | None, ours: bool, backends: str | None 
         # mode as options, with the backends: torch.compile calls with equal options share
         # dynamo's compiled code, so ours and stock must differ in them
         options = {**(list_mode_options(mode) if mode else {}), "max_autotune_gemm_backends": backends}
-        compiled = torch.compile(fn, options=options, dynamic=False)
+        compiled = torch.compile(fn, options=options, dynamic=dynamic)
         start = time.perf_counter()
         out = compiled(*args)
         _sync()

@@ -1,0 +1,107 @@
+"""GEMMs in a dynamic-shape graph (issue 11): Linear(4096, 11008) + GELU + Linear(11008, 4096) +
+residual, compiled once with dynamic=True and called at every M, as a server batching requests
+of varying size calls it.
+
+Runners:
+  inductor_cute  torch.compile(dynamic=True, max-autotune-no-cudagraphs), inductor-cute enabled
+  triton         the same, stock (ATen and Triton)
+  aten           stock torch.compile compiled static for that M (what a graph specialised to the
+                 size would run)
+The dynamic graphs are called first with 1 row, then 17 (dynamo specialises a size of 1, so the
+dynamic graph is made and autotuned at 17), then at every M of the suite; all of that inside the
+runner's config, so timing never recompiles. Device time per call (the harness's timing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..harness import Case
+
+HIDDEN, INTERMEDIATE = 4096, 11008
+ROWS = (1, 17, 512, 4096, 16384)
+QUICK_ROWS = (17, 4096)
+FIRST_ROWS = (1, 17)  # the sizes a dynamic graph meets before the suite's
+
+
+def case_name(m: int) -> str:
+    return f"mlp {HIDDEN}x{INTERMEDIATE} dynamic M={m}"
+
+
+@functools.cache
+def _weights():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kw = dict(device="cuda", dtype=torch.bfloat16, generator=g)
+    return (torch.randn(INTERMEDIATE, HIDDEN, **kw) * HIDDEN ** -0.5, torch.randn(INTERMEDIATE, **kw) * 0.1,
+            torch.randn(HIDDEN, INTERMEDIATE, **kw) * INTERMEDIATE ** -0.5, torch.randn(HIDDEN, **kw) * 0.1)
+
+
+def block(x, w1, b1, w2, b2):
+    return x + F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+def _inputs(m: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(m)
+    return torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def compile_for(ours: bool, dynamic: bool, rows: tuple[int, ...]):
+    """`block` compiled in its own config and cold caches, called at each of `rows` inside it (so
+    later calls at those sizes do not recompile); returns (compiled fn, compile seconds)."""
+    import time
+
+    import inductor_cute
+    from torch._inductor import config, list_mode_options
+
+    from .gemm_compiled import COLD, OUR_BACKENDS, STOCK_BACKENDS, _fresh_cache
+
+    backends = OUR_BACKENDS if ours else STOCK_BACKENDS
+    options = {**list_mode_options("max-autotune-no-cudagraphs"), "max_autotune_gemm_backends": backends}
+    enabled = inductor_cute.enable() if ours else contextlib.nullcontext()
+    # every runner's graphs are cache entries of `block`'s code: more than dynamo's default 8
+    many = torch._dynamo.config.patch(cache_size_limit=64, accumulated_cache_size_limit=1024)
+    with enabled, many, config.patch(max_autotune_gemm_backends=backends, **COLD), _fresh_cache(), torch.no_grad():
+        compiled = torch.compile(block, options=options, dynamic=dynamic)
+        start = time.perf_counter()
+        for m in rows:
+            compiled(_inputs(m), *_weights())
+        torch.cuda.synchronize()
+        return compiled, time.perf_counter() - start
+
+
+@functools.cache
+def _dynamic(ours: bool, rows: tuple[int, ...]):
+    torch._dynamo.reset()
+    return compile_for(ours, dynamic=True, rows=FIRST_ROWS + rows)
+
+
+def _case(m: int, rows: tuple[int, ...]) -> Case:
+    x = _inputs(m)
+    weights = _weights()
+    flops = 2 * m * HIDDEN * INTERMEDIATE * 2
+    n_bytes = 2 * (2 * HIDDEN * INTERMEDIATE + 2 * m * HIDDEN + INTERMEDIATE + HIDDEN)
+    runners, notes = {}, []
+    for backend, ours in (("inductor_cute", True), ("triton", False)):
+        fn, seconds = _dynamic(ours, rows)
+        runners[backend] = functools.partial(_call, fn, x, weights)
+        notes.append(f"{backend} dynamic compile (all sizes) {seconds:.0f} s")
+    static, seconds = compile_for(False, dynamic=False, rows=(m,))
+    runners["aten"] = functools.partial(_call, static, x, weights)
+    notes.append(f"aten (stock static) compile {seconds:.0f} s")
+    return Case(name=case_name(m), params={"M": m, "hidden": HIDDEN, "intermediate": INTERMEDIATE,
+                                           "dtype": "bfloat16"},
+                flops=flops, bytes=n_bytes, matmul=True, runners=runners, notes=notes, atol=5e-2, rtol=5e-2)
+
+
+def _call(fn, x, weights):
+    with torch.no_grad():
+        return fn(x, *weights)
+
+
+def cases(quick: bool):
+    rows = QUICK_ROWS if quick else ROWS
+    return [functools.partial(_case, m, rows) for m in rows]
