@@ -42,6 +42,10 @@ def _cmd_cache(args) -> int:
         n = cache.clear()
         print(f"removed {n} entries from {cache.root}")
         return 0
+    if action == "export":
+        return _cache_export(cache, args.file)
+    if action == "import":
+        return _cache_import(cache, args.file)
     entries = cache.entries()
     total = sum(e.size for e in entries)
     print(f"location: {cache.root}")
@@ -56,6 +60,39 @@ def _cmd_cache(args) -> int:
                 label += " [linked library]"
             print(f"  {e.key[:16]}  {h.get('arch', '?'):7} {e.size / 1e3:8.1f} kB  {label}")
     return 0
+
+
+def _cache_export(cache, file: str) -> int:
+    from .runtime.artifacts import export_archive
+
+    try:
+        n = export_archive(cache, file)
+    except OSError as e:
+        return _fail(f"cannot write {file}: {e.strerror or e}")
+    print(f"exported {n} compiled kernels from {cache.root} to {file}")
+    return 0
+
+
+def _cache_import(cache, file: str) -> int:
+    import tarfile
+
+    from .errors import first_line
+    from .runtime.artifacts import import_archive
+
+    try:
+        report = import_archive(cache, file)
+    except FileNotFoundError:
+        return _fail(f"{file}: no such file")
+    except tarfile.TarError:
+        return _fail(f"{file} is not a kernel cache archive (made by `cache export`: a .tar.gz)")
+    except OSError as e:
+        return _fail(f"cannot read {file}: {e.strerror or first_line(e)}")
+    for line in report.skipped:
+        print(f"skipped {line}", file=sys.stderr)
+    print(f"imported {report.added} compiled kernels into {cache.root}"
+          + (f"; {report.present} were already there" if report.present else "")
+          + (f"; {len(report.skipped)} skipped" if report.skipped else ""))
+    return 1 if report.skipped else 0
 
 
 def _cmd_bench(args) -> int:
@@ -86,11 +123,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="show the speedup on this GPU (or compile the kernel library without one)")
     sub.add_parser("doctor", help="check the installation; exits non-zero if something needed is missing")
-    p = sub.add_parser("cache", help="show, list or clear the compiled-kernel cache")
-    actions = p.add_subparsers(dest="action", metavar="{show,list,clear}")
+    p = sub.add_parser("cache", help="show, list, clear, export or import the compiled-kernel cache")
+    actions = p.add_subparsers(dest="action", metavar="{show,list,clear,export,import}")
     actions.add_parser("show", help="location, number of entries and size (the default)")
     actions.add_parser("list", help="every entry: key, target, size, kernel")
     actions.add_parser("clear", help="delete every entry")
+    a = actions.add_parser("export", help="write every compiled kernel into an archive (.tar.gz)")
+    a.add_argument("file")
+    a = actions.add_parser("import", help="add the kernels of an archive made by export; damaged ones are skipped")
+    a.add_argument("file")
     p = sub.add_parser("bench", help="run a benchmark suite on the GPU and write its record")
     p.add_argument("suite", choices=_suite_names())
     p.add_argument("--quick", action="store_true", help="a few representative cases only")
