@@ -6,7 +6,11 @@ Importing the package is cheap: the CuTe DSL is imported when a kernel is first 
 __version__ = "0.1.0"
 
 from .errors import CompileError, DSLUnavailableError, InductorCuteError, UnsupportedError  # noqa: E402
+from .runtime.artifacts import register_when_torch_loads as _register_when_torch_loads  # noqa: E402
 
+# Our kernels travel in torch.compiler.save_cache_artifacts(); load_cache_artifacts() must know
+# their type in any process that imported us, whichever of torch and us came first.
+_register_when_torch_loads()
 
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True):

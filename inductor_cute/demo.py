@@ -41,7 +41,14 @@ def _compile_library() -> int:
         detail = f"{r.seconds:5.2f} s" if r.status == "compiled" else ""
         print(f"  {r.status:8} {detail:8} {r.spec.name}" + (f": {r.error}" if r.error else ""))
     failed = sum(r.status == "failed" for r in results)
-    print(f"done in {time.perf_counter() - start:.1f} s; {failed} failed. Run it again: every kernel is now cached.")
+    compiled = sum(r.status == "compiled" for r in results)
+    elapsed = time.perf_counter() - start
+    if failed:
+        print(f"done in {elapsed:.1f} s; {failed} failed, {compiled} compiled.")
+    elif compiled:
+        print(f"done in {elapsed:.1f} s; {compiled} compiled, 0 failed. Run it again: every kernel is now cached.")
+    else:
+        print(f"all {len(results)} kernels were already cached ({elapsed:.1f} s); 0 failed, nothing compiled.")
     return 1 if failed else 0
 
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -50,6 +51,59 @@ def _commit() -> str:
 def new_record(suite: str, ceilings: dict) -> dict:
     return {"suite": suite, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "env": environment(), "ceilings": ceilings, "method": METHOD, "cases": []}
+
+
+class RecordError(ValueError):
+    """A file that is not a benchmark record this module can render; the message is one line."""
+
+
+# What markdown() and plot() read; a record missing any of it cannot be rendered.
+_REQUIRED = {"suite": str, "created": str, "env": dict, "ceilings": dict, "cases": list}
+_REQUIRED_ENV = ("gpu", "torch", "triton", "cutlass_dsl", "inductor_cute", "commit")
+_REQUIRED_CEILINGS = ("copy_TBps", "bf16_mm_TFLOPs")
+_REQUIRED_CASE = {"name": str, "bound_us": (int, float), "times_us": dict}
+
+
+def check(record) -> None:
+    """Raise RecordError naming the first field a renderable record lacks."""
+    if not isinstance(record, dict):
+        raise RecordError(f"expected a JSON object, found {type(record).__name__}")
+    for name, kind in _REQUIRED.items():
+        if not isinstance(record.get(name), kind):
+            raise RecordError(f"no {name!r} field" if name not in record else f"{name!r} is not a {kind.__name__}")
+    for group, names in (("env", _REQUIRED_ENV), ("ceilings", _REQUIRED_CEILINGS)):
+        missing = [n for n in names if n not in record[group]]
+        if missing:
+            raise RecordError(f"{group!r} lacks {', '.join(map(repr, missing))}")
+    for i, case in enumerate(record["cases"], 1):
+        for name, kind in _REQUIRED_CASE.items():
+            if not isinstance(case, dict) or not isinstance(case.get(name), kind):
+                raise RecordError(f"case {i} has no valid {name!r}")
+
+
+def load(path: str | os.PathLike) -> dict:
+    """The record in a JSON file, checked; RecordError (one line) if unreadable or not a record."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except OSError as e:
+        raise RecordError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for a binary file
+        raise RecordError(f"{path} is not JSON: {e}") from None
+    try:
+        check(record)
+    except RecordError as e:
+        raise RecordError(f"{path} is not a benchmark record: {e}") from None
+    return record
+
+
+def plot_unavailable() -> str | None:
+    """Why no PNG plot can be drawn here, or None if it can."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib)"
+    return None
 
 
 def gpu_slug(name: str | None) -> str:
@@ -139,7 +193,8 @@ def plot(record: dict, path: Path) -> bool:
 
 
 def write(record: dict, out_dir: str | os.PathLike) -> list[Path]:
-    """Write <suite>-<gpu>-<yyyymmdd>.json/.md/.png under out_dir; returns the paths written."""
+    """Write <suite>-<gpu>-<yyyymmdd>.json/.md/.png under out_dir; returns the paths written. Says on
+    stderr when the PNG is left out, and why."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{record['suite']}-{gpu_slug(record['env']['gpu'])}-{record['created'][:10].replace('-', '')}"
@@ -148,4 +203,6 @@ def write(record: dict, out_dir: str | os.PathLike) -> list[Path]:
     paths[1].write_text(markdown(record))
     if plot(record, out / f"{stem}.png"):
         paths.append(out / f"{stem}.png")
+    else:
+        print(f"skipped the PNG plot: {plot_unavailable() or 'matplotlib could not be used'}", file=sys.stderr)
     return paths

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -26,6 +27,18 @@ log = logging.getLogger("inductor_cute.cache")
 CACHE_ENV = "INDUCTOR_CUTE_CACHE_DIR"
 MAGIC = b"INDUCTOR-CUTE-OBJ\x01\n"
 _HEADER_LEN = struct.Struct("<Q")
+_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def valid_key(key: object) -> bool:
+    """Whether `key` has the form of a cache key (a SHA-256 hex digest): safe to use in a path."""
+    return isinstance(key, str) and _KEY.fullmatch(key) is not None
+
+
+def encode_entry(header: dict, payload: bytes) -> bytes:
+    """The bytes of one entry file: magic line, header length, JSON header, payload."""
+    header_bytes = json.dumps(header, sort_keys=True, default=str).encode()
+    return MAGIC + _HEADER_LEN.pack(len(header_bytes)) + header_bytes + payload
 
 
 def default_cache_dir() -> Path:
@@ -79,13 +92,32 @@ class CompiledKernelCache:
         """Publish an entry atomically; returns its header."""
         header = {"key": key, "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload),
                   "created": time.time(), **provenance}
-        header_bytes = json.dumps(header, sort_keys=True, default=str).encode()
+        self._publish(key, encode_entry(header, payload))
+        return header
+
+    def add_entry(self, key: str, data: bytes) -> str:
+        """Publish a whole entry file made elsewhere (an archive, a torch cache artifact) under `key`,
+        keeping its provenance: "added", or "present" if a valid entry is already there. Raises
+        ValueError, writing nothing, unless `data` is an intact entry whose header names `key`."""
+        if not valid_key(key):
+            raise ValueError(f"not a cache key: {str(key)[:80]!r}")
+        parsed = _parse(data)
+        if parsed is None:
+            raise ValueError("damaged entry (bad format or checksum)")
+        if parsed[0].get("key") != key:
+            raise ValueError("entry belongs to another key")
+        if self.read(key) is not None:
+            return "present"
+        self._publish(key, data)
+        return "added"
+
+    def _publish(self, key: str, data: bytes) -> None:
         path = self.path_for(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + _HEADER_LEN.pack(len(header_bytes)) + header_bytes + payload)
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -93,7 +125,6 @@ class CompiledKernelCache:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return header
 
     def read(self, key: str) -> tuple[dict, bytes] | None:
         """(header, payload) of a valid entry; None if absent. A damaged entry is deleted."""
@@ -107,6 +138,16 @@ class CompiledKernelCache:
             self.discard(key, "damaged or foreign entry")
             return None
         return parsed
+
+    def read_raw(self, key: str) -> bytes | None:
+        """The whole file of a valid entry (header and payload), as `add_entry` takes it; None if
+        absent or damaged (left for `read` to discard)."""
+        try:
+            data = self.path_for(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        parsed = _parse(data)
+        return data if parsed is not None and parsed[0].get("key") == key else None
 
     def discard(self, key: str, reason: str) -> None:
         log.warning("inductor-cute: discarding cache entry %s (%s)", key[:16], reason)
