@@ -1,10 +1,12 @@
-"""Processes sharing one cache: one compile per kernel, no torn entries; parallel precompile."""
+"""Processes sharing one cache: one compile per kernel, no torn entries; parallel precompile; many
+processes on one host (torchrun ranks) compile each kernel once and share the host's compile slots."""
 
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from inductor_cute.kernels.norm.rmsnorm_config import rmsnorm_spec
 from inductor_cute.runtime import CompiledKernelCache, KernelSpec, precompile
@@ -60,12 +62,51 @@ def test_precompile_runs_in_worker_processes_then_hits(tmp_path):
     assert time.perf_counter() - start < 1.0
 
 
-def test_the_shared_pool_outlives_one_precompile(tmp_path):
-    from inductor_cute.runtime import pool
+FLEET_RANK = r"""
+import json, os, sys, time
+from inductor_cute.kernels.norm.rmsnorm_config import rmsnorm_spec
+from inductor_cute.runtime import pool, precompile, stats
+rank = int(sys.argv[2])
+specs = [rmsnorm_spec(n, "bfloat16") for n in (192, 320, 448)]
+specs = specs[rank % 3:] + specs[:rank % 3]  # every kernel is some rank's first: all start at once
+print("ready", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+results = precompile(specs, arch="sm_90a")
+print(json.dumps({"stats": dict(stats), "statuses": [r.status for r in results],
+                  "errors": [r.error for r in results if r.error],
+                  "workers": len(pool.shared_pool("sm_90a").pids())}))
+"""
 
-    cache = CompiledKernelCache(tmp_path / "shared-pool-cache")
-    first = precompile([rmsnorm_spec(512, "bfloat16")], arch="sm_90a", cache=cache)
-    shared = pool._shared_pool
-    second = precompile([rmsnorm_spec(1024, "bfloat16")], arch="sm_90a", cache=cache)
-    assert [r.status for r in first + second] == ["compiled", "compiled"]
-    assert shared is not None and pool._shared_pool is shared  # no second spawn
+
+def test_fleet_of_8_processes_compiles_each_kernel_once_within_the_host_slots(tmp_path):
+    slots = 2
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "INDUCTOR_CUTE_CACHE_DIR": str(tmp_path / "cache"), "INDUCTOR_CUTE_ARCH": "sm_90a",
+           "INDUCTOR_CUTE_COMPILE_SLOTS": str(slots), "INDUCTOR_CUTE_COMPILE_SLOTS_DIR": str(tmp_path / "slots"),
+           "INDUCTOR_CUTE_COMPILE_WORKERS": "2"}
+    go = tmp_path / "go"
+    fleet = [subprocess.Popen([sys.executable, "-c", FLEET_RANK, str(go), str(rank)], env=env, stdout=subprocess.PIPE,
+                              text=True) for rank in range(8)]
+    for p in fleet:
+        assert p.stdout.readline().strip() == "ready"
+    go.touch()
+    reports = []
+    for p in fleet:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["statuses"] and "failed" not in r["statuses"] for r in reports), [r["errors"] for r in reports]
+    assert sum(r["stats"].get("worker_compiled", 0) for r in reports) == 3  # each kernel once, host-wide
+    assert sum(r["stats"].get("compiles", 0) for r in reports) == 0  # the ranks themselves only load
+    assert all(0 < r["workers"] <= 2 for r in reports)
+    headers = [e.header for e in CompiledKernelCache(tmp_path / "cache").entries()]
+    assert len(headers) == 3 and all(h["compile_slot"] in range(slots) for h in headers)
+    # No more compiles at once than slots: count overlaps of the recorded compile intervals.
+    events = sorted([(h["compiled_between"][0], 1) for h in headers]
+                    + [(h["compiled_between"][1], -1) for h in headers])
+    running = peak = 0
+    for _, step in events:  # at equal times the end (-1) sorts first
+        running += step
+        peak = max(peak, running)
+    assert 1 <= peak <= slots

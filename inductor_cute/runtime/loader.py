@@ -8,6 +8,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import time
 
 from ..errors import CompileError, first_line
 from .arch import target_arch
@@ -15,6 +16,7 @@ from .cache import CompiledKernelCache
 from . import native
 from .compiler import ENTRY, compile_spec, load_object
 from .dsl import import_cute, versions
+from .host_limits import compile_slot
 from .spec import KernelSpec
 
 # What this process did to get its kernels; the tests and `bench` read it.
@@ -29,19 +31,32 @@ def kernel_key(spec: KernelSpec, arch: str) -> str:
     return spec.key(arch, versions())
 
 
-def ensure_compiled(spec: KernelSpec, arch: str, cache: CompiledKernelCache) -> tuple[dict, bytes]:
-    """(header, object) for `spec`, from the cache or compiled into it; one compile per key across processes."""
+def ensure_compiled(spec: KernelSpec, arch: str, cache: CompiledKernelCache,
+                    on_compile_start=None) -> tuple[dict, bytes]:
+    """(header, object) for `spec`, from the cache or compiled into it.
+
+    One compile per key across processes: a per-key file lock, then one of the host's compile
+    slots (taken inside the key lock, so a process waiting for another's compile holds no slot).
+    `on_compile_start()` runs once the slot is held, just before compiling: workers use it to
+    start the compile's timeout there rather than while they wait.
+    """
     key = kernel_key(spec, arch)
     entry = cache.read(key)
     if entry is None:
         with cache.lock(key):
             entry = cache.read(key)  # another process may have finished while we waited
             if entry is None:
-                obj = compile_spec(spec, arch)
+                with compile_slot() as slot:
+                    if on_compile_start is not None:
+                        on_compile_start()
+                    started = time.time()
+                    obj = compile_spec(spec, arch)
+                    ended = time.time()
                 stats["compiles"] += 1
                 header = cache.write(key, obj.object_bytes, kernel=spec.name, module=spec.module,
                                      params=spec.kwargs, arch=arch, versions=versions(),
                                      compile_s=round(obj.compile_s, 4), pid=os.getpid(),
+                                     compiled_between=[started, ended], compile_slot=slot,
                                      runtime_libs=native.runtime_libraries())
                 return header, obj.object_bytes
     stats["disk_hits"] += 1
