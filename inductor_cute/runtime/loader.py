@@ -14,6 +14,7 @@ from ..errors import CompileError, first_line
 from .arch import target_arch
 from .cache import CompiledKernelCache
 from . import native
+from .artifacts import record_artifact
 from .compiler import ENTRY, compile_spec, load_object
 from .dsl import import_cute, versions
 from .host_limits import compile_slot
@@ -86,6 +87,7 @@ def _load_or_recompile(spec, arch, key, cache):
     error = None
     for _ in range(2):  # a second round after discarding an entry that would not load
         header, payload = ensure_compiled(spec, arch, cache)
+        record_artifact(key, payload, header)  # so torch's cache artifacts carry it to other machines
         fn = _load_linked(key, header, payload, cache)
         if fn is not None:
             return fn
