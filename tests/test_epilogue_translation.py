@@ -260,8 +260,8 @@ def scheduled(fn, shapes, dynamic=(), codegen=False):
     from torch._inductor import lowering
     from torch._inductor.debug import DebugContext
 
-    from inductor_cute.inductor.gemm import extern, template
     from inductor_cute.inductor.gemm.choices import CuteChoices
+    from inductor_cute.inductor.install import Settings, hook
 
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env)
@@ -271,14 +271,15 @@ def scheduled(fn, shapes, dynamic=(), codegen=False):
         args = [torch.empty([syms.get(n, n) for n in shape], dtype=torch.bfloat16, device="cuda") for shape in shapes]
         gm = make_fx(fn, decomposition_table=select_decomp_table())(*args)
     addmm = torch.ops.aten.addmm.default
-    saved, fused_before, installed_before = lowering.lowerings[addmm], extern.fusion_enabled(), template.scheduling_installed()
+    scheduling = hook("cuda_scheduling")
+    saved, installed_before = lowering.lowerings[addmm], scheduling.installed()
     lowering.lowerings[addmm] = _our_addmm
-    extern.set_fusion(True)
-    template.install_scheduling()
+    scheduling.install()
     try:
         with inductor_config.patch(benchmark_epilogue_fusion=False, cuda_backend="triton"), \
                 mock.patch("torch._inductor.scheduler.has_triton", lambda: True), \
-                V.set_fake_mode(mode), V.set_choices_handler(CuteChoices()), DebugContext():
+                V.set_fake_mode(mode), V.set_choices_handler(CuteChoices(settings=Settings(fuse_epilogues=True))), \
+                DebugContext():
             graph = GraphLowering(gm, shape_env=shape_env)
             with V.set_graph_handler(graph):
                 graph.run(*args)
@@ -292,9 +293,8 @@ def scheduled(fn, shapes, dynamic=(), codegen=False):
                 return nodes, [line.strip() for line in code.splitlines() if "runtime.gemm(" in line]
     finally:
         lowering.lowerings[addmm] = saved
-        extern.set_fusion(fused_before)
         if not installed_before:
-            template.uninstall_scheduling()
+            scheduling.uninstall()
 
 
 LINEAR = {  # the GPU tests' functions of (weight, bias, x, residual)

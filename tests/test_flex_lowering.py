@@ -118,6 +118,8 @@ def cpu_accepted(monkeypatch):
 
 
 def test_enable_wraps_the_lowering_and_disable_restores_it():
+    from inductor_cute.inductor.install import hook
+
     stock = lowering.lowerings[HOP]
     with inductor_cute.enable(flex_decode=False):
         assert lowering.lowerings[HOP] is stock
@@ -127,7 +129,7 @@ def test_enable_wraps_the_lowering_and_disable_restores_it():
         inductor_cute.disable()
         assert lowering.lowerings[HOP] is flex._flex_attention
     assert lowering.lowerings[HOP] is stock
-    flex.uninstall()  # not installed: nothing to undo
+    hook("flex_attention_lowering").uninstall()  # not installed: nothing to undo
     assert lowering.lowerings[HOP] is stock
 
 

@@ -177,8 +177,11 @@ def test_compiled_cpu_model_is_untouched_by_our_hook(caplog):
 def test_fusion_installs_our_cuda_scheduling_and_restores_everything():
     from torch._inductor.codegen import common
 
-    from inductor_cute.inductor.gemm.extern import fusion_enabled
     from inductor_cute.inductor.gemm.template import CuteCUDAScheduling, scheduling_installed
+    from inductor_cute.inductor.install import active_settings
+
+    def fusion_enabled():  # what the lowering reads: the settings of V.choices
+        return active_settings().fuse_epilogues
 
     if not common.device_codegens:
         common.init_backend_registration()

@@ -3,7 +3,7 @@ mask_mod we can translate into score / mask programs (kernels/score_program.py),
 BlockMask our kernel can walk, run our split-KV kernel (`ops.flex_decode`); everything else goes
 to the stock lowering, unchanged.
 
-`install()` wraps `torch._inductor.lowering.lowerings[flex_attention]`. For a call we accept, the
+inductor/install.py wraps `torch._inductor.lowering.lowerings[flex_attention]`. For a call we accept, the
 output code calls the custom op `torch.ops.inductor_cute.flex_decode` and imports this module
 first, which registers the op: a graph served from the FX cache works in a fresh process.
 
@@ -407,9 +407,6 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
 
 # ------------------------------------------------------------------------------- the lowering
 
-_stock = None  # the lowering we wrap: delegated to, and restored by uninstall()
-
-
 class _FlexDecodeCall(ir.FallbackKernel):
     """The custom-op call, whose output code first imports the module that registers the op."""
 
@@ -432,9 +429,11 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
     except Exception as e:  # our decision must never fail a compile
         reason = f"the decision failed: {type(e).__name__}: {e}"
     if reason:
+        from ..install import stock_lowering
+
         log.debug("inductor-cute: flex_attention left to the stock lowering: %s", reason)
-        return _stock(query, key, value, subgraph, block_mask, scale, kernel_options,
-                      score_mod_other_buffers, mask_mod_other_buffers)
+        return stock_lowering(_HOP)(query, key, value, subgraph, block_mask, scale, kernel_options,
+                                    score_mod_other_buffers, mask_mod_other_buffers)
     log.info("inductor-cute: flex_attention %s runs our decode kernel (score program %r, mask program %r%s)",
              list(query.get_size()), *programs, "" if problem.keys_all_in_blocks else ", a block mask")
     *block_tensors, _, _, _ = _block_mask_fields(block_mask)
@@ -472,27 +471,3 @@ def _lower_to_decode(query, key, value, scale: float, programs: tuple, score_buf
     lse2 = lowerings[torch.ops.aten.mul.Tensor](lse, _LOG2E)
     max_scores = empty_strided(lse.get_size(), None, dtype=torch.float32, device=query.get_device())
     return out, lse2, max_scores
-
-
-def install() -> None:
-    """Route flex_attention through `_flex_attention`; idempotent."""
-    global _stock
-    from torch._inductor import lowering
-
-    if _stock is None:
-        _stock = lowering.lowerings[_HOP]
-        lowering.lowerings[_HOP] = _flex_attention
-
-
-def installed() -> bool:
-    return _stock is not None
-
-
-def uninstall() -> None:
-    """Put the stock lowering back; a no-op when not installed."""
-    global _stock
-    from torch._inductor import lowering
-
-    if _stock is not None:
-        lowering.lowerings[_HOP] = _stock
-        _stock = None

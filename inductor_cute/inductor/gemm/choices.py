@@ -13,6 +13,7 @@ from torch._inductor.virtualized import V
 
 from ...errors import first_line
 from ...host.common import DTYPE_NAMES
+from ..install import Settings
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,13 @@ class CuteChoices(InductorChoices):
     """InductorChoices that also offers inductor-cute GEMMs when our backend token is enabled.
 
     `tag` names our version and settings; Inductor puts it in the FX-graph cache key (2.13 calls
-    `uuid()`, 2.11 pickles the functools.partial that carries it)."""
+    `uuid()`, 2.11 pickles the functools.partial that carries it). `settings` are enable()'s, read
+    while lowering and scheduling through `install.active_settings()`."""
 
-    def __init__(self, tag: str = "") -> None:
+    def __init__(self, tag: str = "", settings: Settings = Settings()) -> None:
         super().__init__()
         self._tag = tag
+        self.settings = settings
         self._attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def uuid(self) -> str:
@@ -134,7 +137,7 @@ def gemm_choices(kernel_inputs, op_name) -> list:
         return []
     from ...kernels.gemm.candidates import candidate_configs
     from ...kernels.gemm.family import as_tuple
-    from .extern import CUTE_GEMM
+    from .extern import gemm_choice
     from .specs import problem_for, precompile_choices
 
     problem, batch = problem_for(kernel_inputs, op_name)
@@ -147,11 +150,10 @@ def gemm_choices(kernel_inputs, op_name) -> list:
     if op_name in ("addmm", "baddbmm"):
         scalars = {"alpha": float(kernel_inputs.get_scalar("alpha")), "beta": float(kernel_inputs.get_scalar("beta"))}
     layout = kernel_inputs.output_layout(flexible=False)
-    choices = []
+    choice, choices = gemm_choice(), []
     for cfg, spec_key in ready:
-        choices.append(CUTE_GEMM.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=cfg.describe(),
-                                      problem=problem, num_sms=num_sms,
-                                      op=op_name, config=as_tuple(cfg), **scalars))
+        choices.append(choice.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=cfg.describe(),
+                                   problem=problem, num_sms=num_sms, op=op_name, config=as_tuple(cfg), **scalars))
     log.info("inductor-cute offers %d of %d configs for %s %dx%dx%d (batch %d)",
              len(choices), len(configs), op_name, m, n, k, batch)
     return choices

@@ -49,10 +49,11 @@ class CuteGemmCaller(ExternKernelCaller):
         return {"backend": "inductor_cute", "kernel_name": self.name, "config": self.description}
 
     def output_node(self):
+        from ..install import active_settings
         from .template import CuteGemmTemplateBuffer, scheduling_installed
 
         log.info("inductor-cute %s chosen for %s", self.description, self.kwargs["op"])
-        if fusion_enabled() and scheduling_installed():
+        if active_settings().fuse_epilogues and scheduling_installed():
             # a template node, so that the scheduler can fuse pointwise epilogues into it
             node = CuteGemmTemplateBuffer(self.layout, self.input_nodes, op=self.kwargs["op"], kwargs=self.kwargs,
                                           problem=self.problem, num_sms=self.num_sms)
@@ -69,26 +70,28 @@ class CuteGemmChoice(ExternKernelChoice):
         return CuteGemmCaller(self, input_nodes, layout, kwargs, spec_key, description, problem, num_sms)
 
 
-_fuse_epilogues = False  # set by enable(fuse_epilogues=...)
-
-
-def fusion_enabled() -> bool:
-    return _fuse_epilogues
-
-
-def set_fusion(enabled: bool) -> None:
-    global _fuse_epilogues
-    _fuse_epilogues = enabled
-
-
-def _make_choice() -> CuteGemmChoice:
-    # ExternKernelChoice registers its kernel on torch's extern_kernels module once per name.
-    name = "inductor_cute_gemm"
-    from torch._inductor.select_algorithm import extern_kernels
-
-    if hasattr(extern_kernels, name):
-        delattr(extern_kernels, name)
+def new_gemm_choice(name: str) -> CuteGemmChoice:
+    """Constructing it registers `runtime.gemm` as `extern_kernels.<name>`: inductor/install.py does,
+    at install."""
     return CuteGemmChoice(runtime.gemm, name=name, has_out_variant=True)
 
 
-CUTE_GEMM = _make_choice()
+def gemm_choice() -> CuteGemmChoice:
+    """Our GEMM's extern choice (registered on first use when Inductor was configured directly)."""
+    from ..install import GEMM_KERNEL
+
+    return GEMM_KERNEL.choice()
+
+
+def log_timings(timings, name, input_nodes, choices, profiled_time_fn, precompile_times=None) -> None:
+    """select_algorithm's feedback saver: how our choices placed in an autotuning that had them."""
+    ours = [c for c in timings if isinstance(c, CuteGemmCaller)]
+    if not ours or not log.isEnabledFor(logging.INFO):
+        return
+    ranked = sorted(timings.items(), key=lambda kv: kv[1])
+    winner, best = ranked[0]
+    our_best = min(timings[c] for c in ours)
+    log.info("inductor-cute %s: winner %s %.1f us; best of ours %.1f us (%+.1f%%)", name, winner,
+             best * 1e3, our_best * 1e3, (our_best / best - 1) * 100 if best else 0.0)
+    for choice, ms in ranked:
+        log.debug("  %-60s %9.1f us", str(choice)[:60], ms * 1e3)

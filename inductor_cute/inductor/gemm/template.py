@@ -2,8 +2,8 @@
 
 When our choice wins autotuning it enters the graph as a CuteGemmTemplateBuffer. Inductor's
 scheduler then asks the CUDA backend whether a following pointwise node may fuse; our scheduling
-(installed in place of CUDACombinedScheduling for "cuda") says yes when the node translates into
-an epilogue program (inductor/epilogue.py), and at code generation writes one call of our runtime
+(installed by inductor/install.py for "cuda" when fusing) says yes when the node translates into
+an epilogue program (gemm/epilogue.py), and at code generation writes one call of our runtime
 with that program. Everything else is delegated to the stock CUDA scheduling.
 """
 
@@ -160,34 +160,22 @@ class CuteCUDAScheduling(CUDACombinedScheduling):
         return super().codegen_template(template_node, epilogue_nodes, prologue_nodes)
 
 
-_previous: list = []
+class CudaSchedulingConstructor:
+    """What inductor/install.py puts in place of the CUDA backend's scheduling constructor when
+    fusing: Inductor's CUDA entry picks a scheduling by config.cuda_backend, and ours replaces only
+    Triton's; any other backend gets the scheduling we replaced."""
 
+    def __init__(self, replaced) -> None:
+        self.replaced = replaced
 
-def _cuda_scheduling(scheduler):
-    # Inductor's CUDA entry picks a scheduling by config.cuda_backend; ours replaces only Triton's
-    if inductor_config.cuda_backend != "triton":
-        return _previous[-1].scheduling(scheduler)
-    return CuteCUDAScheduling(scheduler)
-
-
-def install_scheduling() -> None:
-    """Make our scheduling the CUDA backend's (idempotent; `uninstall_scheduling` restores)."""
-    if not common.device_codegens:
-        common.init_backend_registration()
-    current = common.device_codegens["cuda"]
-    if current.scheduling is _cuda_scheduling:
-        return
-    _previous.append(current)
-    common.device_codegens["cuda"] = dataclasses.replace(current, scheduling=_cuda_scheduling)
-
-
-def uninstall_scheduling() -> None:
-    if _previous and common.device_codegens.get("cuda") is not None \
-            and common.device_codegens["cuda"].scheduling is _cuda_scheduling:
-        common.device_codegens["cuda"] = _previous.pop()
+    def __call__(self, scheduler):
+        if inductor_config.cuda_backend != "triton":
+            return self.replaced(scheduler)
+        return CuteCUDAScheduling(scheduler)
 
 
 def scheduling_installed() -> bool:
     """Whether template nodes of ours will reach CuteCUDAScheduling."""
     entry = common.device_codegens.get("cuda")
-    return entry is not None and entry.scheduling is _cuda_scheduling and inductor_config.cuda_backend == "triton"
+    return (entry is not None and isinstance(entry.scheduling, CudaSchedulingConstructor)
+            and inductor_config.cuda_backend == "triton")

@@ -1,0 +1,388 @@
+"""Everything inductor-cute changes in torch, put in and taken out in one place.
+
+`enable()` saves what it is about to replace, sets three Inductor config values
+(`inductor_choices_class`: our factory; our token in `max_autotune_gemm_backends`;
+`benchmark_epilogue_fusion` off when fusing) and brings each hook in HOOKS to the state its
+settings ask for. `disable()` puts back the last saved state exactly, so calls nest and
+`with enable(): ...` undoes itself even when the block raises.
+
+A hook replaces one thing in torch: `install()` is idempotent and `uninstall()` puts back exactly
+what `install()` replaced (a no-op when not installed). A family that wraps a stock lowering adds one
+`LoweringWrapper` to HOOKS; its lowering delegates the calls it declines to `stock_lowering(op)`.
+
+The settings travel on the CuteChoices instance the factory makes (the factory's tag spells them, so
+they enter the FX-graph cache key); code that needs them while lowering or scheduling reads
+`active_settings()`. What Inductor fixes before any lowering runs (a device's scheduling) is decided
+here, at install, from the same settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+def _setting(tag: str):
+    return dataclasses.field(default=False, metadata={"tag": tag})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """enable()'s switches; each has a short name for the factory's tag."""
+
+    fuse_epilogues: bool = _setting("fuse")  # a GEMM of ours takes the pointwise ops after it (our CUDA scheduling)
+    flex_decode: bool = _setting("flex")  # flex_attention decoding calls may run our split-KV kernel
+
+    def tag(self) -> str:
+        return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))
+
+
+def active_settings() -> Settings:
+    """The settings of the compile under way: those of V.choices when it is ours, all off otherwise."""
+    from torch._inductor.virtualized import V
+
+    settings = getattr(V.choices, "settings", None)
+    return settings if isinstance(settings, Settings) else Settings()
+
+
+def choices_factory(fuse_epilogues: bool = False, flex_decode: bool = False) -> functools.partial:
+    """The value for `config.inductor_choices_class`: a picklable factory of CuteChoices whose tag
+    (our version, kernel sources and settings) enters Inductor's FX-graph cache key."""
+    return _factory(Settings(fuse_epilogues, flex_decode))
+
+
+@functools.cache  # one object per settings: enabling twice leaves the config value as it was
+def _factory(settings: Settings) -> functools.partial:
+    import hashlib
+    from pathlib import Path
+
+    from .. import __version__
+    from ..runtime.spec import source_hash
+    from .gemm.choices import CuteChoices
+
+    h = hashlib.sha256(source_hash(f"{__package__}.gemm.runtime").encode())  # kernels + runtime calling convention
+    for path in sorted(Path(__file__).parent.rglob("*.py")):  # lowering, fusion and code generation
+        h.update(path.read_bytes())
+    return functools.partial(CuteChoices, tag=f"inductor-cute-{__version__}-{h.hexdigest()[:16]}-{settings.tag()}",
+                             settings=settings)
+
+
+# ------------------------------------------------------------------------------------- hooks
+
+class Hook:
+    """One replacement in torch's state, installed when `when(settings)` holds."""
+
+    def __init__(self, name: str, when: Callable[[Settings], bool] = lambda settings: True) -> None:
+        self.name = name
+        self.when = when
+
+    def installed(self) -> bool:
+        raise NotImplementedError
+
+    def install(self) -> None:
+        raise NotImplementedError
+
+    def uninstall(self) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} installed={self.installed()}>"
+
+
+class LoweringWrapper(Hook):
+    """`lowering` in place of `torch._inductor.lowering.lowerings[op]`; the lowering it replaced is
+    `stock_lowering(op)` while installed."""
+
+    def __init__(self, name: str, op: Callable[[], Any], lowering: Callable[[], Callable], **kw) -> None:
+        super().__init__(name, **kw)
+        self.op, self._lowering = op, lowering  # resolved at install: importing us imports no family
+        self.stock = None
+
+    def installed(self) -> bool:
+        from torch._inductor import lowering
+
+        return self.stock is not None and lowering.lowerings.get(self.op()) is self._lowering()
+
+    def install(self) -> None:
+        from torch._inductor import lowering  # registers the stock lowerings
+
+        if not self.installed():
+            self.stock = lowering.lowerings[self.op()]
+            lowering.lowerings[self.op()] = self._lowering()
+
+    def uninstall(self) -> None:
+        from torch._inductor import lowering
+
+        if self.stock is None:
+            return
+        if lowering.lowerings.get(self.op()) is self._lowering():
+            lowering.lowerings[self.op()] = self.stock
+        else:
+            log.warning("inductor-cute: the lowering of %s was replaced after ours; left as it is", self.op())
+        self.stock = None
+
+
+class SchedulingWrapper(Hook):
+    """`make(replaced)` as a device's scheduling constructor in Inductor's codegen registry
+    (`codegen.common.device_codegens`), the rest of the device's entry kept."""
+
+    def __init__(self, name: str, device: str, make: Callable[[], Callable], **kw) -> None:
+        super().__init__(name, **kw)
+        self.device, self._make = device, make
+        self._replaced = self._ours = None  # registry entries; kept after uninstall to reuse `_ours`
+
+    def installed(self) -> bool:
+        from torch._inductor.codegen import common
+
+        return self._ours is not None and common.device_codegens.get(self.device) is self._ours
+
+    def install(self) -> None:
+        from torch._inductor.codegen import common
+
+        if self.installed():
+            return
+        if not common.device_codegens:
+            common.init_backend_registration()
+        current = common.device_codegens[self.device]
+        if current is not self._replaced or self._ours is None:
+            self._replaced = current
+            self._ours = dataclasses.replace(current, scheduling=self._make()(current.scheduling))
+        common.device_codegens[self.device] = self._ours
+
+    def uninstall(self) -> None:
+        from torch._inductor.codegen import common
+
+        if self.installed():
+            common.device_codegens[self.device] = self._replaced
+
+
+class FeedbackSaver(Hook):
+    """A function `select_algorithm` calls with every autotuning's timings."""
+
+    def __init__(self, name: str, fn: Callable[[], Callable], **kw) -> None:
+        super().__init__(name, **kw)
+        self._fn = fn
+
+    def installed(self) -> bool:
+        from .compat import feedback_savers
+
+        return self._fn() in feedback_savers()
+
+    def install(self) -> None:
+        from torch._inductor import select_algorithm
+
+        if not self.installed():
+            select_algorithm.add_feedback_saver(self._fn())
+
+    def uninstall(self) -> None:
+        from .compat import feedback_savers
+
+        savers = feedback_savers()
+        while self._fn() in savers:
+            savers.remove(self._fn())
+
+
+class ExternKernel(Hook):
+    """An ExternKernelChoice. Constructing one registers its kernel as `extern_kernels.<name>` and
+    asserts the name is free, so an entry left there (by an earlier copy of our module) is taken out
+    first and put back at uninstall. `choice()` installs on first use: Inductor configured directly,
+    without enable(), still gets our choice."""
+
+    def __init__(self, name: str, kernel_name: str, make: Callable[[], Callable[[str], Any]], **kw) -> None:
+        super().__init__(name, **kw)
+        self.kernel_name, self._make = kernel_name, make
+        self._choice = None
+        self._replaced: list = []  # the entry found under our name, if any
+
+    def installed(self) -> bool:
+        from torch._inductor.select_algorithm import extern_kernels
+
+        return self._choice is not None and hasattr(extern_kernels, self.kernel_name)
+
+    def install(self) -> None:
+        from torch._inductor.select_algorithm import extern_kernels
+
+        if self.installed():
+            return
+        self._replaced = []
+        if hasattr(extern_kernels, self.kernel_name):
+            self._replaced.append(getattr(extern_kernels, self.kernel_name))
+            delattr(extern_kernels, self.kernel_name)
+        self._choice = self._make()(self.kernel_name)
+
+    def uninstall(self) -> None:
+        from torch._inductor.select_algorithm import extern_kernels
+
+        if self._choice is None:
+            return
+        if hasattr(extern_kernels, self.kernel_name):
+            delattr(extern_kernels, self.kernel_name)
+        for entry in self._replaced:
+            setattr(extern_kernels, self.kernel_name, entry)
+        self._choice, self._replaced = None, []
+
+    def choice(self):
+        self.install()
+        return self._choice
+
+
+def _attr(module: str, name: str) -> Callable[[], Any]:
+    """A reference resolved when a hook installs, so that importing this module imports no family."""
+    return lambda: getattr(importlib.import_module(module, __package__), name)
+
+
+def _flex_attention_hop():
+    import torch
+
+    return torch.ops.higher_order.flex_attention
+
+
+GEMM_KERNEL = ExternKernel("gemm_extern_kernel", "inductor_cute_gemm", _attr(".gemm.extern", "new_gemm_choice"))
+HOOKS: tuple[Hook, ...] = (
+    GEMM_KERNEL,
+    FeedbackSaver("gemm_feedback_log", _attr(".gemm.extern", "log_timings")),
+    SchedulingWrapper("cuda_scheduling", "cuda", _attr(".gemm.template", "CudaSchedulingConstructor"),
+                      when=lambda settings: settings.fuse_epilogues),
+    LoweringWrapper("flex_attention_lowering", _flex_attention_hop, _attr(".flex.lowering", "_flex_attention"),
+                    when=lambda settings: settings.flex_decode),
+)
+
+
+def hook(name: str) -> Hook:
+    (found,) = [h for h in HOOKS if h.name == name]
+    return found
+
+
+def stock_lowering(op) -> Callable:
+    """The lowering our wrapper of `op` replaced: where the calls it declines go."""
+    for h in HOOKS:
+        if isinstance(h, LoweringWrapper) and h.stock is not None and h.op() is op:
+            return h.stock
+    raise RuntimeError(f"inductor-cute: no lowering of ours is installed for {op}")
+
+
+# ---------------------------------------------------------------------------- enable / disable
+
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    config: dict  # the config values enable() replaced
+    installed: frozenset  # names of the hooks installed before
+
+
+_saved: list[_Saved] = []
+
+
+def _config_values(settings: Settings) -> dict:
+    from torch._inductor import config
+
+    from .gemm.choices import BACKEND_TOKEN
+
+    values: dict[str, Any] = {"inductor_choices_class": choices_factory(settings.fuse_epilogues, settings.flex_decode)}
+    backends = [b.strip() for b in config.max_autotune_gemm_backends.split(",") if b.strip()]
+    if BACKEND_TOKEN not in (b.upper() for b in backends):
+        values["max_autotune_gemm_backends"] = ",".join([*backends, BACKEND_TOKEN])
+    if settings.fuse_epilogues:  # otherwise only Triton templates are fused
+        values["benchmark_epilogue_fusion"] = False
+    return values
+
+
+class _Enabled:
+    """Returned by enable(); leaving a `with` block restores the previous state."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        disable()
+
+
+def enable(fuse_epilogues: bool = False, flex_decode: bool = True) -> _Enabled:
+    """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
+
+    With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
+    epilogue. That needs Inductor's `benchmark_epilogue_fusion` off (otherwise only Triton
+    templates are fused), which also changes how Triton templates pick their fusions.
+    With `flex_decode` (on by default), flex_attention decoding calls whose score_mod, mask_mod and
+    BlockMask our split-KV kernel can take run it (inductor/flex/lowering.py); the rest take the stock
+    lowering."""
+    from torch._inductor import config
+
+    from .gemm.choices import CuteChoices
+
+    current = config.inductor_choices_class
+    if current is not None and getattr(current, "func", current) is not CuteChoices:
+        raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
+                           f"({current!r}); inductor-cute needs to install its own")
+    settings = Settings(fuse_epilogues, flex_decode)
+    values = _config_values(settings)
+    saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
+    try:
+        for key, value in values.items():
+            setattr(config, key, value)
+        for h in HOOKS:
+            _set(h, h.when(settings))
+    except BaseException:
+        _restore(saved)
+        raise
+    _saved.append(saved)
+    _drop_thread_choices()
+    return _Enabled()
+
+
+def disable() -> None:
+    """Undo the last enable(); a no-op when not enabled."""
+    if _saved:
+        _restore(_saved.pop())
+
+
+def _restore(saved: _Saved) -> None:
+    from torch._inductor import config
+
+    for key, value in saved.config.items():
+        setattr(config, key, value)
+    for h in reversed(HOOKS):
+        _set(h, h.name in saved.installed)
+    _drop_thread_choices()
+
+
+def _set(h: Hook, installed: bool) -> None:
+    if installed:
+        h.install()
+    else:
+        h.uninstall()
+
+
+def is_enabled() -> bool:
+    from torch._inductor import config
+
+    from .gemm.choices import BACKEND_TOKEN, CuteChoices
+
+    factory = config.inductor_choices_class
+    ours = getattr(factory, "func", factory) is CuteChoices
+    return ours and BACKEND_TOKEN in config.max_autotune_gemm_backends.upper()
+
+
+def _drop_thread_choices() -> None:
+    """Make this thread's next compile build V.choices from `config.inductor_choices_class` again.
+
+    Inductor builds V.choices once per thread, from the config, and keeps it in a thread-local. The
+    public `V.set_choices_handler` can only put another instance there, which would then ignore every
+    later change of the config (an enable() with other settings, the config set directly after
+    disable()). torch 2.11 and 2.13 offer no public way to drop it, so we delete the entry that the
+    lazy default (`virtualized._choices_default`) creates. Other threads keep theirs."""
+    from torch._inductor import virtualized
+
+    key = getattr(getattr(virtualized, "_choices", None), "_key", None)
+    if key is None:  # a torch without that entry: pin an instance made from the config now
+        from torch._inductor import config
+        from torch._inductor.choices import InductorChoices
+
+        factory = config.inductor_choices_class
+        virtualized.V.set_choices_handler(factory() if factory is not None else InductorChoices())
+    elif hasattr(virtualized.threadlocal, key):
+        delattr(virtualized.threadlocal, key)

@@ -1,0 +1,188 @@
+"""inductor/install.py on the CPU: what enable() changes in torch, and that disable() puts back
+exactly that, however calls nest and whatever a `with` block raises."""
+
+import pytest
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor import lowering, select_algorithm
+from torch._inductor.codegen import common
+from torch._inductor.virtualized import V
+
+import inductor_cute
+from inductor_cute.inductor import install
+from inductor_cute.inductor.compat import feedback_savers
+from inductor_cute.inductor.gemm.choices import CuteChoices
+from inductor_cute.inductor.gemm.template import CudaSchedulingConstructor
+
+HOP = torch.ops.higher_order.flex_attention
+CONFIG_KEYS = ("inductor_choices_class", "max_autotune_gemm_backends", "benchmark_epilogue_fusion")
+
+
+def state() -> dict:
+    """Everything a hook or enable() may replace, by identity."""
+    return {**{key: getattr(inductor_config, key) for key in CONFIG_KEYS},
+            "flex lowering": lowering.lowerings[HOP],
+            "cuda codegen": common.device_codegens.get("cuda"),
+            "extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_gemm", None),
+            "feedback savers": tuple(feedback_savers())}
+
+
+def assert_same(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        if key == "feedback savers":
+            assert len(value) == len(after[key]) and all(a is b for a, b in zip(value, after[key])), key
+        elif isinstance(value, (str, bool)):
+            assert after[key] == value, key
+        else:
+            assert after[key] is value, key
+
+
+@pytest.fixture(autouse=True)
+def stock():
+    """Each test starts and ends with nothing of ours installed and the CUDA backend registered."""
+    common.init_backend_registration()
+    assert not install._saved
+    before = state()
+    yield before
+    while install._saved:  # a failed test must not leave the rest enabled
+        inductor_cute.disable()
+    assert_same(before, state())
+
+
+def installed() -> dict:
+    return {h.name: h.installed() for h in install.HOOKS}
+
+
+def test_enable_installs_what_its_settings_ask_for(stock):
+    with inductor_cute.enable(fuse_epilogues=True, flex_decode=True):
+        assert all(installed().values())
+        assert isinstance(common.device_codegens["cuda"].scheduling, CudaSchedulingConstructor)
+        assert common.device_codegens["cuda"].scheduling.replaced is stock["cuda codegen"].scheduling
+        assert install.stock_lowering(HOP) is stock["flex lowering"]
+        assert inductor_config.benchmark_epilogue_fusion is False
+    with inductor_cute.enable(fuse_epilogues=False, flex_decode=False):
+        assert installed() == {"gemm_extern_kernel": True, "gemm_feedback_log": True, "cuda_scheduling": False,
+                               "flex_attention_lowering": False}
+        assert inductor_config.benchmark_epilogue_fusion == stock["benchmark_epilogue_fusion"]
+        with pytest.raises(RuntimeError, match="no lowering of ours"):
+            install.stock_lowering(HOP)
+
+
+def test_nesting_with_other_settings_restores_each_level_exactly(stock):
+    inductor_cute.enable(fuse_epilogues=True, flex_decode=True)
+    outer = state()
+    inductor_cute.enable(fuse_epilogues=False, flex_decode=False)  # takes the outer's hooks out
+    assert not installed()["cuda_scheduling"] and not installed()["flex_attention_lowering"]
+    assert V.choices.settings == install.Settings(fuse_epilogues=False, flex_decode=False)
+    assert install.active_settings() == install.Settings()
+    inductor_cute.enable(fuse_epilogues=True, flex_decode=False)
+    assert install.active_settings().fuse_epilogues and installed()["cuda_scheduling"]
+    inductor_cute.disable()
+    inductor_cute.disable()
+    assert_same(outer, state())  # the same objects back, not copies
+    assert V.choices.settings == install.Settings(fuse_epilogues=True, flex_decode=True)
+    inductor_cute.disable()
+    assert_same(stock, state())
+    assert not any(installed().values())
+
+
+def test_enable_twice_then_disable_twice(stock):
+    inductor_cute.enable()
+    once = state()
+    inductor_cute.enable()
+    assert_same(once, state())  # a second enable with the same settings changes nothing
+    assert inductor_config.max_autotune_gemm_backends.upper().split(",").count("ICUTE") == 1
+    inductor_cute.disable()
+    assert_same(once, state())
+    inductor_cute.disable()
+    assert_same(stock, state())
+    inductor_cute.disable()  # not enabled: nothing to undo
+    assert_same(stock, state())
+
+
+def test_an_exception_inside_with_enable_still_restores(stock):
+    with pytest.raises(ValueError, match="inside"):
+        with inductor_cute.enable(fuse_epilogues=True):
+            assert all(installed().values())
+            raise ValueError("raised inside the block")
+    assert_same(stock, state())
+    assert not install._saved
+
+
+def test_a_hook_failing_to_install_leaves_nothing_behind(stock, monkeypatch):
+    flex = install.hook("flex_attention_lowering")
+
+    def broken():
+        raise OSError("cannot install")
+
+    monkeypatch.setattr(flex, "install", broken)
+    with pytest.raises(OSError, match="cannot install"):
+        inductor_cute.enable(fuse_epilogues=True)
+    assert_same(stock, state())
+    assert not install._saved
+
+
+@pytest.mark.parametrize("name", [h.name for h in install.HOOKS])
+def test_each_hook_is_idempotent_and_puts_back_what_it_replaced(stock, name):
+    h = install.hook(name)
+    h.install()
+    once = state()
+    h.install()
+    assert h.installed()
+    assert_same(once, state())
+    h.uninstall()
+    assert not h.installed()
+    assert_same(stock, state())
+    h.uninstall()
+    assert_same(stock, state())
+
+
+def test_the_extern_kernel_puts_back_an_entry_it_found_under_its_name(stock):
+    kernels = select_algorithm.extern_kernels
+    left_over = object()  # what an earlier copy of our module would have registered
+    kernels.inductor_cute_gemm = left_over
+    try:
+        with inductor_cute.enable():
+            from inductor_cute.inductor.gemm import runtime
+
+            assert kernels.inductor_cute_gemm is runtime.gemm
+        assert kernels.inductor_cute_gemm is left_over
+    finally:
+        del kernels.inductor_cute_gemm
+
+
+def test_inductor_configured_directly_registers_the_extern_kernel_on_first_use(stock):
+    from inductor_cute.inductor.gemm.extern import gemm_choice
+
+    was_installed = install.GEMM_KERNEL.installed()  # by an earlier test's compile
+    install.GEMM_KERNEL.uninstall()
+    choice = gemm_choice()
+    try:
+        assert install.GEMM_KERNEL.installed() and gemm_choice() is choice
+        assert select_algorithm.extern_kernels.inductor_cute_gemm is choice.to_callable()
+        with inductor_cute.enable():  # already there: kept by disable()
+            pass
+        assert gemm_choice() is choice
+    finally:
+        install.GEMM_KERNEL.uninstall()
+        if was_installed:
+            install.GEMM_KERNEL.install()
+
+
+def test_this_threads_choices_follow_the_config(stock):
+    assert not isinstance(V.choices, CuteChoices)  # built from the stock config (and kept by Inductor)
+    with inductor_cute.enable(flex_decode=False):
+        assert isinstance(V.choices, CuteChoices) and V.choices.settings == install.Settings(flex_decode=False)
+        assert V.choices.uuid() == inductor_config.inductor_choices_class().uuid()
+    with inductor_config.patch(inductor_choices_class=install.choices_factory(flex_decode=True)):
+        assert V.choices.settings == install.Settings(flex_decode=True)  # the config set directly after disable()
+    install._drop_thread_choices()  # Inductor keeps what it built: rebuild it from the stock config
+    assert not isinstance(V.choices, CuteChoices)
+
+
+def test_settings_enter_the_factorys_tag():
+    tags = {install.choices_factory(f, d)().uuid() for f in (False, True) for d in (False, True)}
+    assert len(tags) == 4
+    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0")
+    assert install.choices_factory(True, False)().settings == install.Settings(True, False)
