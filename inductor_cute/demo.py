@@ -27,14 +27,13 @@ def run_demo() -> int:
 
 
 def _compile_library() -> int:
-    import os
-
     from .kernels import library_specs
     from .runtime import CompiledKernelCache, precompile
+    from .runtime.host_limits import worker_limit
 
     specs = library_specs()
     cache = CompiledKernelCache()
-    print(f"{len(specs)} kernels, {os.cpu_count()} worker processes, cache {cache.root}")
+    print(f"{len(specs)} kernels, up to {worker_limit()} worker processes, cache {cache.root}")
     start = time.perf_counter()
     results = precompile(specs, arch="sm_90a", cache=cache)
     for r in results:
