@@ -7,9 +7,11 @@ import re
 
 import pytest
 
-from inductor_cute.kernels.attention.flex_decode_config import (HEAD_DIMS, SMEM_BUDGET, FlexDecodeConfig, config_error,
-                                                      default_config, flex_decode_spec, m_tiles, num_splits,
-                                                      smem_bytes, unsupported_reason)
+from inductor_cute.kernels.attention.flex_decode_config import (DEFAULT_SM_COUNT, HEAD_DIMS, SMEM_BUDGET,
+                                                                FlexDecodeConfig, FlexDecodeProblem, config_error,
+                                                                default_config, flex_decode_spec, from_params,
+                                                                m_tiles, num_splits, smem_bytes, spec,
+                                                                unsupported_reason)
 from inductor_cute.kernels.common.programs.score import dumps
 from inductor_cute.runtime.compiler import compile_spec
 
@@ -129,14 +131,21 @@ def test_block_masks_and_mask_programs_reach_the_split_kernel():
     assert sliding.count("selp.f32") >= plain.count("selp.f32") + 64
 
 
+GQA8 = FlexDecodeProblem(128, 128, "bfloat16", 8)
+
+
 def test_mask_and_block_mask_configs_are_validated():
     from inductor_cute.kernels.attention.flex_decode_config import sparse_block_reason
 
-    base = default_config(128, 128, "bfloat16", 8)
-    assert config_error(dataclasses.replace(base, mask_program=SLIDING, sparse_block=256)) is None
-    assert "unknown argument 'score'" in config_error(dataclasses.replace(base, mask_program=SOFTCAP))
-    assert "end in a bool" in config_error(dataclasses.replace(base, mask_program=dumps([["o", "add", "kv", 1]])))
-    assert "not a multiple" in config_error(dataclasses.replace(base, sparse_block=64))
+    config = default_config(GQA8)
+
+    def error(**problem):
+        return config_error(config, dataclasses.replace(GQA8, **problem))
+
+    assert error(mask_program=SLIDING, sparse_block=256) is None
+    assert "unknown argument 'score'" in error(mask_program=SOFTCAP)
+    assert "end in a bool" in error(mask_program=dumps([["o", "add", "kv", 1]]))
+    assert "not a multiple" in error(sparse_block=64)
     assert sparse_block_reason(128, 32, 128, 64, 1, 128) is None  # absorbed MLA: 4 kernel blocks per mask block
     assert "not a multiple" in sparse_block_reason(64, 128, 128, 1, 1, 8)
     assert "query block" in sparse_block_reason(128, 128, 16, 32, 1, 1)
@@ -145,23 +154,24 @@ def test_mask_and_block_mask_configs_are_validated():
 
 
 def test_score_program_configs_are_validated():
-    base = default_config(128, 128, "bfloat16", 8)
-    assert config_error(dataclasses.replace(base, score_program=SOFTCAP)) is None
-    assert "unknown tensor" in config_error(dataclasses.replace(base, score_program=ALIBI))
-    assert "canonical" in config_error(dataclasses.replace(base, score_program=SOFTCAP.replace(",", ", ")))
+    config = default_config(GQA8)
+    assert config_error(config, dataclasses.replace(GQA8, score_program=SOFTCAP)) is None
+    assert "unknown tensor" in config_error(config, dataclasses.replace(GQA8, score_program=ALIBI))
+    assert "canonical" in config_error(config, dataclasses.replace(GQA8, score_program=SOFTCAP.replace(",", ", ")))
     with pytest.raises(ValueError, match="float64 is not supported"):
         flex_decode_spec(128, 128, "bfloat16", 8, score_program=ALIBI, score_dtypes=("float64",))
 
 
 def test_default_configs_fit_and_keep_bytes_in_flight():
     for (dqk, dv), (kv_block, wgs) in HEAD_DIMS.items():
-        cfg = default_config(dqk, dv, "bfloat16", 8)
-        assert config_error(cfg) is None
-        assert smem_bytes(cfg) <= SMEM_BUDGET
+        problem = FlexDecodeProblem(dqk, dv, "bfloat16", 8)
+        cfg = default_config(problem)
+        assert config_error(cfg, problem) is None
+        assert smem_bytes(problem, cfg) <= SMEM_BUDGET
         assert (cfg.kv_block, cfg.v_warpgroups) == (kv_block, wgs)
         assert cfg.stages >= 2, (dqk, dv)
         assert dv // wgs <= 256  # one WGMMA's N
-    assert default_config(64, 64, "bfloat16", 1).stages >= 6
+    assert default_config(FlexDecodeProblem(64, 64, "bfloat16", 1)).stages >= 6
 
 
 def test_unsupported_problems_are_named_in_one_line():
@@ -175,13 +185,36 @@ def test_unsupported_problems_are_named_in_one_line():
 
 
 def test_invalid_configs_are_named():
-    base = default_config(128, 128, "bfloat16", 8)
-    assert "shared memory" in config_error(FlexDecodeConfig(128, 128, "bfloat16", 8, 128, 4, 1, False))
-    assert "kv_block" in config_error(FlexDecodeConfig(128, 128, "bfloat16", 8, 24, 2, 1, False))
-    assert "output columns" in config_error(FlexDecodeConfig(576, 512, "bfloat16", 1, 32, 1, 1, False))
-    assert config_error(base) is None
+    absorbed = FlexDecodeProblem(576, 512, "bfloat16", 1)
+    assert "shared memory" in config_error(FlexDecodeConfig(128, 4, 1), GQA8)
+    assert "kv_block" in config_error(FlexDecodeConfig(24, 2, 1), GQA8)
+    assert "output columns" in config_error(FlexDecodeConfig(32, 1, 1), absorbed)
+    assert config_error(default_config(GQA8), GQA8) is None
     with pytest.raises(ValueError, match="shared memory"):
-        flex_decode_spec(128, 128, "bfloat16", 8, config=FlexDecodeConfig(128, 128, "bfloat16", 8, 128, 4, 1, False))
+        flex_decode_spec(128, 128, "bfloat16", 8, config=FlexDecodeConfig(128, 4, 1))
+    with pytest.raises(ValueError, match="shared memory"):
+        spec(GQA8, FlexDecodeConfig(128, 4, 1))
+
+
+def test_spec_spells_problem_and_config_and_reads_back():
+    # the kernel's parameters (its cache key) are the problem's and the config's fields, flat
+    problem = FlexDecodeProblem(128, 128, "bfloat16", 8, True, SOFTCAP, (), DOCUMENT, ("int32",), 256)
+    s = spec(problem)
+    assert s == flex_decode_spec(128, 128, "bfloat16", 8, True, score_program=SOFTCAP, mask_program=DOCUMENT,
+                                 mask_dtypes=("int32",), sparse_block=256)
+    assert set(s.kwargs) == set(problem.as_params()) | {"kv_block", "stages", "v_warpgroups"}
+    assert from_params(s.kwargs) == (problem, default_config(problem))
+
+
+def test_packed_gqa_rows_map_to_query_heads_and_positions_and_back():
+    from inductor_cute.kernels.attention.pack_gqa import PackGQA
+
+    rows = PackGQA(4)
+    assert rows.rows(3) == 12
+    assert [rows.unpack(p, 2) for p in (0, 1, 4, 11)] == [(8, 0), (9, 0), (8, 1), (11, 2)]
+    for p in range(rows.rows(3)):
+        head, pos = rows.unpack(p, 2)
+        assert rows.pack(head - 2 * 4, pos) == p
 
 
 def test_splits_fill_the_sms():
@@ -208,6 +241,7 @@ def test_splits_stay_whole_blocks_and_vanish_for_short_or_wide_problems():
 
 
 def test_split_count_follows_the_sm_count():
+    assert DEFAULT_SM_COUNT == 132 and SMEM_BUDGET == 227 * 1024  # the H100/H200 facts of runtime/arch.py
     assert num_splits(1, 8, 1, 131072, 128, num_sms=66) < num_splits(1, 8, 1, 131072, 128, num_sms=132)
 
 

@@ -7,21 +7,19 @@ import functools
 import torch
 
 from ..errors import UnsupportedError
+from ..kernels.attention.units import LOG2E
 from ..runtime import get_kernel
 from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count
-
-_LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=256)
 def _flex_decode_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int, has_kv_len: bool,
                         score_program: str = "", score_dtypes: tuple[str, ...] = (), mask_program: str = "",
                         mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0):
-    from ..kernels.attention.flex_decode_config import flex_decode_spec
+    from ..kernels.attention.flex_decode_config import FlexDecodeProblem, spec
 
-    return get_kernel(flex_decode_spec(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len,
-                                       score_program=score_program, score_dtypes=score_dtypes,
-                                       mask_program=mask_program, mask_dtypes=mask_dtypes, sparse_block=sparse_block))
+    return get_kernel(spec(FlexDecodeProblem(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len, score_program,
+                                             score_dtypes, mask_program, mask_dtypes, sparse_block)))
 
 
 def _score_mod_operands(score_mod: str | None, score_tensors, device, kind: str = "score"
@@ -176,6 +174,6 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
     o_part = torch.empty(num_splits, batch, heads, q_len, dv, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(num_splits, batch, heads, q_len, device=q.device, dtype=torch.float32)
     scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
-    kernel(q4, k4, v4, kv_len, o_part, lse_part, out, lse, scale * _LOG2E, scale, *score_slots, *block_slots,
+    kernel(q4, k4, v4, kv_len, o_part, lse_part, out, lse, scale * LOG2E, scale, *score_slots, *block_slots,
            *mask_slots)
     return (out, lse) if return_lse else out

@@ -1,9 +1,15 @@
-"""Split-KV attention decoding (FlexAttention decode) on Hopper: compile-time configuration, limits
-and the split heuristic. Plain Python, usable without the CuTe DSL.
+"""Split-KV attention decoding (FlexAttention decode) on Hopper: the problem, the compile-time
+configuration, limits and the split heuristic. Plain Python, usable without the CuTe DSL.
 
 One CTA owns (64 packed query rows, batch, KV head, KV split). The packed rows are the
 `q_per_kv * Lq` queries that share one KV head, so K and V are read once per split, not once
 per query head.
+
+The family's protocol, as for the other kernel families: a FlexDecodeProblem says what is
+computed (head dims, dtype, GQA ratio, programs, block mask), a FlexDecodeConfig how (tuning
+knobs); `unsupported_reason` names a problem the kernel cannot take, `default_config` picks a
+configuration, `config_error` checks one, and `spec` makes the KernelSpec (`from_params` reads it
+back in the kernel module's build).
 """
 
 from __future__ import annotations
@@ -11,10 +17,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ...runtime.arch import SUPPORTED
+
 DTYPES = ("bfloat16", "float16")
 ROWS = 64  # packed query rows per CTA: the M of one WGMMA
 MAX_Q_LEN = 64  # decoding and speculative decoding; longer queries belong to a prefill kernel
-SMEM_BUDGET = 227 * 1024
+SMEM_BUDGET = SUPPORTED[(9, 0)].smem_per_block
+DEFAULT_SM_COUNT = SUPPORTED[(9, 0)].sm_count  # for split counts chosen without a GPU
 MAX_STAGES = 8
 MAX_SPLITS = 256
 MIN_BLOCKS_PER_SPLIT = 4  # each split streams at least this many KV blocks (hides the pipeline fill)
@@ -31,20 +40,31 @@ HEAD_DIMS = {
 
 
 @dataclass(frozen=True)
-class FlexDecodeConfig:
+class FlexDecodeProblem:
+    """What a compiled decode kernel computes; batch, heads and lengths stay dynamic."""
+
     head_dim_qk: int
     head_dim_v: int
     dtype_name: str
     q_per_kv: int  # query heads per KV head (GQA group), packed into the rows of one CTA
+    has_kv_len: bool = False  # a per-batch int32 length tensor masks the tail of each sequence
+    score_program: str = ""  # a score program's text (the score_mod, programs/score.py); "" for none
+    score_dtypes: tuple[str, ...] = ()  # dtype names of the program's captured tensors t0, t1, ...
+    mask_program: str = ""  # a mask program's text (the mask_mod); "" for none
+    mask_dtypes: tuple[str, ...] = ()  # dtype names of the mask program's captured tensors
+    sparse_block: int = 0  # a BlockMask's KV block size (a multiple of kv_block); 0: no block mask
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FlexDecodeConfig:
+    """How the decode kernel runs a problem: its tuning knobs."""
+
     kv_block: int  # KV rows per pipeline stage
     stages: int  # depth of the TMA ring: bytes in flight per SM = stages * stage_bytes
     v_warpgroups: int  # consumer warp groups; each owns head_dim_v / v_warpgroups output columns
-    has_kv_len: bool  # a per-batch int32 length tensor masks the tail of each sequence
-    score_program: str = ""  # a kernels.score_program text (the score_mod); "" for none
-    score_dtypes: tuple[str, ...] = ()  # dtype names of the program's captured tensors t0, t1, ...
-    mask_program: str = ""  # a kernels.score_program mask program (the mask_mod); "" for none
-    mask_dtypes: tuple[str, ...] = ()  # dtype names of the mask program's captured tensors
-    sparse_block: int = 0  # a BlockMask's KV block size (a multiple of kv_block); 0: no block mask
 
     @property
     def threads(self) -> int:
@@ -62,17 +82,18 @@ def stage_bytes(head_dim_qk: int, head_dim_v: int, kv_block: int) -> int:
     return kv_block * (head_dim_qk + head_dim_v) * 2
 
 
-def smem_bytes(cfg: FlexDecodeConfig) -> int:
+def smem_bytes(problem: FlexDecodeProblem, config: FlexDecodeConfig) -> int:
     """Shared memory of one CTA: mbarriers, Q, and the K/V ring (each buffer 1 KB aligned)."""
-    q = ROWS * cfg.head_dim_qk * 2
-    k = cfg.stages * cfg.kv_block * cfg.head_dim_qk * 2
-    v = cfg.stages * cfg.kv_block * cfg.head_dim_v * 2
-    return _align(16 * cfg.stages, 1024) + _align(q, 1024) + _align(k, 1024) + v
+    q = ROWS * problem.head_dim_qk * 2
+    k = config.stages * config.kv_block * problem.head_dim_qk * 2
+    v = config.stages * config.kv_block * problem.head_dim_v * 2
+    return _align(16 * config.stages, 1024) + _align(q, 1024) + _align(k, 1024) + v
 
 
 def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int = 1,
                        q_len: int = 1) -> str | None:
-    """Why a problem has no decode kernel, in one line for the user; None when supported."""
+    """Why a problem of these sizes has no decode kernel, in one line for the user; None when
+    supported. Callers ask before they hold a FlexDecodeProblem (its programs untranslated)."""
     if dtype_name not in DTYPES:
         return f"dtype {dtype_name} is not supported (use bfloat16 or float16)"
     if (head_dim_qk, head_dim_v) not in HEAD_DIMS:
@@ -85,39 +106,17 @@ def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per
     return None
 
 
-def default_config(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
-                   has_kv_len: bool = False, score_program: str = "",
-                   score_dtypes: tuple[str, ...] = (), mask_program: str = "", mask_dtypes: tuple[str, ...] = (),
-                   sparse_block: int = 0) -> FlexDecodeConfig:
-    """As many stages as shared memory holds: decoding is bound by the bytes kept in flight."""
-    kv_block, wgs = HEAD_DIMS[(head_dim_qk, head_dim_v)]
-    cfg = FlexDecodeConfig(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, 1, wgs, has_kv_len,
-                           score_program, tuple(score_dtypes), mask_program, tuple(mask_dtypes), sparse_block)
-    stages = 1
-    while stages < MAX_STAGES and smem_bytes(dataclasses.replace(cfg, stages=stages + 1)) <= SMEM_BUDGET:
-        stages += 1
-    return dataclasses.replace(cfg, stages=stages)
-
-
-def config_error(cfg: FlexDecodeConfig) -> str | None:
-    """Why an explicit configuration cannot be compiled; None when it can."""
-    problem = unsupported_reason(cfg.head_dim_qk, cfg.head_dim_v, cfg.dtype_name, cfg.q_per_kv)
+def problem_error(p: FlexDecodeProblem) -> str | None:
+    """Why a problem cannot be compiled (sizes, or programs not in canonical form); None if it can."""
+    problem = unsupported_reason(p.head_dim_qk, p.head_dim_v, p.dtype_name, p.q_per_kv)
     if problem:
         return problem
-    if cfg.kv_block % 16 or not 16 <= cfg.kv_block <= 256:
-        return f"kv_block {cfg.kv_block} must be a multiple of 16 in 16..256 (WGMMA N and K)"
-    if cfg.v_warpgroups not in (1, 2) or cfg.head_dim_v // cfg.v_warpgroups > 256:
-        return f"{cfg.v_warpgroups} consumer warp groups cannot hold {cfg.head_dim_v} output columns"
-    if cfg.stages < 1:
-        return "stages must be at least 1"
-    if smem_bytes(cfg) > SMEM_BUDGET:
-        return f"{smem_bytes(cfg)} bytes of shared memory exceed the {SMEM_BUDGET} available"
-    if cfg.sparse_block < 0 or cfg.sparse_block % cfg.kv_block:
-        return f"block mask KV block size {cfg.sparse_block} is not a multiple of the kernel's KV block {cfg.kv_block}"
+    if p.sparse_block < 0:
+        return f"block mask KV block size {p.sparse_block} is negative"
     from ..common.programs.score import canonical
 
-    for kind, text, dtypes in (("score", cfg.score_program, cfg.score_dtypes),
-                               ("mask", cfg.mask_program, cfg.mask_dtypes)):
+    for kind, text, dtypes in (("score", p.score_program, p.score_dtypes),
+                               ("mask", p.mask_program, p.mask_dtypes)):
         if not (text or dtypes):
             continue
         try:
@@ -126,6 +125,35 @@ def config_error(cfg: FlexDecodeConfig) -> str | None:
         except ValueError as e:
             return str(e)
     return None
+
+
+def config_error(config: FlexDecodeConfig, problem: FlexDecodeProblem) -> str | None:
+    """Why `config` cannot compile `problem` (the problem's own errors first); None when it can."""
+    error = problem_error(problem)
+    if error:
+        return error
+    if config.kv_block % 16 or not 16 <= config.kv_block <= 256:
+        return f"kv_block {config.kv_block} must be a multiple of 16 in 16..256 (WGMMA N and K)"
+    if config.v_warpgroups not in (1, 2) or problem.head_dim_v // config.v_warpgroups > 256:
+        return f"{config.v_warpgroups} consumer warp groups cannot hold {problem.head_dim_v} output columns"
+    if config.stages < 1:
+        return "stages must be at least 1"
+    if smem_bytes(problem, config) > SMEM_BUDGET:
+        return f"{smem_bytes(problem, config)} bytes of shared memory exceed the {SMEM_BUDGET} available"
+    if problem.sparse_block % config.kv_block:
+        return (f"block mask KV block size {problem.sparse_block} is not a multiple of the kernel's KV block "
+                f"{config.kv_block}")
+    return None
+
+
+def default_config(problem: FlexDecodeProblem) -> FlexDecodeConfig:
+    """As many stages as shared memory holds: decoding is bound by the bytes kept in flight."""
+    kv_block, wgs = HEAD_DIMS[(problem.head_dim_qk, problem.head_dim_v)]
+    config = FlexDecodeConfig(kv_block, 1, wgs)
+    while config.stages < MAX_STAGES and smem_bytes(problem, dataclasses.replace(config, stages=config.stages + 1)) \
+            <= SMEM_BUDGET:
+        config = dataclasses.replace(config, stages=config.stages + 1)
+    return config
 
 
 def sparse_block_reason(sparse_block: int, kv_block: int, q_block: int, q_len: int, mask_heads: int,
@@ -149,7 +177,7 @@ def m_tiles(q_per_kv: int, q_len: int) -> int:
 
 
 def num_splits(batch: int, kv_heads: int, row_tiles: int, kv_len: int, kv_block: int,
-               num_sms: int = 132) -> int:
+               num_sms: int = DEFAULT_SM_COUNT) -> int:
     """KV splits per (batch, KV head, row tile), chosen at run time from the problem size.
 
     Every SM should stream K/V: take at least enough splits for one CTA per SM, then among the
@@ -169,19 +197,35 @@ def num_splits(batch: int, kv_heads: int, row_tiles: int, kv_len: int, kv_block:
 
 
 KERNEL_MODULE = "inductor_cute.kernels.attention.flex_decode_sm90"
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(FlexDecodeProblem))
+
+
+def spec(problem: FlexDecodeProblem, config: FlexDecodeConfig | None = None):
+    """The KernelSpec of the split-KV decode kernel (with its combine step): `config`, or the
+    default one; programs in canonical form (programs/score.py canonical)."""
+    from ...runtime.spec import KernelSpec
+
+    config = config or default_config(problem)
+    error = config_error(config, problem)
+    if error:
+        raise ValueError(error)
+    return KernelSpec.make(KERNEL_MODULE, **problem.as_params(), **config.as_params())
+
+
+def from_params(params: dict) -> tuple[FlexDecodeProblem, FlexDecodeConfig]:
+    """The (problem, config) of a spec's parameters: the inverse of `spec`."""
+    problem = {k: v for k, v in params.items() if k in _PROBLEM_FIELDS}
+    for k in ("score_dtypes", "mask_dtypes"):
+        if k in problem:
+            problem[k] = tuple(problem[k])
+    config = {k: v for k, v in params.items() if k not in _PROBLEM_FIELDS}
+    return FlexDecodeProblem(**problem), FlexDecodeConfig(**config)
 
 
 def flex_decode_spec(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
                      has_kv_len: bool = False, config: FlexDecodeConfig | None = None,
                      score_program: str = "", score_dtypes: tuple[str, ...] = (), mask_program: str = "",
                      mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0):
-    """The KernelSpec of the split-KV decode kernel (with its combine step) for these parameters;
-    programs in canonical form (score_program.canonical)."""
-    from ...runtime.spec import KernelSpec
-
-    config = config or default_config(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len,
-                                      score_program, score_dtypes, mask_program, mask_dtypes, sparse_block)
-    error = config_error(config)
-    if error:
-        raise ValueError(error)
-    return KernelSpec.make(KERNEL_MODULE, **config.as_params())
+    """`spec` of the problem these arguments spell."""
+    return spec(FlexDecodeProblem(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len, score_program,
+                                  tuple(score_dtypes), mask_program, tuple(mask_dtypes), sparse_block), config)

@@ -6,23 +6,23 @@ Two kernels launched back to back by one exported function:
 
   * split kernel, one CTA per (64 packed query rows, KV split, batch * KV head). The rows are
     the G * Lq queries that share a KV head (row p is query head p % G of the group, query
-    position p // G), so K and V are read once per split. Warp group 0 is the producer: one
+    position p // G: pack_gqa.py), so K and V are read once per split. Warp group 0 is the producer: one
     warp streams (K, V) blocks of the split's KV range into a `stages`-deep TMA ring. The
     consumer warp groups compute S = Q K^T with WGMMA (Q in shared memory), an online softmax
-    in fp32 registers with exp2 (scale * log2(e) folded into one multiply), and O += P V with
+    in fp32 registers with exp2 (softmax.py; scale * log2(e) folded into one multiply), and O += P V with
     P taken straight from registers (RS WGMMA). Each consumer owns head_dim_v / v_warpgroups
     output columns and recomputes S itself: cheaper than passing P between warp groups.
     Partial results go to an fp32 workspace: O_s normalised by its own row sum, and
     lse_s = log2(sum_j exp2(x_j)) in log2 units (x = scaled score * log2(e)).
-  * combine kernel, one warp per output row: lse = log2(sum_s 2^lse_s),
+  * combine kernel (combine.py), one warp per output row: lse = log2(sum_s 2^lse_s),
     out = sum_s 2^(lse_s - lse) O_s, and lse returned in natural-log units (lse * ln 2), the
     units torch.nn.attention.flex_attention returns. Rows with nothing to attend (kv_len 0)
     get out = 0 and lse = -inf, as flex_attention gives.
 
-With a score program (kernels.score_program, the flex_attention score_mod) the scores are
-x = program(score = s * scale, b, h, q, kv) * log2(e) instead of s * scale * log2(e).
+With a score program (programs/score.py, the flex_attention score_mod; applied by mask.py) the
+scores are x = program(score = s * scale, b, h, q, kv) * log2(e) instead of s * scale * log2(e).
 
-With a block mask (cfg.sparse_block > 0, flex_attention's BlockMask) a CTA walks a list of KV
+With a block mask (sparse_block > 0, flex_attention's BlockMask; block_sparse.py) a CTA walks a list of KV
 blocks instead of the whole sequence: the partial blocks kv_indices[z, hm, 0, :kv_num_blocks]
 then the full blocks full_kv_indices[z, hm, 0, :full_kv_num_blocks] (z = b % Z, hm = hkv % H, as
 torch indexes a broadcast mask; query block 0), each mask block cut into sparse_block / kv_block
@@ -42,8 +42,6 @@ t0, t1, t2, t3, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, 
 scale_log2 = scale * log2(e) is used without a score program, scale with one.
 """
 
-import math
-import operator
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -56,40 +54,38 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from .flex_decode_config import ROWS, FlexDecodeConfig, config_error, smem_bytes
-from ..common.programs.score import MAX_TENSORS, make_score_fn
+from ..common import barriers
+from ..common.programs.score import MAX_TENSORS
+from .accumulator import acc_as_operand_a, check_acc_layout, row_half
+from .block_sparse import BlockSparse, deal_over_splits
+from .combine import SplitCombine
+from .flex_decode_config import ROWS, FlexDecodeConfig, FlexDecodeProblem, config_error, from_params, smem_bytes
+from .mask import ScoreMods, mask_past_end
+from .pack_gqa import PackGQA
+from .softmax import online_softmax, softmax_finalize, softmax_state
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 SCORE_TENSOR_DTYPES = {"float32": Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
                        "int32": Int32}
-LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
-NEG_INF = -math.inf
-COMBINE_WARPS = 4
-
-
-def _row_half(n_values: int, h: int) -> list[int]:
-    """Indices of the accumulator values on a thread's row h (0: row r, 1: row r + 8); unrolled
-    at trace time."""
-    return [v for v in range(n_values) if (v // 2) % 2 == h]
 
 
 class FlexDecodeSm90:
-    def __init__(self, cfg: FlexDecodeConfig):
-        self.cfg = cfg
-        self.dtype = CUTE_DTYPES[cfg.dtype_name]
-        self.dqk, self.dv, self.kvb = cfg.head_dim_qk, cfg.head_dim_v, cfg.kv_block
-        self.group = cfg.q_per_kv
-        self.wgs = cfg.v_warpgroups
+    def __init__(self, problem: FlexDecodeProblem, config: FlexDecodeConfig):
+        self.problem, self.config = problem, config
+        self.dtype = CUTE_DTYPES[problem.dtype_name]
+        self.dqk, self.dv, self.kvb = problem.head_dim_qk, problem.head_dim_v, config.kv_block
+        self.wgs = config.v_warpgroups
         self.consumer_threads = 128 * self.wgs
         self.producer_regs = 40
         self.consumer_regs = 232 if self.wgs == 2 else 240
-        self.score_fn = make_score_fn(cfg.score_program, cfg.score_dtypes) if cfg.score_program else None
-        self.mask_fn = make_score_fn(cfg.mask_program, cfg.mask_dtypes, mask=True) if cfg.mask_program else None
-        self.sub_blocks = cfg.sparse_block // self.kvb  # kernel blocks per mask block
+        self.rows = PackGQA(problem.q_per_kv)
+        self.mods = ScoreMods(problem.score_program, problem.score_dtypes, problem.mask_program, problem.mask_dtypes,
+                              self.kvb, self.rows)
+        self.blocks = BlockSparse(problem.sparse_block, self.kvb)
+        self.combine = SplitCombine(self.dtype, self.dv)
 
     def _setup(self):
-        dt, st = self.dtype, self.cfg.stages
+        dt, st = self.dtype, self.config.stages
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         self.mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32, (1, 1, 1),
                                                         tiler_mn=(ROWS, self.kvb))
@@ -120,9 +116,10 @@ class FlexDecodeSm90:
                  mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor], mM2: Optional[cute.Tensor],
                  mM3: Optional[cute.Tensor], stream: cuda.CUstream):
         self._setup()
-        assert self.shared_storage.size_in_bytes() == smem_bytes(self.cfg)  # config_error budgets with it
-        self._check_acc_layout(self.mma_qk, (ROWS, self.kvb))
-        self._check_acc_layout(self.mma_pv, (ROWS, self.dv // self.wgs))
+        # config_error budgets with smem_bytes
+        assert self.shared_storage.size_in_bytes() == smem_bytes(self.problem, self.config)
+        check_acc_layout(self.mma_qk, (ROWS, self.kvb))
+        check_acc_layout(self.mma_pv, (ROWS, self.dv // self.wgs))
         # TMA views with the contiguous dim where each operand's MMA wants it:
         # K as (Lkv, Dqk, Hkv, B) (K-major B of S = Q K^T), V as (Dv, Lkv, Hkv, B) (MN-major B of O = P V)
         mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 3, 1, 0]))
@@ -133,14 +130,15 @@ class FlexDecodeSm90:
         tma_v, gV = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.slice_(self.sV_layout, (None, None, 0)),
                                                 (self.dv, self.kvb))
         batch, kv_heads, q_len = mQ.shape[0], mK.shape[1], mQ.shape[2]
-        row_tiles = cute.ceil_div(q_len * self.group, ROWS)
+        row_tiles = cute.ceil_div(self.rows.rows(q_len), ROWS)
         self.split_kernel(mQ, tma_k, gK, tma_v, gV, mKvLen, mOp, mLp, scale_log2, scale, mT0, mT1, mT2, mT3,
-                          mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.mma_qk, self.mma_pv, self.sQ_layout, self.sK_layout, self.sV_layout
+                          mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.mma_qk, self.mma_pv,
+                          self.sQ_layout, self.sK_layout, self.sV_layout
                           ).launch(grid=[row_tiles, mOp.shape[0], batch * kv_heads],
                                    block=[128 + self.consumer_threads, 1, 1], min_blocks_per_mp=1, stream=stream)
         rows = batch * mQ.shape[1] * q_len
         self.combine_kernel(mOp, mLp, mOut, mLse).launch(
-            grid=[cute.ceil_div(rows, COMBINE_WARPS), 1, 1], block=[32 * COMBINE_WARPS, 1, 1], stream=stream)
+            grid=self.combine.grid(rows), block=self.combine.block(), stream=stream)
 
     # ------------------------------------------------------------------------------ split kernel
     @cute.kernel
@@ -169,7 +167,7 @@ class FlexDecodeSm90:
         stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0))) + \
             cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
         kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_bars.data_ptr(), num_stages=self.cfg.stages,
+            barrier_storage=storage.kv_bars.data_ptr(), num_stages=self.config.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs),  # one arrive per warp
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
@@ -178,18 +176,15 @@ class FlexDecodeSm90:
         # The split's KV blocks: this batch's length cut into blocks (or the block mask's list of
         # partial then full blocks), dealt out evenly over splits.
         seq_len = gK_full.shape[0]
-        if const_expr(self.cfg.has_kv_len):
+        if const_expr(self.problem.has_kv_len):
             seq_len = cutlass.max(cutlass.min(mKvLen[b], seq_len), 0)
         n_blocks = cute.ceil_div(seq_len, self.kvb)
         n_partial = Int32(0)
         zm, hm = b, hkv
-        if const_expr(self.cfg.sparse_block > 0):
-            zm, hm = b % mKvNum.shape[0], hkv % mKvNum.shape[1]
-            n_partial = mKvNum[(zm, hm, 0)]
-            n_blocks = (n_partial + mFullNum[(zm, hm, 0)]) * self.sub_blocks
-        per_split = cute.ceil_div(n_blocks, mOp.shape[0])
-        first_block = split * per_split
-        my_blocks = cutlass.max(cutlass.min(n_blocks - first_block, per_split), 0)
+        if const_expr(self.blocks.enabled):  # query block 0: every query of a decode CTA is in it
+            zm, hm = self.blocks.mask_row(mKvNum, b, hkv)
+            n_partial, n_blocks = self.blocks.count(mKvNum, mFullNum, zm, hm, 0)
+        first_block, my_blocks = deal_over_splits(n_blocks, mOp.shape[0], split)
         cute.arch.sync_threads()
 
         # ================================================================ producer
@@ -202,9 +197,9 @@ class FlexDecodeSm90:
                                                    cute.group_modes(gK, 0, 2))
                 tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                                    cute.group_modes(gV, 0, 2))
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.stages)
                 for i in range(my_blocks):
-                    blk, _ = self._block_at(first_block + i, n_partial, zm, hm, mKvIdx, mFullIdx)
+                    blk, _ = self.blocks.block_at(first_block + i, n_partial, zm, hm, 0, mKvIdx, mFullIdx)
                     kv_pipe.producer_acquire(state)
                     bar = kv_pipe.producer_get_barrier(state)
                     cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b)], tKsK[(None, state.index)], tma_bar_ptr=bar)
@@ -216,7 +211,7 @@ class FlexDecodeSm90:
         if wg_idx > 0:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             ctid = tidx - 128  # thread index among the consumers
-            n_rows = mQ.shape[2] * self.group
+            n_rows = self.rows.rows(mQ.shape[2])
             row0 = row_tile * ROWS
             self._load_q(mQ, sQ, ctid, b, hkv, row0, n_rows)
 
@@ -231,19 +226,16 @@ class FlexDecodeSm90:
             acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
             acc_o.fill(0.0)
             r_p = cute.make_rmem_tensor(tScS.shape, self.dtype)
-            tOrP = cute.make_tensor(r_p.iterator, self._acc_as_operand_a(acc_s.layout))
+            tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(acc_s.layout))
             # Each thread holds two rows of S and O (r and r + 8 of its warp's 16); value v of a
             # fragment belongs to row half (v // 2) % 2 (checked at trace time in __call__).
-            row_max = cute.make_rmem_tensor((2,), Float32)
-            row_sum = cute.make_rmem_tensor((2,), Float32)
-            row_max.fill(NEG_INF)
-            row_sum.fill(0.0)
+            row_max, row_sum = softmax_state()
 
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
             for i in range(my_blocks):
-                blk, partial = self._block_at(first_block + i, n_partial, zm, hm, mKvIdx, mFullIdx)
+                blk, partial = self.blocks.block_at(first_block + i, n_partial, zm, hm, 0, mKvIdx, mFullIdx)
                 kv_pipe.consumer_wait(state)
-                if const_expr(self.cfg.has_kv_len):
+                if const_expr(self.problem.has_kv_len):
                     if (blk + 1) * self.kvb > seq_len:  # a mask's block may lie wholly past the end
                         self._zero_v_tail(sV, state.index, cutlass.max(seq_len - blk * self.kvb, 0), ctid)
                 warpgroup.fence()
@@ -252,28 +244,10 @@ class FlexDecodeSm90:
                     cute.gemm(mma_qk, acc_s, tSrQ[(None, None, kb)], tSrK[(None, None, kb, state.index)], acc_s)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                # scale (or score_mod) before masking: a negative scale would turn a masked -inf into +inf
-                # score_mod and mask_mod only on a thread's real rows: a decode tile's 64 rows are
-                # mostly padding (8 real with 8 query heads per KV head), and the mods are per-element
-                # work (a softcap: 4 MUFU ops) that the padding would multiply
-                if const_expr(self.score_fn is None):
-                    acc_s.store(acc_s.load() * scale_log2)
-                else:
-                    for h in cutlass.range_constexpr(2):
-                        if row0 + tScS[0][0] + 8 * h < n_rows:
-                            self._apply_score_mod(acc_s, tScS, scale, b, hkv, row0, blk, (mT0, mT1, mT2, mT3), h)
-                if const_expr(self.mask_fn is not None):
-                    if partial:  # full blocks are known unmasked: torch skips their mask_mod too
-                        for h in cutlass.range_constexpr(2):
-                            if row0 + tScS[0][0] + 8 * h < n_rows:
-                                self._apply_mask_mod(acc_s, tScS, b, hkv, row0, blk, (mM0, mM1, mM2, mM3), h)
-
-                # only the block that holds the end of the sequence has columns to mask
-                if (blk + 1) * self.kvb > seq_len:
-                    for v in cutlass.range(cute.size(acc_s), unroll_full=True):
-                        if blk * self.kvb + tScS[v][1] >= seq_len:
-                            acc_s[v] = Float32(NEG_INF)
-                self._online_softmax(acc_s, acc_o, row_max, row_sum)
+                self.mods.apply(acc_s, tScS, scale_log2, scale, b, hkv, row0, n_rows, blk, partial,
+                                (mT0, mT1, mT2, mT3), (mM0, mM1, mM2, mM3))
+                mask_past_end(acc_s, tScS, self.kvb, blk, seq_len)
+                online_softmax(acc_s, acc_o, row_max, row_sum)
 
                 r_p.store(acc_s.load().to(self.dtype))
                 warpgroup.fence()
@@ -288,48 +262,6 @@ class FlexDecodeSm90:
             self._store_partials(acc_o, tOcO, row_max, row_sum, mOp, mLp, split, b, hkv, row0, n_rows)
 
     @cute.jit
-    def _block_at(self, j: Int32, n_partial: Int32, zm: Int32, hm: Int32, mKvIdx: Optional[cute.Tensor],
-                  mFullIdx: Optional[cute.Tensor]):
-        """(kernel block index in kv_block units, whether it is a partial block) of entry j of the
-        CTA's block list: j itself without a block mask (every block partial), else sub-block
-        j % sub_blocks of the (j // sub_blocks)-th mask block, partial ones first."""
-        blk, partial = j, True
-        if const_expr(self.cfg.sparse_block > 0):
-            entry, sub = j // self.sub_blocks, j % self.sub_blocks
-            partial = entry < n_partial
-            idx = Int32(0)
-            if partial:
-                idx = mKvIdx[(zm, hm, 0, entry)]
-            else:
-                idx = mFullIdx[(zm, hm, 0, entry - n_partial)]
-            blk = idx * self.sub_blocks + sub
-        return blk, partial
-
-    def _apply_mask_mod(self, acc_s: cute.Tensor, tScS: cute.Tensor, b: Int32, hkv: Int32, row0: Int32,
-                        blk: Int32, tensors: tuple, half: int):
-        """x = -inf where mask_mod(b, h, q, kv) is False, per element of the thread's row `half`
-        (unrolled at trace time), with the element's indices as in _apply_score_mod."""
-        tensors = [t for t in tensors if t is not None]
-        for v in _row_half(cute.size(acc_s), half):
-            p = row0 + tScS[v][0]
-            head, pos = hkv * self.group + p % self.group, p // self.group
-            keep = self.mask_fn(b, head, pos, blk * self.kvb + tScS[v][1], tensors)
-            acc_s[v] = Float32(cutlass.select_(keep, acc_s[v], Float32(NEG_INF)))
-
-    def _apply_score_mod(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale: Float32, b: Int32, hkv: Int32,
-                         row0: Int32, blk: Int32, tensors: tuple, half: int):
-        """x = score_mod(s * scale, b, h, q, kv) * log2(e) per element of the thread's row `half`,
-        unrolled at trace time. The element's query head and position come from its packed row (as
-        in _store_partials), its key from the block's column. Padding columns get scores too, never
-        used; padding rows are skipped by the caller and keep raw scores, never stored."""
-        tensors = [t for t in tensors if t is not None]
-        for v in _row_half(cute.size(acc_s), half):
-            p = row0 + tScS[v][0]
-            head, pos = hkv * self.group + p % self.group, p // self.group
-            x = self.score_fn(acc_s[v] * scale, b, head, pos, blk * self.kvb + tScS[v][1], tensors)
-            acc_s[v] = x * LOG2E
-
-    @cute.jit
     def _zero_v_tail(self, sV: cute.Tensor, stage: Int32, valid: Int32, ctid: Int32):
         """Zero the stage's V rows at and past `valid`: with a per-batch kv_len they hold real
         memory (the tensor's bound is the padded length), and P = 0 times a NaN or Inf there
@@ -340,7 +272,8 @@ class FlexDecodeSm90:
             sV_stage[(idx % self.dv, valid + idx // self.dv)] = self.dtype(0.0)
         # generic-proxy stores, read next by WGMMA through the async proxy
         cute.arch.fence_proxy("async.shared", space="cta")
-        pipeline.NamedBarrier(barrier_id=1, num_threads=self.consumer_threads).arrive_and_wait()
+        pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS,
+                              num_threads=self.consumer_threads).arrive_and_wait()
 
     @cute.jit
     def _load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, ctid: Int32, b: Int32, hkv: Int32, row0: Int32,
@@ -358,7 +291,8 @@ class FlexDecodeSm90:
         for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
             p = row0 + tQcQ[(0, m, 0)][0]
             if p < n_rows:
-                row = mQ[(b, hkv * self.group + p % self.group, p // self.group, None)]
+                head, pos = self.rows.unpack(p, hkv)
+                row = mQ[(b, head, pos, None)]
                 row = cute.make_tensor(cute.make_ptr(self.dtype, row.iterator.toint(), cute.AddressSpace.gmem,
                                                      assumed_align=16), cute.make_layout(self.dqk))
                 row_vecs = cute.tiled_divide(row, (vec,))
@@ -368,52 +302,8 @@ class FlexDecodeSm90:
         cute.arch.cp_async_wait_group(0)
         # cp.async writes through the generic proxy; WGMMA reads through the async proxy
         cute.arch.fence_proxy("async.shared", space="cta")
-        pipeline.NamedBarrier(barrier_id=1, num_threads=self.consumer_threads).arrive_and_wait()
-
-    @staticmethod
-    def _acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
-        """The S accumulator ((2, 2, N/8), 1, 1) seen as P, the A operand of a k16 WGMMA:
-        ((2, 2, 2), 1, N/16). A k-block's 8 values are two neighbouring 8-column groups of the
-        accumulator, in the order WGMMA's register fragment expects."""
-        v = acc_layout.shape[0][2]
-        assert cute.size(acc_layout) == 4 * v and v % 2 == 0
-        return cute.make_layout(((2, 2, 2), 1, v // 2), stride=((1, 2, 4), 0, 8))
-
-    @staticmethod
-    def _check_acc_layout(mma: cute.TiledMma, tile):
-        # Trace time, on thread 0's static coordinates: value v of an accumulator sits on row
-        # 8 * ((v // 2) % 2) and column v % 2 + 8 * (v // 4), what the softmax row halves and
-        # _acc_as_operand_a rely on.
-        coords = mma.get_slice(0).partition_C(cute.make_identity_tensor(tile))
-        for v in range(cute.size(coords)):
-            assert tuple(coords[v]) == (8 * ((v // 2) % 2), v % 2 + 8 * (v // 4)), "unexpected WGMMA accumulator layout"
-
-    @cute.jit
-    def _online_softmax(self, acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor,
-                        row_sum: cute.Tensor):
-        """acc_s (already x = s * scale * log2(e), masked) becomes P = 2^(x - m) with m the running
-        row max; acc_o and the per-thread partial row sums are rescaled by 2^(m_old - m)."""
-        n_s, n_o = cute.size(acc_s), cute.size(acc_o)
-        for h in cutlass.range_constexpr(2):
-            m = row_max[h]
-            for v in _row_half(n_s, h):
-                m = cute.arch.fmax(m, acc_s[v])
-            # the 4 threads of a quad hold one row between them
-            m = cute.arch.warp_reduction(m, cute.arch.fmax, threads_in_group=4)
-            # a row with nothing unmasked yet keeps m = -inf; 0 avoids (-inf) - (-inf)
-            base = m
-            if m == NEG_INF:
-                base = Float32(0.0)
-            correction = cute.math.exp2(row_max[h] - base, fastmath=True)
-            row_max[h] = m
-            part = row_sum[h] * correction
-            for v in _row_half(n_s, h):
-                p = cute.math.exp2(acc_s[v] - base, fastmath=True)
-                acc_s[v] = p
-                part += p
-            row_sum[h] = part
-            for v in _row_half(n_o, h):
-                acc_o[v] = acc_o[v] * correction
+        pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS,
+                              num_threads=self.consumer_threads).arrive_and_wait()
 
     @cute.jit
     def _store_partials(self, acc_o: cute.Tensor, tOcO: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
@@ -422,17 +312,12 @@ class FlexDecodeSm90:
         """O_s = acc / rowsum and lse_s = m + log2(rowsum) for the tile's real rows; an empty row
         (empty split, or everything masked) gives O_s = 0 and lse_s = -inf."""
         for h in cutlass.range_constexpr(2):
-            total = cute.arch.warp_reduction(row_sum[h], operator.add, threads_in_group=4)
-            inv = Float32(0.0)
-            lse2 = Float32(NEG_INF)
-            if total != 0.0:  # NaN too: it reaches the lse
-                inv = 1.0 / total
-                lse2 = row_max[h] + cute.math.log2(total, fastmath=True)
+            inv, lse2 = softmax_finalize(row_max, row_sum, h)
             p = row0 + tOcO[0][0] + 8 * h
             if p < n_rows:
-                head, pos = hkv * self.group + p % self.group, p // self.group
+                head, pos = self.rows.unpack(p, hkv)
                 o_row = mOp[(split, b, head, pos, None)]
-                for v in _row_half(cute.size(acc_o), h):
+                for v in row_half(cute.size(acc_o), h):
                     o_row[tOcO[v][1]] = acc_o[v] * inv
                 if tOcO[0][1] == 0:  # one thread per row, in the first consumer warp group
                     mLp[(split, b, head, pos)] = lse2
@@ -440,55 +325,18 @@ class FlexDecodeSm90:
     # ------------------------------------------------------------------------------ combine kernel
     @cute.kernel
     def combine_kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
-        splits, batch, heads, q_len = mOp.shape[0], mOp.shape[1], mOp.shape[2], mOp.shape[3]
-        row = bidx * COMBINE_WARPS + tidx // 32
-        if row < batch * heads * q_len:
-            pos = row % q_len
-            head = (row // q_len) % heads
-            b = row // (q_len * heads)
-            m = Float32(NEG_INF)
-            for s in range(lane, splits, 32):
-                m = cute.arch.fmax(m, mLp[(s, b, head, pos)])
-            m = cute.arch.warp_reduction(m, cute.arch.fmax)
-            base = m
-            if m == NEG_INF:
-                base = Float32(0.0)
-            total = Float32(0.0)
-            for s in range(lane, splits, 32):
-                total += cute.math.exp2(mLp[(s, b, head, pos)] - base, fastmath=True)
-            total = cute.arch.warp_reduction(total, operator.add)
-            # weights 2^(lse_s - lse) sum to 1; with no split holding anything, all are 2^-inf = 0
-            lse2 = Float32(NEG_INF)
-            norm = Float32(0.0)
-            if total != 0.0:  # NaN too: it reaches the lse
-                lse2 = base + cute.math.log2(total, fastmath=True)
-                norm = lse2
-            cols = self.dv // 32
-            acc = cute.make_rmem_tensor((cols,), Float32)
-            acc.fill(0.0)
-            for s in range(splits):
-                w = cute.math.exp2(mLp[(s, b, head, pos)] - norm, fastmath=True)
-                part = cute.local_tile(mOp[(s, b, head, pos, None)], (cols,), (lane,))
-                acc.store(acc.load() + part.load() * w)
-            out = cute.local_tile(mOut[(b, head, pos, None)], (cols,), (lane,))
-            out.store(acc.load().to(self.dtype))
-            if lane == 0:
-                mLse[(b, head, pos)] = lse2 * LN2
+        self.combine.run(mOp, mLp, mOut, mLse)
 
 
-def build(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_warpgroups, has_kv_len,
-          score_program="", score_dtypes=(), mask_program="", mask_dtypes=(), sparse_block=0):
-    """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
-    cfg = FlexDecodeConfig(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_warpgroups,
-                           has_kv_len, score_program, tuple(score_dtypes), mask_program, tuple(mask_dtypes),
-                           sparse_block)
-    err = config_error(cfg)
+def build(**params):
+    """(jit function, fake arguments) for cute.compile from a spec's parameters (flex_decode_config.spec);
+    see the module docstring for conventions."""
+    problem, config = from_params(params)
+    err = config_error(config, problem)
     if err:
         raise ValueError(err)
-    dt = CUTE_DTYPES[dtype_name]
+    head_dim_qk, head_dim_v = problem.head_dim_qk, problem.head_dim_v
+    dt = CUTE_DTYPES[problem.dtype_name]
     # One symbol per extent shared by every tensor, so the FFI checks that they agree.
     B, Hq, Hkv, Lq, Lkv, S = (cute.sym_int() for _ in range(6))
 
@@ -498,7 +346,7 @@ def build(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_war
     q = make_fake_tensor(dt, (B, Hq, Lq, head_dim_qk), stride=strides(), assumed_align=16)
     k = make_fake_tensor(dt, (B, Hkv, Lkv, head_dim_qk), stride=strides(), assumed_align=16)
     v = make_fake_tensor(dt, (B, Hkv, Lkv, head_dim_v), stride=strides(), assumed_align=16)
-    kv_len = make_fake_compact_tensor(cutlass.Int32, (B,)) if has_kv_len else None
+    kv_len = make_fake_compact_tensor(cutlass.Int32, (B,)) if problem.has_kv_len else None
     o_part = make_fake_compact_tensor(Float32, (S, B, Hq, Lq, head_dim_v), stride_order=(4, 3, 2, 1, 0),
                                       assumed_align=16)
     lse_part = make_fake_compact_tensor(Float32, (S, B, Hq, Lq), stride_order=(3, 2, 1, 0))
@@ -509,12 +357,13 @@ def build(head_dim_qk, head_dim_v, dtype_name, q_per_kv, kv_block, stages, v_war
                 + [None] * (MAX_TENSORS - len(dtypes)))
 
     block_mask = [None] * 4
-    if sparse_block:
+    if problem.sparse_block:
         Z, H, Qb, C, Cf = (cute.sym_int() for _ in range(5))
         block_mask = [make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
                       make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb, C), stride_order=(3, 2, 1, 0)),
                       make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
                       make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb, Cf), stride_order=(3, 2, 1, 0))]
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return FlexDecodeSm90(cfg), (q, k, v, kv_len, o_part, lse_part, out, lse, Float32(1.0), Float32(1.0),
-                                 *captured(cfg.score_dtypes), *block_mask, *captured(cfg.mask_dtypes), stream)
+    return FlexDecodeSm90(problem, config), (q, k, v, kv_len, o_part, lse_part, out, lse, Float32(1.0),
+                                             Float32(1.0), *captured(problem.score_dtypes), *block_mask,
+                                             *captured(problem.mask_dtypes), stream)

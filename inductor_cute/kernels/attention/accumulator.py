@@ -1,0 +1,32 @@
+"""Where a thread's values sit in an m64 WGMMA accumulator, what the softmax, the masks and the
+P V product of an attention kernel rely on.
+
+Each thread holds two rows of a 64-row tile (rows r and r + 8 of its warp's 16): value v belongs to
+row half (v // 2) % 2 and column v % 2 + 8 * (v // 4). `check_acc_layout` asserts it at trace time.
+"""
+
+import cutlass.cute as cute
+
+
+def row_half(n_values: int, h: int) -> list[int]:
+    """Indices of the accumulator values on a thread's row h (0: row r, 1: row r + 8); unrolled
+    at trace time."""
+    return [v for v in range(n_values) if (v // 2) % 2 == h]
+
+
+def check_acc_layout(mma: cute.TiledMma, tile):
+    # Trace time, on thread 0's static coordinates: value v of an accumulator sits on row
+    # 8 * ((v // 2) % 2) and column v % 2 + 8 * (v // 4), what the softmax row halves and
+    # acc_as_operand_a rely on.
+    coords = mma.get_slice(0).partition_C(cute.make_identity_tensor(tile))
+    for v in range(cute.size(coords)):
+        assert tuple(coords[v]) == (8 * ((v // 2) % 2), v % 2 + 8 * (v // 4)), "unexpected WGMMA accumulator layout"
+
+
+def acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
+    """The S accumulator ((2, 2, N/8), 1, 1) seen as P, the A operand of a k16 WGMMA:
+    ((2, 2, 2), 1, N/16). A k-block's 8 values are two neighbouring 8-column groups of the
+    accumulator, in the order WGMMA's register fragment expects."""
+    v = acc_layout.shape[0][2]
+    assert cute.size(acc_layout) == 4 * v and v % 2 == 0
+    return cute.make_layout(((2, 2, 2), 1, v // 2), stride=((1, 2, 4), 0, 8))

@@ -1,0 +1,72 @@
+"""Online softmax over the rows of m64 WGMMA accumulators, in fp32 registers with exp2.
+
+Scores arrive in log2 units (x = score * LOG2E from units.py, the scale folded into the same
+multiply) and masked entries as -inf. Per row a thread keeps the running max m and its own part
+of the running sum l (the four threads of a quad hold one row between them; `softmax_finalize`
+adds the parts). Each new S tile becomes P = 2^(x - m) in place, and the O accumulator and l are
+rescaled by 2^(m_old - m). At the end O / l is the row's output and m + log2(l) its logsumexp in
+log2 units.
+
+Works for any S and O tile widths (kernel blocks, head dims); the rows are the accumulator's two
+per thread (accumulator.py), so a kernel with more rows per warp group keeps one state per
+m64 tile.
+"""
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .accumulator import row_half
+from .units import NEG_INF
+
+
+def softmax_state():
+    """(row_max, row_sum) of one thread's two rows in registers, before any score: (-inf, 0).
+    Kept by the kernel as two local tensors: a run-time loop cannot carry a Python object holding them."""
+    row_max = cute.make_rmem_tensor((2,), Float32)
+    row_sum = cute.make_rmem_tensor((2,), Float32)
+    row_max.fill(NEG_INF)
+    row_sum.fill(0.0)
+    return row_max, row_sum
+
+
+@cute.jit
+def online_softmax(acc_s: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor):
+    """acc_s (already x = s * scale * log2(e), masked) becomes P = 2^(x - m) with m the running
+    row max; acc_o and the per-thread partial row sums are rescaled by 2^(m_old - m)."""
+    n_s, n_o = cute.size(acc_s), cute.size(acc_o)
+    for h in cutlass.range_constexpr(2):
+        m = row_max[h]
+        for v in row_half(n_s, h):
+            m = cute.arch.fmax(m, acc_s[v])
+        # the 4 threads of a quad hold one row between them
+        m = cute.arch.warp_reduction(m, cute.arch.fmax, threads_in_group=4)
+        # a row with nothing unmasked yet keeps m = -inf; 0 avoids (-inf) - (-inf)
+        base = m
+        if m == NEG_INF:
+            base = Float32(0.0)
+        correction = cute.math.exp2(row_max[h] - base, fastmath=True)
+        row_max[h] = m
+        part = row_sum[h] * correction
+        for v in row_half(n_s, h):
+            p = cute.math.exp2(acc_s[v] - base, fastmath=True)
+            acc_s[v] = p
+            part += p
+        row_sum[h] = part
+        for v in row_half(n_o, h):
+            acc_o[v] = acc_o[v] * correction
+
+
+@cute.jit
+def softmax_finalize(row_max: cute.Tensor, row_sum: cute.Tensor, h):
+    """(1 / l, m + log2(l)) of row half h: the factor that normalises the row's O and its
+    logsumexp in log2 units; a row with nothing to attend to (l = 0) gives (0, -inf)."""
+    total = cute.arch.warp_reduction(row_sum[h], operator.add, threads_in_group=4)
+    inv = Float32(0.0)
+    lse2 = Float32(NEG_INF)
+    if total != 0.0:  # NaN too: it reaches the lse
+        inv = 1.0 / total
+        lse2 = row_max[h] + cute.math.log2(total, fastmath=True)
+    return inv, lse2
