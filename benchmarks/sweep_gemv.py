@@ -16,8 +16,8 @@ import torch
 from inductor_cute import ops
 from inductor_cute.bench.timing import measure_ceilings, time_us
 from inductor_cute.kernels.gemm.config import GemmProblem
-from inductor_cute.kernels.gemm.gemv_config import (GemvConfig, config_error, default_config, gemv_spec, splits,
-                                               workspace_sizes)
+from inductor_cute.kernels.gemm.gemv_config import (GemvConfig, default_config, spec, splits, unsupported_reason,
+                                                    workspace_sizes)
 from inductor_cute.runtime import get_kernel, precompile
 
 DECODE = [(16, 4096, 4096), (8, 4096, 4096), (8, 14336, 4096), (8, 6144, 4096), (8, 4096, 14336), (1, 4096, 4096)]
@@ -26,7 +26,7 @@ BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
 
 def candidates(m, n, k, sms, quick):
     """The heuristic's pick and its neighbours: warps, stages and a range of K splits."""
-    pick = default_config(m, n, k, sms)
+    pick = default_config(BF16, m, n, k, num_sms=sms)
     out = [pick]
     warps, stages = ((4,), (4, 8)) if quick else ((4, 8), (3, 4, 6, 8))
     for w in warps:
@@ -34,7 +34,7 @@ def candidates(m, n, k, sms, quick):
             for s in (1, 2, 4, 8, 12, 16, 24):
                 ks = -(-k // s // 32) * 32
                 cfg = GemvConfig(w, ks, st, pick.m_tiles)
-                if cfg not in out and config_error(cfg, BF16, m=m, k=k) is None:
+                if cfg not in out and unsupported_reason(BF16, cfg, m=m, k=k) is None:
                     out.append(cfg)
     return pick, out
 
@@ -43,7 +43,7 @@ def launcher(a, w, out, cfg):
     partials, n_counters = workspace_sizes(w.shape[0], a.shape[1], cfg)
     partials = torch.empty(partials, device="cuda", dtype=torch.float32)
     counters = torch.zeros(n_counters, device="cuda", dtype=torch.int32)
-    kernel = get_kernel(gemv_spec(BF16, cfg))
+    kernel = get_kernel(spec(BF16, cfg))
     return lambda: kernel(a, w, out, None, None, partials, counters, 1.0, 0.0)
 
 
@@ -52,7 +52,7 @@ def main(mode):
     ceil = measure_ceilings()
     print(f"ceilings {ceil}", flush=True)
     plans = [(shape, *candidates(*shape, sms, mode == "quick")) for shape in DECODE]
-    precompile(list({gemv_spec(BF16, c) for _, _, cfgs in plans for c in cfgs}))
+    precompile(list({spec(BF16, c) for _, _, cfgs in plans for c in cfgs}))
     for (m, n, k), pick, cfgs in plans:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)

@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from inductor_cute.inductor.gemm.epilogue import translate
 from inductor_cute.kernels.common.programs.epilogue import dumps, evaluate, loads, reference_ops
-from inductor_cute.kernels.gemm.config import GemmConfig, GemmProblem, gemm_spec, problem_error
+from inductor_cute.kernels.gemm.config import GemmConfig, GemmProblem, spec, unsupported_reason
 from inductor_cute.runtime.compiler import compile_spec
 
 
@@ -214,16 +214,16 @@ def test_program_validation_names_the_problem():
         loads("[]")
     program = dumps([["v0", "add", "acc", "row"]])
     ok = GemmProblem("bfloat16", "bfloat16", "k", "k", has_bias=True, epilogue=program)
-    assert problem_error(ok) is None
-    assert "must match" in problem_error(GemmProblem("bfloat16", "bfloat16", "k", "k", epilogue=program))
-    assert "cannot be combined" in problem_error(GemmProblem("bfloat16", "bfloat16", "k", "k", True, False, "relu",
-                                                            program))
+    assert unsupported_reason(ok) is None
+    assert "must match" in unsupported_reason(GemmProblem("bfloat16", "bfloat16", "k", "k", epilogue=program))
+    assert "cannot be combined" in unsupported_reason(GemmProblem("bfloat16", "bfloat16", "k", "k", True, False,
+                                                                  "relu", program))
 
 
 def test_a_translated_program_compiles_into_the_gemm():
     epi, _, _ = lowered(FUSABLE["bias+gelu_tanh"][0], A, B, ROW)
     problem = GemmProblem("bfloat16", "bfloat16", "k", "k", has_bias=True, epilogue=epi.program)
-    compiled = compile_spec(gemm_spec(problem, GemmConfig(128, 128, 64, 1, 1, 4, 2, True)), "sm_90a", keep_ptx=True)
+    compiled = compile_spec(spec(problem, GemmConfig(128, 128, 64, 1, 1, 4, 2, True)), "sm_90a", keep_ptx=True)
     assert "tanh.approx" in compiled.ptx and "wgmma.mma_async" in compiled.ptx
     assert "0 bytes spill stores" in compiled.ptxas_report
 

@@ -5,16 +5,16 @@ import re
 
 import pytest
 
-from inductor_cute.kernels.gemm.config import (GemmConfig, GemmProblem, config_error, default_config, gemm_spec,
-                                               smem_bytes)
+from inductor_cute.kernels.gemm.config import (GemmConfig, GemmProblem, default_config, smem_bytes, spec,
+                                               unsupported_reason)
 from inductor_cute.runtime.compiler import compile_spec
 
 BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
 SMALL = GemmConfig(128, 128, 64, 1, 1, 3, 2, False)
 
 VARIANTS = {
-    "large-persistent-cluster2x1": (BF16, default_config(8192, 8192, BF16)),
-    "small-m-one-warpgroup": (BF16, default_config(16, 4096, BF16)),
+    "large-persistent-cluster2x1": (BF16, default_config(BF16, 8192, 8192, 8192)),
+    "small-m-one-warpgroup": (BF16, default_config(BF16, 16, 4096, 4096)),
     "a-col-major-b-n-major": (GemmProblem("bfloat16", "bfloat16", "m", "n"), SMALL),
     "a-row-major-b-n-major": (GemmProblem("float16", "float16", "k", "n"), SMALL),
     "a-col-major-b-k-major": (GemmProblem("float16", "float32", "m", "k"), SMALL),
@@ -31,7 +31,7 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def compiled(request):
     problem, config = VARIANTS[request.param]
-    return compile_spec(gemm_spec(problem, config), "sm_90a", keep_ptx=True)
+    return compile_spec(spec(problem, config), "sm_90a", keep_ptx=True)
 
 
 def test_uses_wgmma_tma_and_register_reallocation(compiled):
@@ -52,51 +52,51 @@ def test_ptxas_reports_no_spills_and_no_stack(compiled):
 def test_cluster_variant_multicasts():
     problem, config = VARIANTS["large-persistent-cluster2x1"]
     assert config.cluster_m == 2
-    ptx = compile_spec(gemm_spec(problem, config), "sm_90a", keep_ptx=True).ptx
+    ptx = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True).ptx
     assert ".multicast::cluster" in ptx
 
 
 def test_pingpong_warp_groups_hand_turns_over():
     problem, config = VARIANTS["pingpong-bias-residual-gelu"]
-    ptx = compile_spec(gemm_spec(problem, config), "sm_90a", keep_ptx=True).ptx
+    ptx = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True).ptx
     # slot 1 hands slot 0 its first mainloop (barrier 3) and epilogue (barrier 5) turns
     assert re.search(r"bar\.arrive\s+3, 256;", ptx) and re.search(r"bar\.arrive\s+5, 256;", ptx)
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 def test_default_configs_fit_and_follow_the_shape():
-    big, small = default_config(8192, 8192, BF16), default_config(16, 4096, BF16)
+    big, small = default_config(BF16, 8192, 8192, 8192), default_config(BF16, 16, 4096, 4096)
     assert (big.tile_m, big.tile_n, big.persistent) == (128, 256, True)
     assert small.tile_m == 64 and small.consumer_warpgroups == 1
     for cfg in (big, small):
-        assert config_error(cfg, BF16) is None
+        assert unsupported_reason(BF16, cfg) is None
         assert smem_bytes(cfg, 2, 2, False) <= 227 * 1024
 
 
 def test_invalid_configs_are_named():
-    assert "shared memory" in config_error(GemmConfig(128, 256, 128, 1, 1, 8, 2, True), BF16)
-    assert "tile_m" in config_error(GemmConfig(96, 128, 64, 1, 1, 4, 2, True), BF16)
-    assert "cluster" in config_error(GemmConfig(128, 128, 64, 4, 4, 4, 2, True), BF16)
+    assert "shared memory" in unsupported_reason(BF16, GemmConfig(128, 256, 128, 1, 1, 8, 2, True))
+    assert "tile_m" in unsupported_reason(BF16, GemmConfig(96, 128, 64, 1, 1, 4, 2, True))
+    assert "cluster" in unsupported_reason(BF16, GemmConfig(128, 128, 64, 4, 4, 4, 2, True))
 
 
 def test_invalid_pingpong_configs_are_named():
-    assert "consumer_warpgroups=2" in config_error(GemmConfig(128, 128, 64, 1, 1, 4, 1, True, True), BF16)
-    assert "persistent" in config_error(GemmConfig(128, 128, 64, 1, 1, 4, 2, False, True), BF16)
-    assert "tile_m" in config_error(GemmConfig(256, 64, 64, 1, 1, 4, 2, True, True), BF16)
-    assert "accumulator" in config_error(GemmConfig(128, 256, 64, 1, 1, 3, 2, True, True), BF16)
+    assert "consumer_warpgroups=2" in unsupported_reason(BF16, GemmConfig(128, 128, 64, 1, 1, 4, 1, True, True))
+    assert "persistent" in unsupported_reason(BF16, GemmConfig(128, 128, 64, 1, 1, 4, 2, False, True))
+    assert "tile_m" in unsupported_reason(BF16, GemmConfig(256, 64, 64, 1, 1, 4, 2, True, True))
+    assert "accumulator" in unsupported_reason(BF16, GemmConfig(128, 256, 64, 1, 1, 3, 2, True, True))
     # each ping-pong warp group stages its own D subtiles: twice what one 64-row warp group needs
     fp32_out = GemmProblem("bfloat16", "float32", "k", "k")
-    assert config_error(GemmConfig(64, 256, 64, 1, 1, 5, 1, True), fp32_out) is None
-    assert "shared memory" in config_error(GemmConfig(64, 256, 64, 1, 1, 5, 2, True, True), fp32_out)
+    assert unsupported_reason(fp32_out, GemmConfig(64, 256, 64, 1, 1, 5, 1, True)) is None
+    assert "shared memory" in unsupported_reason(fp32_out, GemmConfig(64, 256, 64, 1, 1, 5, 2, True, True))
     for tile in ((128, 128), (64, 256), (64, 192), (128, 96), (64, 128)):
-        assert config_error(GemmConfig(*tile, 64, 1, 1, 4, 2, True, True), BF16) is None
+        assert unsupported_reason(BF16, GemmConfig(*tile, 64, 1, 1, 4, 2, True, True)) is None
     fp32_residual = GemmProblem("float16", "float32", "m", "n", has_c=True)
-    assert "fp32 C operand" in config_error(GemmConfig(128, 96, 64, 1, 1, 4, 2, True, True), fp32_residual)
+    assert "fp32 C operand" in unsupported_reason(fp32_residual, GemmConfig(128, 96, 64, 1, 1, 4, 2, True, True))
 
 
 def test_pingpong_is_part_of_the_kernel_spec():
     plain, pingpong = GemmConfig(128, 128, 64, 1, 1, 4, 2, True), GemmConfig(128, 128, 64, 1, 1, 4, 2, True, True)
-    assert gemm_spec(BF16, plain).name != gemm_spec(BF16, pingpong).name
+    assert spec(BF16, plain).name != spec(BF16, pingpong).name
 
 
 def test_mm_refuses_cpu_tensors():

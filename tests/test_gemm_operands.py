@@ -81,13 +81,15 @@ def test_plan_reads_linear_weights_in_place_and_defaults_beta(monkeypatch):
 
 def test_up_to_16_rows_against_a_linear_weight_run_the_gemv(monkeypatch):
     from inductor_cute.kernels.gemm.config import GemmConfig
+    from inductor_cute.kernels.gemm.config import GemmProblem
     from inductor_cute.kernels.gemm.gemv_config import GemvConfig, default_config
 
     w = torch.randn(4096, 4096, dtype=torch.bfloat16)
     for m in (1, 7, 16):
         a, c = torch.randn(1, m, 4096, dtype=torch.bfloat16), torch.randn(1, m, 4096, dtype=torch.bfloat16)
         plan, args, _ = _plan(monkeypatch, a, w.t().unsqueeze(0), None, c, 1.0, None, "identity", None, None)
-        assert plan[1] == default_config(m, 4096, 4096, 132)
+        assert plan[1] == default_config(GemmProblem("bfloat16", "bfloat16", "k", "k", has_c=True), m, 4096, 4096,
+                                         num_sms=132)
         assert plan[3] == (4 * 4096 // 128 * 256 * 4 * plan[1].m_tiles, 4096 // 128, True)  # 4 K splits
         # the kernel's 2-D operands: A (M, K), W (N, K) read in place, D and C (M, N)
         assert [t.shape for t in args[:4]] == [(m, 4096), (4096, 4096), (m, 4096), (m, 4096)]

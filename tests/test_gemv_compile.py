@@ -8,8 +8,8 @@ import pytest
 
 from inductor_cute.kernels.common.programs.epilogue import dumps
 from inductor_cute.kernels.gemm.config import GemmProblem
-from inductor_cute.kernels.gemm.gemv_config import (MAX_REGISTERS, GemvConfig, candidate_configs, config_error,
-                                               default_config, gemv_spec, splits, unsupported_reason, workspace_sizes)
+from inductor_cute.kernels.gemm.gemv_config import (MAX_REGISTERS, GemvConfig, candidates, default_config, spec, splits,
+                                                    unsupported_reason, workspace_sizes)
 from inductor_cute.runtime.compiler import compile_spec
 
 BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
@@ -34,7 +34,7 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def compiled(request):
     problem, config = VARIANTS[request.param]
-    return compile_spec(gemv_spec(problem, config), "sm_90a", keep_ptx=True)
+    return compile_spec(spec(problem, config), "sm_90a", keep_ptx=True)
 
 
 def test_streams_w_with_cp_async_and_feeds_mma_sync(compiled):
@@ -65,30 +65,30 @@ def test_ptxas_reports_no_spills_and_fits_the_register_cap(compiled):
 def test_token_tiles_issue_one_mma_pair_each():
     for name, pairs in (("bf16-m8", 1), ("bf16-m16", 2)):
         problem, config = VARIANTS[name]
-        ptx = compile_spec(gemv_spec(problem, config), "sm_90a", keep_ptx=True).ptx
+        ptx = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True).ptx
         assert ptx.count("mma.sync.aligned") == 2 * pairs
 
 
 def test_problems_outside_the_kernel_are_named():
-    assert unsupported_reason(8, 4096, 4096, BF16) is None
-    assert "M in 1..16" in unsupported_reason(17, 4096, 4096, BF16)
-    assert "M in 1..16" in unsupported_reason(0, 4096, 4096, BF16)
-    assert "multiples of 8" in unsupported_reason(8, 4100, 4096, BF16)
-    assert "multiples of 8" in unsupported_reason(8, 4096, 1001, BF16)
-    assert "row-major W" in unsupported_reason(8, 4096, 4096, GemmProblem("bfloat16", "bfloat16", "k", "n"))
-    assert "row-major W" in unsupported_reason(8, 4096, 4096, GemmProblem("bfloat16", "bfloat16", "m", "k"))
-    assert "dtype" in unsupported_reason(8, 4096, 4096, GemmProblem("float32", "float32", "k", "k"))
+    assert unsupported_reason(BF16, m=8, n=4096, k=4096) is None
+    assert "M in 1..16" in unsupported_reason(BF16, m=17, n=4096, k=4096)
+    assert "M in 1..16" in unsupported_reason(BF16, m=0, n=4096, k=4096)
+    assert "multiples of 8" in unsupported_reason(BF16, m=8, n=4100, k=4096)
+    assert "multiples of 8" in unsupported_reason(BF16, m=8, n=4096, k=1001)
+    assert "row-major W" in unsupported_reason(GemmProblem("bfloat16", "bfloat16", "k", "n"), m=8, n=4096, k=4096)
+    assert "row-major W" in unsupported_reason(GemmProblem("bfloat16", "bfloat16", "m", "k"), m=8, n=4096, k=4096)
+    assert "dtype" in unsupported_reason(GemmProblem("float32", "float32", "k", "k"), m=8, n=4096, k=4096)
 
 
 def test_invalid_configs_are_named():
-    assert config_error(GemvConfig(), BF16) is None
-    assert "warps" in config_error(GemvConfig(warps=3), BF16)
-    assert "m_tiles" in config_error(GemvConfig(m_tiles=3), BF16)
-    assert "k_slice" in config_error(GemvConfig(k_slice=100), BF16)
-    assert "stages" in config_error(GemvConfig(stages=1), BF16)
-    assert "shared memory" in config_error(GemvConfig(k_slice=8192, m_tiles=2), BF16)
-    assert "m_tiles=2" in config_error(GemvConfig(m_tiles=1), BF16, m=9)
-    assert "splits" in config_error(GemvConfig(k_slice=32), BF16, k=4096)
+    assert unsupported_reason(BF16, GemvConfig()) is None
+    assert "warps" in unsupported_reason(BF16, GemvConfig(warps=3))
+    assert "m_tiles" in unsupported_reason(BF16, GemvConfig(m_tiles=3))
+    assert "k_slice" in unsupported_reason(BF16, GemvConfig(k_slice=100))
+    assert "stages" in unsupported_reason(BF16, GemvConfig(stages=1))
+    assert "shared memory" in unsupported_reason(BF16, GemvConfig(k_slice=8192, m_tiles=2))
+    assert "m_tiles=2" in unsupported_reason(BF16, GemvConfig(m_tiles=1), m=9)
+    assert "splits" in unsupported_reason(BF16, GemvConfig(k_slice=32), k=4096)
 
 
 DECODE = [(16, 4096, 4096), (8, 14336, 4096), (8, 6144, 4096), (8, 4096, 14336), (1, 4096, 4096)]
@@ -96,29 +96,29 @@ DECODE = [(16, 4096, 4096), (8, 14336, 4096), (8, 6144, 4096), (8, 4096, 14336),
 
 @pytest.mark.parametrize("m,n,k", DECODE + [(1, 8, 8), (16, 1000, 1000), (4, 128256, 4096), (2, 4096, 128000)])
 def test_default_config_takes_the_fewest_splits_that_fill_the_sms(m, n, k):
-    cfg = default_config(m, n, k, num_sms=132)
-    assert config_error(cfg, BF16, m=m, k=k) is None
+    cfg = default_config(BF16, m, n, k, num_sms=132)
+    assert unsupported_reason(BF16, cfg, m=m, k=k) is None
     assert cfg.m_tiles == (1 if m <= 8 else 2)
     n_blocks = -(-n // cfg.n_block)
     s = splits(k, cfg)
     if s > 1:
         fewer = dataclasses.replace(cfg, k_slice=-(-k // (s - 1) // 32) * 32)
         # one split less would leave a quarter of the SMs idle, or not fit in shared memory
-        assert n_blocks * (s - 1) < 0.75 * 132 or config_error(fewer, BF16, m=m, k=k) is not None
+        assert n_blocks * (s - 1) < 0.75 * 132 or unsupported_reason(BF16, fewer, m=m, k=k) is not None
 
 
 def test_decode_shapes_split_k_only_when_n_is_short():
-    assert splits(4096, default_config(16, 4096, 4096)) == 4  # 32 N blocks
-    assert splits(14336, default_config(8, 4096, 14336)) == 4
-    assert splits(4096, default_config(8, 14336, 4096)) == 1  # 112 N blocks already fill the SMs
-    assert splits(8, default_config(1, 8, 8)) == 1
+    assert splits(4096, default_config(BF16, 16, 4096, 4096)) == 4  # 32 N blocks
+    assert splits(14336, default_config(BF16, 8, 4096, 14336)) == 4
+    assert splits(4096, default_config(BF16, 8, 14336, 4096)) == 1  # 112 N blocks already fill the SMs
+    assert splits(8, default_config(BF16, 1, 8, 8)) == 1
 
 
 def test_candidates_start_with_the_default_and_are_valid_and_distinct():
     for m, n, k in DECODE + [(16, 1000, 1000)]:
-        cands = candidate_configs(m, n, k)
-        assert cands[0] == default_config(m, n, k) and len(set(cands)) == len(cands) >= 2
-        assert all(config_error(c, BF16, m=m, k=k) is None for c in cands)
+        cands = candidates(BF16, m, n, k)
+        assert cands[0] == default_config(BF16, m, n, k) and len(set(cands)) == len(cands) >= 2
+        assert all(unsupported_reason(BF16, c, m=m, k=k) is None for c in cands)
         assert len({c.describe() for c in cands}) == len(cands)
 
 
@@ -131,8 +131,14 @@ def test_workspace_covers_every_fragment():
     assert workspace_sizes(4000, 4096, cfg)[1] == 63  # a ragged last N block has its own counter
 
 
-def test_spec_names_the_config_and_drops_operand_majors():
-    spec = gemv_spec(BF16, GemvConfig())
-    assert spec.module == "inductor_cute.kernels.gemm.gemv_sm90"
-    assert "a_major" not in spec.kwargs and spec.kwargs["k_slice"] == 512
-    assert gemv_spec(BF16, GemvConfig(m_tiles=2)).name != spec.name
+def test_spec_names_the_whole_problem_and_the_config():
+    gemv = spec(BF16, GemvConfig())
+    assert gemv.module == "inductor_cute.kernels.gemm.gemv_sm90"
+    assert gemv.kwargs["a_major"] == gemv.kwargs["b_major"] == "k" and gemv.kwargs["k_slice"] == 512
+    assert spec(BF16, GemvConfig(m_tiles=2)).name != gemv.name
+
+
+def test_problem_checks_cover_batches_and_configs():
+    assert "not batched" in unsupported_reason(BF16, batch=2)
+    assert "row-major W" in unsupported_reason(GemmProblem("bfloat16", "bfloat16", "k", "n"), GemvConfig())
+    assert "warps" in unsupported_reason(BF16, GemvConfig(warps=3), m=8, n=4096, k=4096)

@@ -11,8 +11,7 @@ import inductor_cute
 from inductor_cute.inductor.gemm import choices as choices_mod
 from inductor_cute.inductor import choices_factory, is_enabled
 from inductor_cute.inductor.gemm import runtime
-from inductor_cute.kernels.gemm.candidates import candidate_configs
-from inductor_cute.kernels.gemm.config import GemmConfig, GemmProblem, config_error, default_config
+from inductor_cute.kernels.gemm.config import GemmConfig, GemmProblem, candidates, default_config, unsupported_reason
 
 
 def test_off_by_default_enable_adds_token_once_and_disable_restores():
@@ -154,12 +153,12 @@ def test_is_bias_row(sizes, strides, expected):
 @pytest.mark.parametrize("m,n", [(16, 4096), (128, 14336), (1000, 1000), (8192, 8192)])
 def test_candidate_configs_are_valid_distinct_and_start_with_the_default(m, n):
     problem = GemmProblem("bfloat16", "bfloat16", "k", "k", has_bias=True)
-    configs = candidate_configs(m, n, problem)
-    assert configs[0] == default_config(m, n, problem)
+    configs = candidates(problem, m, n)
+    assert configs[0] == default_config(problem, m, n)
     assert len(configs) == len(set(configs)) >= 3
-    assert all(config_error(c, problem) is None for c in configs)
-    exhaustive = candidate_configs(m, n, problem, exhaustive=True)
-    assert len(exhaustive) > 3 * len(configs) and all(config_error(c, problem) is None for c in exhaustive)
+    assert all(unsupported_reason(problem, c) is None for c in configs)
+    exhaustive = candidates(problem, m, n, exhaustive=True)
+    assert len(exhaustive) > 3 * len(configs) and all(unsupported_reason(problem, c) is None for c in exhaustive)
 
 
 def test_compiled_cpu_model_is_untouched_by_our_hook(caplog):
@@ -233,10 +232,11 @@ def test_gemv_candidates_only_for_static_small_m_against_a_k_major_weight():
     import sympy
 
     from inductor_cute.kernels.gemm.config import GemmProblem
-    from inductor_cute.kernels.gemm.gemv_config import candidate_configs as gemv_candidates
+    from inductor_cute.kernels.gemm.gemv_config import candidates as gemv_candidates
 
     weight = GemmProblem("bfloat16", "bfloat16", "k", "k")
-    assert choices_mod._gemv_candidates(_Sizes(8, 4096, 4096), weight, 132) == gemv_candidates(8, 4096, 4096, 132)
+    expected = gemv_candidates(weight, 8, 4096, 4096, num_sms=132)
+    assert choices_mod._gemv_candidates(_Sizes(8, 4096, 4096), weight, 132) == expected
     assert choices_mod._gemv_candidates(_Sizes(17, 4096, 4096), weight, 132) == []
     assert choices_mod._gemv_candidates(_Sizes(sympy.Symbol("s0"), 4096, 4096), weight, 132) == []  # dynamic M
     assert choices_mod._gemv_candidates(_Sizes(8, 4096, 4096, batch=1), weight, 132) == []  # bmm

@@ -48,9 +48,9 @@ def _operand(t: torch.Tensor, modes: tuple[int, ...]) -> tuple[torch.Tensor | No
 
 @functools.lru_cache(maxsize=1024)
 def _gemm_kernel(problem, config, num_sms: int):
-    from ..kernels.gemm.family import kernel_spec
+    from ..kernels.gemm import family
 
-    return get_kernel(kernel_spec(problem, config, num_sms))
+    return get_kernel(family.spec(problem, config, num_sms))
 
 
 def _gemv_workspace(device, sizes: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,24 +65,11 @@ def _gemv_workspace(device, sizes: tuple[int, int, bool]) -> tuple[torch.Tensor,
     return ws[:n_partials], counters
 
 
-def _default_gemm_config(problem, batch: int, m: int, n: int, k: int, num_sms: int):
-    """The decode GEMV for one matrix of at most 16 rows against a K-major weight, else the WGMMA
-    GEMM's heuristic tile."""
-    from ..kernels.gemm import gemv_config
-    from ..kernels.gemm.config import default_config
-
-    if batch == 1 and gemv_config.unsupported_reason(m, n, k, problem) is None:
-        gemv = gemv_config.default_config(m, n, k, num_sms)
-        if gemv_config.config_error(gemv, problem, m=m, k=k) is None:  # a K past 64 full A slices cannot
-            return gemv
-    return default_config(m, n, problem, batch, num_sms)
-
-
 def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue=""):
     """Checks and TMA views for one GEMM: ((problem, config, num_sms), kernel arguments, out);
     the plan and arguments are None when the output is empty."""
-    from ..kernels.gemm.config import GemmProblem, problem_error
-    from ..kernels.gemm.family import config_problem
+    from ..kernels.gemm import family
+    from ..kernels.gemm.config import GemmProblem
     from ..kernels.gemm.gemv_config import GemvConfig, splits, workspace_sizes
 
     if a.dtype not in _GEMM_INPUT or b.dtype != a.dtype:
@@ -129,16 +116,16 @@ def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, 
         bias = bias.to(out_dtype).contiguous()
     problem = GemmProblem(_GEMM_INPUT[a.dtype], DTYPE_NAMES[out_dtype], a_major, b_major,
                           bias is not None, c is not None, activation, epilogue or "")
-    error = problem_error(problem)
+    error = family.unsupported_reason(problem)
     if error:
         raise UnsupportedError(f"{name}: {error}")
     num_sms = sm_count(a.device.index or 0)
     if config is None:
-        config = _default_gemm_config(problem, batch, m, n, k, num_sms)
+        config = family.default_config(problem, m, n, k, batch, num_sms)
     else:
-        error = config_problem(config, problem, m, k)
-        if error or (batch > 1 and isinstance(config, GemvConfig)):
-            raise UnsupportedError(f"{name}: config {config} cannot run this problem: {error or 'gemv is not batched'}")
+        error = family.unsupported_reason(problem, config, m=m, n=n, k=k, batch=batch)
+        if error:
+            raise UnsupportedError(f"{name}: config {config} cannot run this problem: {error}")
     scalars = (float(alpha), float(beta or 0.0))
     if isinstance(config, GemvConfig):  # 2-D operands; the workspace is added at each launch
         n_partials, n_counters = workspace_sizes(n, k, config)
@@ -234,9 +221,9 @@ def mm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", 
     of a and b is accepted (nn.Linear weights as `w.t()` are read in place); `c` broadcasts to
     (M, N) and `beta` defaults to 1 when it is given; `bias` has shape (N,). M <= 16 against a
     K-major b (an nn.Linear weight) runs the decode GEMV, anything else the WGMMA GEMM; `config`
-    (a kernels.gemm_config.GemmConfig or kernels.gemv_config.GemvConfig) overrides that choice
+    (a kernels.gemm.config.GemmConfig or kernels.gemm.gemv_config.GemvConfig) overrides that choice
     and its configuration. `epilogue` (a
-    kernels.epilogue_program text) replaces alpha/beta/activation: the program computes the output
+    kernels.common.programs.epilogue text) replaces alpha/beta/activation: the program computes the output
     from the accumulator, `bias` (its "row") and `c` (its "full")."""
     return _gemm("mm", a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue)
 
@@ -259,6 +246,6 @@ def gemm_plan(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="iden
 
 def gemm_spec_for(a, b, **kwargs):
     """The KernelSpec that `mm` or `bmm` would run on these inputs (same arguments), for precompiling."""
-    from ..kernels.gemm.family import kernel_spec
+    from ..kernels.gemm import family
 
-    return kernel_spec(*gemm_plan(a, b, **kwargs))
+    return family.spec(*gemm_plan(a, b, **kwargs))

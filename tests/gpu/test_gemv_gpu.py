@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from inductor_cute.kernels.common.programs.epilogue import dumps
 from inductor_cute.kernels.gemm.config import GemmProblem
-from inductor_cute.kernels.gemm.gemv_config import (GemvConfig, config_error, default_config, gemv_spec, splits,
-                                               unsupported_reason, workspace_sizes)
+from inductor_cute.kernels.gemm.gemv_config import (GemvConfig, default_config, spec, splits, unsupported_reason,
+                                                    workspace_sizes)
 from inductor_cute.runtime import get_kernel, precompile
 
 pytestmark = pytest.mark.gpu
@@ -48,14 +48,15 @@ def gemv(a, w, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="identity",
     (m, k), n = a.shape, w.shape[0]
     out_dtype = out_dtype or a.dtype
     problem = problem_for(a, out_dtype, bias, c, activation, epilogue)
-    assert unsupported_reason(m, n, k, problem) is None
-    config = config or default_config(m, n, k, torch.cuda.get_device_properties(a.device).multi_processor_count)
-    assert config_error(config, problem, m=m, k=k) is None
+    assert unsupported_reason(problem, m=m, n=n, k=k) is None
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    config = config or default_config(problem, m, n, k, num_sms=sms)
+    assert unsupported_reason(problem, config, m=m, k=k) is None
     n_partials, n_counters = workspace_sizes(n, k, config)
     partials = torch.empty(n_partials, device=a.device, dtype=torch.float32)
     out = torch.empty(m, n, device=a.device, dtype=out_dtype) if out is None else out
-    get_kernel(gemv_spec(problem, config))(a, w, out, c, bias, partials, counters(a.device, n_counters),
-                                           float(alpha), float(beta))
+    get_kernel(spec(problem, config))(a, w, out, c, bias, partials, counters(a.device, n_counters),
+                                      float(alpha), float(beta))
     return out
 
 
@@ -90,19 +91,19 @@ def _precompile():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m in TOKENS:
         for n, k in NK:
-            specs.add(gemv_spec(plain[torch.bfloat16], default_config(m, n, k, sms)))
+            specs.add(spec(plain[torch.bfloat16], default_config(plain[torch.bfloat16], m, n, k, num_sms=sms)))
             for cfg in FORCED.values():
                 if m <= 8 * cfg.m_tiles:
-                    specs.add(gemv_spec(plain[torch.bfloat16], cfg))
-    cfg = default_config(7, 1000, 1000, sms)
+                    specs.add(spec(plain[torch.bfloat16], cfg))
+    cfg = default_config(plain[torch.bfloat16], 7, 1000, 1000, num_sms=sms)
     for act in ACTS:
-        specs.add(gemv_spec(GemmProblem("bfloat16", "bfloat16", "k", "k", True, False, act), cfg))
+        specs.add(spec(GemmProblem("bfloat16", "bfloat16", "k", "k", True, False, act), cfg))
     for dt in (torch.bfloat16, torch.float16, torch.float32):
-        specs.add(gemv_spec(GemmProblem("bfloat16", NAMES[dt], "k", "k", True, True, "silu"), cfg))
-        specs.add(gemv_spec(GemmProblem("bfloat16", NAMES[dt], "k", "k", False, True), cfg))
-    specs.add(gemv_spec(plain[torch.float16], cfg))
-    specs.add(gemv_spec(plain[torch.float16], GemvConfig(4, 96, 3, 1)))  # the NaN test's
-    specs.add(gemv_spec(GemmProblem("bfloat16", "bfloat16", "k", "k", True, True, epilogue=PROGRAM), cfg))
+        specs.add(spec(GemmProblem("bfloat16", NAMES[dt], "k", "k", True, True, "silu"), cfg))
+        specs.add(spec(GemmProblem("bfloat16", NAMES[dt], "k", "k", False, True), cfg))
+    specs.add(spec(plain[torch.float16], cfg))
+    specs.add(spec(plain[torch.float16], GemvConfig(4, 96, 3, 1)))  # the NaN test's
+    specs.add(spec(GemmProblem("bfloat16", "bfloat16", "k", "k", True, True, epilogue=PROGRAM), cfg))
     failed = [r for r in precompile(sorted(specs, key=lambda s: s.name)) if r.status == "failed"]
     assert not failed, failed[0].error
 
@@ -174,7 +175,8 @@ def test_repeated_calls_are_deterministic_and_leave_counters_zero():
     """Split-K sums in split order, whichever CTA arrives last; the counters reset themselves.
     Different shapes share the one counter buffer in between."""
     a, w = operands(16, 4096, 4096)
-    cfg = default_config(16, 4096, 4096, torch.cuda.get_device_properties(0).multi_processor_count)
+    cfg = default_config(GemmProblem("bfloat16", "bfloat16", "k", "k"), 16, 4096, 4096,
+                         num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
     assert splits(4096, cfg) > 1
     first = gemv(a, w)
     for i in range(20):

@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from ... import ops
-from ...kernels.gemm.candidates import candidate_configs
-from ...kernels.gemm.family import kernel_spec
+from ...kernels.gemm import config as gemm_config
+from ...kernels.gemm import family, gemv_config
 from ...kernels.gemm.gemv_config import GemvConfig
-from ...kernels.gemm.gemv_config import candidate_configs as gemv_candidates
 from ...runtime import precompile
 from ..harness import Case
 from ..timing import time_side_by_side
@@ -40,12 +39,13 @@ def _autotuned(a, b, **kw):
     """ops.mm on the fastest of our candidate configs for these operands, picked by timing them
     as torch.compile's autotuning does; (runner, note naming the pick and the default's time)."""
     problem, default, num_sms = ops.gemm_plan(a, b, **kw)
-    configs = candidate_configs(a.shape[0], b.shape[1], problem, 1, num_sms)
+    m, n, k = a.shape[0], b.shape[1], a.shape[1]
+    configs = gemm_config.candidates(problem, m, n, k, 1, num_sms)
     if isinstance(default, GemvConfig):  # M <= 16 against a K-major weight: the GEMV's configs too
-        configs = gemv_candidates(a.shape[0], b.shape[1], a.shape[1], num_sms) + configs
+        configs = gemv_config.candidates(problem, m, n, k, 1, num_sms) + configs
     if default not in configs:
         configs = [default, *configs]
-    precompile([kernel_spec(problem, cfg, num_sms) for cfg in configs])
+    precompile([family.spec(problem, cfg, num_sms) for cfg in configs])
     times = time_side_by_side({cfg: (lambda cfg=cfg: ops.mm(a, b, config=cfg, **kw)) for cfg in configs}, reps=30, rounds=3)
     best = min(times, key=times.get)
     note = f"ours autotuned over {len(configs)} configs: {best.describe()}; heuristic default {times[default]:.1f} us"

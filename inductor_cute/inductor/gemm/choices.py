@@ -123,9 +123,9 @@ def _gemv_candidates(kernel_inputs, problem, num_sms: int) -> list:
     m, n, k = (_static(x) for x in kernel_inputs.mnk_symbolic())
     if len(kernel_inputs.mat1mat2()[0].get_size()) != 2 or m is None:
         return []
-    if gemv_config.unsupported_reason(m, n, k, problem) is not None:
+    if gemv_config.unsupported_reason(problem, m=m, n=n, k=k) is not None:
         return []
-    return gemv_config.candidate_configs(m, n, k, num_sms)
+    return gemv_config.candidates(problem, m, n, k, 1, num_sms)
 
 
 def gemm_choices(kernel_inputs, op_name) -> list:
@@ -135,7 +135,7 @@ def gemm_choices(kernel_inputs, op_name) -> list:
     if reason:
         log.info("inductor-cute skips %s %dx%dx%d: %s", op_name, m, n, k, reason)
         return []
-    from ...kernels.gemm.candidates import candidate_configs
+    from ...kernels.gemm import config as gemm_config
     from ...kernels.gemm.family import as_tuple
     from .extern import gemm_choice
     from .specs import problem_for, precompile_choices
@@ -143,8 +143,8 @@ def gemm_choices(kernel_inputs, op_name) -> list:
     problem, batch = problem_for(kernel_inputs, op_name)
     num_sms = torch.cuda.get_device_properties(kernel_inputs.device()).multi_processor_count
     exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
-    configs = _gemv_candidates(kernel_inputs, problem, num_sms) + candidate_configs(m, n, problem, batch, num_sms,
-                                                                                   exhaustive)
+    configs = _gemv_candidates(kernel_inputs, problem, num_sms)
+    configs += gemm_config.candidates(problem, m, n, k, batch, num_sms, exhaustive)
     ready = precompile_choices(problem, configs, num_sms)
     scalars = {}
     if op_name in ("addmm", "baddbmm"):

@@ -10,7 +10,7 @@ from torch._inductor.virtualized import V
 
 from ...host.common import DTYPE_NAMES
 from ...kernels.gemm.config import GemmConfig, GemmProblem
-from ...kernels.gemm.family import kernel_spec
+from ...kernels.gemm import family
 from ...kernels.gemm.gemv_config import GemvConfig
 from ...runtime import precompile, target_arch
 from ...runtime.loader import kernel_key
@@ -51,7 +51,7 @@ def precompile_choices(problem: GemmProblem, configs: list[GemmConfig | GemvConf
     """Compile every config in parallel worker processes (or find it cached); (config, spec key)
     for those that are ready, in the given order. Failures are logged and left out."""
     arch = target_arch().name
-    specs = [kernel_spec(problem, cfg, num_sms) for cfg in configs]
+    specs = [family.spec(problem, cfg, num_sms) for cfg in configs]
     start = time.perf_counter()
     results = precompile(specs, arch)
     ready = []

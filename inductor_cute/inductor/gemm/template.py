@@ -23,8 +23,8 @@ from torch._inductor.virtualized import V
 
 from ...errors import CompileError, first_line
 from ...host.common import DTYPE_NAMES
-from ...kernels.gemm.config import problem_error
-from ...kernels.gemm.family import config_problem, from_tuple, kernel_spec
+from ...kernels.gemm import family
+from ...kernels.gemm.family import from_tuple
 from .epilogue import Operand, translate
 from .runtime import MODULE as RUNTIME
 
@@ -84,7 +84,7 @@ class CuteGemmScheduling(BaseScheduling):
                 log.debug("inductor-cute does not fuse %s: %s is used elsewhere", node2.get_name(), buf)
                 return False
         problem = template.fused_problem(epi)
-        error = problem_error(problem) or config_problem(from_tuple(template.kwargs["config"]), problem)
+        error = family.unsupported_reason(problem, from_tuple(template.kwargs["config"]))
         if error:
             log.debug("inductor-cute does not fuse %s: %s", node2.get_name(), error)
             return False
@@ -109,7 +109,7 @@ class CuteGemmScheduling(BaseScheduling):
                 if self.scheduler.can_buffer_be_removed_through_fusion(buf, names):
                     V.graph.removed_buffers.add(buf)
             problem = template.fused_problem(epi)
-            (result,) = precompile([kernel_spec(problem, from_tuple(kw["config"]), template.num_sms)])
+            (result,) = precompile([family.spec(problem, from_tuple(kw["config"]), template.num_sms)])
             if result.status == "failed":  # past the point where Inductor could pick another kernel
                 raise CompileError(f"inductor-cute: the fused GEMM for {template.get_name()} failed to compile: "
                                    f"{result.error}")

@@ -1,18 +1,41 @@
-"""Hopper GEMM configurations, limits and kernel specs: plain Python, usable without the CuTe DSL."""
+"""Hopper GEMM: the problem, configurations, limits, candidates and kernel specs. Plain Python,
+usable without the CuTe DSL.
+
+Every config module of the GEMM family (this one, gemv_config) offers the same names:
+    Problem                      what is computed: dtypes, operand layouts, epilogue (GemmProblem,
+                                 shared by the family); sizes stay dynamic
+    Config                       the kernel's tuning knobs only
+    unsupported_reason(problem, config=None, *, m=None, n=None, k=None, batch=1)
+                                 why the kernel cannot run this (with this config, at these sizes
+                                 where given), in one line; None when it can
+    candidates(problem, m, n, k, batch=1, num_sms=SM_COUNT, exhaustive=False)
+                                 the configs worth timing, the default first
+    default_config(problem, m, n, k, batch=1, num_sms=SM_COUNT)
+    spec(problem, config, num_sms=SM_COUNT)   the KernelSpec that compiles it
+family.py dispatches on the config's type.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
+
+from ...runtime.arch import SUPPORTED
+from ..common.programs.epilogue import loads, operands
+
+HOPPER = SUPPORTED[(9, 0)]
+SMEM_BUDGET = HOPPER.smem_per_block  # dynamic shared memory one CTA may use
+SM_COUNT = HOPPER.sm_count  # when the caller does not say which part
 
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 INPUT_DTYPES = ("bfloat16", "float16")
 ACTIVATIONS = ("identity", "relu", "gelu_tanh", "gelu_erf", "silu", "sigmoid", "tanh")
-SMEM_BUDGET = 227 * 1024  # dynamic shared memory one CTA may use on H100/H200
 EPI_N = 32  # columns per epilogue subtile
 EPI_STAGES = 2  # shared-memory buffers for outgoing D subtiles
 C_STAGES = 2  # shared-memory buffers for incoming C subtiles
 KERNEL_MODULE = "inductor_cute.kernels.gemm.sm90"
+MAX_STAGES = 8
 
 
 @dataclass(frozen=True)
@@ -73,7 +96,12 @@ def smem_bytes(cfg: GemmConfig, ab_bytes: int, out_bytes: int, has_c: bool, has_
     return -(-total // 1024) * 1024  # the shared-storage struct is 1 KB aligned
 
 
-def problem_error(p: GemmProblem) -> str | None:
+def unsupported_reason(problem: GemmProblem, config: GemmConfig | None = None, *, m: int | None = None,
+                       n: int | None = None, k: int | None = None, batch: int = 1) -> str | None:
+    """Why the GEMM cannot run `problem` (with `config`, when given), in one line; None when it can.
+    Without a config: whether the problem is one the GEMM family computes at all. The GEMM takes
+    any sizes (the host checks that the operands suit TMA)."""
+    p = problem
     if p.dtype_name not in INPUT_DTYPES:
         return f"A/B dtype {p.dtype_name} is not supported (use bfloat16 or float16)"
     if p.out_dtype_name not in ELEMENT_BYTES:
@@ -83,8 +111,6 @@ def problem_error(p: GemmProblem) -> str | None:
     if p.activation not in ACTIVATIONS:
         return f"activation {p.activation!r} is not one of {', '.join(ACTIVATIONS)}"
     if p.epilogue:
-        from ..common.programs.epilogue import loads, operands
-
         if p.activation != "identity":
             return "an epilogue program and an activation cannot be combined"
         try:
@@ -93,11 +119,10 @@ def problem_error(p: GemmProblem) -> str | None:
             return str(e)
         if ("row" in used) != p.has_bias or ("full" in used) != p.has_c:
             return "the epilogue program's row/full operands must match has_bias/has_c"
-    return None
+    return None if config is None else _config_reason(config, p)
 
 
-def config_error(c: GemmConfig, p: GemmProblem) -> str | None:
-    """Why `c` cannot run `p` (a short reason), or None when it can."""
+def _config_reason(c: GemmConfig, p: GemmProblem) -> str | None:
     if c.consumer_warpgroups not in (1, 2):
         return "consumer_warpgroups must be 1 or 2"
     if c.pingpong and c.consumer_warpgroups != 2:
@@ -131,25 +156,72 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def default_config(m: int, n: int, p: GemmProblem, batch: int = 1, num_sms: int = 132) -> GemmConfig:
+def _tiles(m: int, n: int, tile_m: int, tile_n: int, batch: int) -> int:
+    return _ceil_div(m, tile_m) * _ceil_div(n, tile_n) * batch
+
+
+def default_config(problem: GemmProblem, m: int, n: int, k: int | None = None, batch: int = 1,
+                   num_sms: int = SM_COUNT) -> GemmConfig:
     """Untuned heuristic: the largest tile that still gives a wave of CTAs, the deepest pipeline
-    that fits, persistence beyond one wave, 2x1 clusters when M spans several tiles."""
+    that fits, persistence beyond one wave, 2x1 clusters when M spans several tiles (K plays no
+    part)."""
     shapes = [(64, 256, 1), (64, 128, 1), (64, 64, 1)] if m <= 64 else [(128, 256, 2), (128, 128, 2), (128, 64, 2)]
     tm, tn, wg = shapes[-1]
     for shape in shapes:
-        if _ceil_div(m, shape[0]) * _ceil_div(n, shape[1]) * batch >= num_sms:
+        if _tiles(m, n, shape[0], shape[1], batch) >= num_sms:
             tm, tn, wg = shape
             break
-    tiles = _ceil_div(m, tm) * _ceil_div(n, tn) * batch
+    tiles = _tiles(m, n, tm, tn, batch)
     cluster_m = 2 if _ceil_div(m, tm) >= 4 and tiles >= 2 * num_sms else 1
-    cfg = GemmConfig(tm, tn, 64, cluster_m, 1, 8, wg, tiles > num_sms)
-    while cfg.stages > 2 and config_error(cfg, p):
+    cfg = GemmConfig(tm, tn, 64, cluster_m, 1, MAX_STAGES, wg, tiles > num_sms)
+    while cfg.stages > 2 and _config_reason(cfg, problem):
         cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
     return cfg
 
 
-def gemm_spec(p: GemmProblem, config: GemmConfig, num_sms: int = 132):
+def _deepest(cfg: GemmConfig, p: GemmProblem) -> GemmConfig | None:
+    """`cfg` with the most pipeline stages (<= MAX_STAGES) that fit, or None if none does."""
+    for stages in range(MAX_STAGES, 1, -1):
+        candidate = dataclasses.replace(cfg, stages=stages)
+        if _config_reason(candidate, p) is None:
+            return candidate
+    return None
+
+
+def candidates(problem: GemmProblem, m: int, n: int, k: int | None = None, batch: int = 1,
+               num_sms: int = SM_COUNT, exhaustive: bool = False) -> list[GemmConfig]:
+    """Valid configs for an (m, n) output: the heuristic default first, then alternates.
+
+    The small set varies what the heuristic cannot predict (tile shape against wave
+    quantization, cluster orientation, persistence); `exhaustive` walks the whole space."""
+    if exhaustive:
+        shapes = [(tm, tn, wg) for tm in (64, 128, 256) for tn in (32, 64, 96, 128, 192, 256)
+                  for wg in (1, 2) if tm % (64 * wg) == 0]
+        clusters = [(1, 1), (2, 1), (1, 2)]
+        persistence = (True, False)
+    elif m <= 64:
+        shapes, clusters, persistence = [(64, 256, 1), (64, 128, 1), (64, 64, 1), (64, 32, 1)], [(1, 1)], (False,)
+    elif m <= 128:
+        shapes = [(128, 128, 2), (128, 64, 2), (128, 32, 2), (64, 128, 1)]
+        clusters, persistence = [(1, 1)], (False,)
+    else:
+        shapes = [(128, 256, 2), (256, 128, 2), (128, 192, 2), (128, 128, 2)]
+        clusters, persistence = [(2, 1), (1, 2)], (True,)
+    out = [default_config(problem, m, n, k, batch, num_sms)]
+    for (tm, tn, wg), (cm, cn), persistent in itertools.product(shapes, clusters, persistence):
+        if cm * cn > 1 and _tiles(m, n, tm, tn, batch) < 2 * num_sms:
+            cm = cn = 1  # clusters pay off only with several waves of tiles
+        cfg = _deepest(GemmConfig(tm, tn, 64, cm, cn, MAX_STAGES, wg, persistent), problem)
+        if cfg is not None and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def spec(problem: GemmProblem, config: GemmConfig, num_sms: int = SM_COUNT):
     """The KernelSpec of one GEMM kernel."""
     from ...runtime.spec import KernelSpec
 
-    return KernelSpec.make(KERNEL_MODULE, num_sms=num_sms, **p.as_params(), **config.as_params())
+    return KernelSpec.make(KERNEL_MODULE, num_sms=num_sms, **problem.as_params(), **config.as_params())
+
+
+Problem, Config = GemmProblem, GemmConfig

@@ -1,35 +1,44 @@
-"""The two GEMM kernel families behind ops.mm and the Inductor choices, told apart by their
-config type: GemmConfig (WGMMA tiles, any shape) and GemvConfig (decode: M <= 16, both operands
-K-major). DSL-free."""
+"""The two GEMM kernels behind ops.mm and the Inductor choices, told apart by their config type:
+GemmConfig (WGMMA tiles, any shape) and GemvConfig (decode: M <= 16, both operands K-major).
+Offers the config modules' names (see config.py) for either kernel. DSL-free."""
 
 from __future__ import annotations
 
-from .config import GemmConfig, GemmProblem, config_error, gemm_spec
-from .gemv_config import GemvConfig, gemv_spec
-from .gemv_config import config_error as gemv_config_error
-from .gemv_config import unsupported_reason as gemv_unsupported_reason
+from . import config as gemm_config
+from . import gemv_config
+from .config import SM_COUNT, GemmConfig, GemmProblem
+from .gemv_config import GemvConfig
 
 GEMV_TAG = "gemv"  # first element of a GemvConfig's tuple form
 
 
-def kernel_spec(problem: GemmProblem, config: GemmConfig | GemvConfig, num_sms: int):
-    if isinstance(config, GemvConfig):
-        return gemv_spec(problem, config)
-    return gemm_spec(problem, config, num_sms)
+def config_module(config: GemmConfig | GemvConfig):
+    """The config module of the kernel that `config` configures."""
+    return gemv_config if isinstance(config, GemvConfig) else gemm_config
 
 
-def config_problem(config: GemmConfig | GemvConfig, problem: GemmProblem, m: int | None = None,
-                   k: int | None = None) -> str | None:
-    """Why `config` cannot run `problem` (with M and K where known, for the GEMV); None if it can."""
-    if isinstance(config, GemvConfig):
-        if m is not None and k is not None:
-            reason = gemv_unsupported_reason(m, 8, k, problem)  # N is checked by every caller
-            if reason:
-                return reason
-        elif problem.a_major != "k" or problem.b_major != "k":
-            return "gemv needs K-major A and B"
-        return gemv_config_error(config, problem, m=m, k=k)
-    return config_error(config, problem)
+def unsupported_reason(problem: GemmProblem, config: GemmConfig | GemvConfig | None = None, *,
+                       m: int | None = None, n: int | None = None, k: int | None = None,
+                       batch: int = 1) -> str | None:
+    """Why `config`'s kernel cannot run `problem` (at the sizes given); without a config, why no
+    kernel of the family can. None when it can."""
+    return config_module(config).unsupported_reason(problem, config, m=m, n=n, k=k, batch=batch)
+
+
+def default_config(problem: GemmProblem, m: int, n: int, k: int, batch: int = 1,
+                   num_sms: int = SM_COUNT) -> GemmConfig | GemvConfig:
+    """The decode GEMV for one matrix of at most 16 rows against a K-major weight, else the WGMMA
+    GEMM's heuristic tile."""
+    if gemv_config.unsupported_reason(problem, m=m, n=n, k=k, batch=batch) is None:
+        gemv = gemv_config.default_config(problem, m, n, k, batch, num_sms)
+        if gemv_config.unsupported_reason(problem, gemv, m=m, k=k) is None:  # a K past 64 full A slices cannot
+            return gemv
+    return gemm_config.default_config(problem, m, n, k, batch, num_sms)
+
+
+def spec(problem: GemmProblem, config: GemmConfig | GemvConfig, num_sms: int = SM_COUNT):
+    """The KernelSpec that compiles `config`'s kernel for `problem`."""
+    return config_module(config).spec(problem, config, num_sms)
 
 
 def as_tuple(config: GemmConfig | GemvConfig) -> tuple:

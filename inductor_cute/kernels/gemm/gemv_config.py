@@ -6,6 +6,10 @@ sizes. Plain Python, usable without the CuTe DSL.
 One CTA streams `16 * warps` rows of W over one K slice of `k_slice` elements; a K longer than
 the slice is split over CTAs (grid = N blocks x splits) whose fp32 partials the last CTA to
 finish an N block sums in split order (deterministic) before the epilogue.
+
+The same names as every config module of the family (see config.py): Problem (the shared
+GemmProblem; the GEMV computes those with K-major A and B), Config, unsupported_reason,
+candidates, default_config, spec.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import ELEMENT_BYTES, GemmProblem, problem_error
+from . import config as gemm_config
+from .config import ELEMENT_BYTES, SM_COUNT, SMEM_BUDGET, GemmProblem
 
 MAX_M = 16
 K_STEP = 32  # K elements one warp consumes per pipeline stage (a 16-byte vector per thread and row)
-SMEM_BUDGET = 227 * 1024  # what one CTA may use
 MAX_REGISTERS = 64  # per thread; tests hold ptxas to it (occupancy)
 MAX_SPLITS = 64
 KERNEL_MODULE = "inductor_cute.kernels.gemm.gemv_sm90"
@@ -60,22 +64,26 @@ def splits(k: int, cfg: GemvConfig) -> int:
     return _ceil_div(k, cfg.k_slice)
 
 
-def unsupported_reason(m: int, n: int, k: int, p: GemmProblem) -> str | None:
-    """Why this kernel cannot run a problem, in one line; None when it can."""
-    err = problem_error(p)
+def unsupported_reason(problem: GemmProblem, config: GemvConfig | None = None, *, m: int | None = None,
+                       n: int | None = None, k: int | None = None, batch: int = 1) -> str | None:
+    """Why the GEMV cannot run `problem` (with `config`, at the sizes given), in one line; None
+    when it can."""
+    p = problem
+    err = gemm_config.unsupported_reason(p)
     if err:
         return err
     if p.a_major != "k" or p.b_major != "k":
         return "gemv needs A row-major (M, K) and B = W.t() for a row-major W (N, K)"
-    if not 1 <= m <= MAX_M:
+    if batch != 1:
+        return "gemv is not batched"
+    if m is not None and not 1 <= m <= MAX_M:
         return f"gemv handles M in 1..{MAX_M}, got M={m}"
-    if n < 1 or k < 1 or n % 8 or k % 8:
+    if (n is not None and (n < 1 or n % 8)) or (k is not None and (k < 1 or k % 8)):
         return f"gemv needs N and K positive multiples of 8 (16-byte rows), got N={n}, K={k}"
-    return None
+    return None if config is None else _config_reason(config, p, m, k)
 
 
-def config_error(c: GemvConfig, p: GemmProblem, m: int | None = None, k: int | None = None) -> str | None:
-    """Why `c` cannot run `p` (and, when given, M tokens and depth K); None when it can."""
+def _config_reason(c: GemvConfig, p: GemmProblem, m: int | None, k: int | None) -> str | None:
     if c.warps not in (1, 2, 4, 8):
         return "warps must be 1, 2, 4 or 8"
     if c.m_tiles not in (1, 2):
@@ -94,38 +102,42 @@ def config_error(c: GemvConfig, p: GemmProblem, m: int | None = None, k: int | N
     return None
 
 
-def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
+def default_config(problem: GemmProblem, m: int, n: int, k: int, batch: int = 1,
+                   num_sms: int = SM_COUNT) -> GemvConfig:
     """8 warps and an 8-deep ring; K split over the fewest CTAs that still put three quarters of
     the SMs to work (each split adds partial traffic and a reduction), and over more only where
     the A slice would not fit in shared memory. In the H200 sweep (benchmarks/results/
     gemv-config-sweep-h200-20261203.txt) this pick is within 4% of the best of 56 configs on the
     measured decode shapes; the previous one (4 warps, 4 stages, splits filling 4 CTAs per SM)
-    was 5-12% slower."""
+    was 5-12% slower. It may still not run K past MAX_SPLITS full A slices (unsupported_reason
+    with the config says so)."""
+    ab_bytes = ELEMENT_BYTES[problem.dtype_name]
     m_tiles = 1 if m <= 8 else 2
     base = GemvConfig(warps=8, stages=8, m_tiles=m_tiles)
     n_blocks = _ceil_div(n, base.n_block)
     steps = _ceil_div(k, K_STEP)
-    ring = smem_bytes(dataclasses.replace(base, k_slice=0))
-    max_slice = max(K_STEP, (SMEM_BUDGET - ring) // (2 * 8 * m_tiles) // K_STEP * K_STEP)
+    ring = smem_bytes(dataclasses.replace(base, k_slice=0), ab_bytes)
+    max_slice = max(K_STEP, (SMEM_BUDGET - ring) // (ab_bytes * 8 * m_tiles) // K_STEP * K_STEP)
     wanted = max(_ceil_div(3 * num_sms, 4 * n_blocks), _ceil_div(k, max_slice))
     wanted = min(wanted, MAX_SPLITS, steps)
     return dataclasses.replace(base, k_slice=_ceil_div(steps, wanted) * K_STEP)
 
 
-def candidate_configs(m: int, n: int, k: int, num_sms: int = 132) -> list[GemvConfig]:
+def candidates(problem: GemmProblem, m: int, n: int, k: int, batch: int = 1, num_sms: int = SM_COUNT,
+               exhaustive: bool = False) -> list[GemvConfig]:
     """The default first, then the alternates that won somewhere in the sweep: half and twice
-    the split count, and 4 warps (more CTAs per SM)."""
-    best = default_config(m, n, k, num_sms)
+    the split count, and 4 warps (more CTAs per SM); those that can run M and K only. The set is
+    the same when `exhaustive`."""
+    best = default_config(problem, m, n, k, batch, num_sms)
     out = [best]
     steps = _ceil_div(k, K_STEP)
     for s in (splits(k, best) * 2, max(1, splits(k, best) // 2)):
         s = min(s, MAX_SPLITS, steps)
         out.append(dataclasses.replace(best, k_slice=_ceil_div(steps, s) * K_STEP))
     out.append(dataclasses.replace(best, warps=4, stages=6))
-    problem = GemmProblem("bfloat16", "bfloat16", "k", "k")
     unique = []
     for cfg in out:
-        if cfg not in unique and config_error(cfg, problem, m=m, k=k) is None:
+        if cfg not in unique and _config_reason(cfg, problem, m, k) is None:
             unique.append(cfg)
     return unique
 
@@ -141,10 +153,11 @@ def workspace_sizes(n: int, k: int, cfg: GemvConfig) -> tuple[int, int]:
     return partials, n_blocks
 
 
-def gemv_spec(p: GemmProblem, config: GemvConfig):
-    """The KernelSpec of one GEMV kernel (`p` as for the GEMM, with a_major = b_major = "k")."""
+def spec(problem: GemmProblem, config: GemvConfig, num_sms: int = SM_COUNT):
+    """The KernelSpec of one GEMV kernel (its grid does not depend on the SM count)."""
     from ...runtime.spec import KernelSpec
 
-    params = p.as_params()
-    del params["a_major"], params["b_major"]
-    return KernelSpec.make(KERNEL_MODULE, **params, **config.as_params())
+    return KernelSpec.make(KERNEL_MODULE, **problem.as_params(), **config.as_params())
+
+
+Problem, Config = GemmProblem, GemvConfig

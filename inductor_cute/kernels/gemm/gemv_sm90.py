@@ -3,7 +3,7 @@
     D[m, n] = epilogue_fn(acc = sum_k A[m, k] * W[n, k], alpha, beta, bias[n], C[m, n])
 
 W is an nn.Linear weight (N, K), row-major; it is read from memory exactly once, A (tiny) is
-re-read from L2 once per CTA. Same epilogue hook as the GEMM (kernels.gemm_sm90.make_epilogue or
+re-read from L2 once per CTA. Same epilogue hook as the GEMM (kernels.gemm.sm90.make_epilogue or
 an epilogue program).
 
 Design:
@@ -45,9 +45,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import make_fake_tensor
 
-from .config import GemmProblem, problem_error
+from .config import GemmProblem
 from .sm90 import CUTE_DTYPES, make_epilogue
-from .gemv_config import K_STEP, MAX_REGISTERS, GemvConfig, config_error, smem_bytes
+from .gemv_config import K_STEP, MAX_REGISTERS, GemvConfig, smem_bytes, unsupported_reason
 
 VEC = 8  # elements per 16-byte vector
 
@@ -242,12 +242,13 @@ class HopperGemv:
                 mD[m, n] = out[v]
 
 
-def build(dtype_name, out_dtype_name, has_bias, has_c, activation, warps, k_slice, stages, m_tiles,
-          epilogue="", epilogue_fn=None):
-    """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
-    problem = GemmProblem(dtype_name, out_dtype_name, "k", "k", has_bias, has_c, activation, epilogue)
+def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation, warps, k_slice, stages,
+          m_tiles, epilogue="", epilogue_fn=None):
+    """(jit function, fake arguments) for cute.compile; see the module docstring for conventions
+    (both operands K-major: a_major = b_major = "k")."""
+    problem = GemmProblem(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation, epilogue)
     cfg = GemvConfig(warps, k_slice, stages, m_tiles)
-    err = problem_error(problem) or config_error(cfg, problem)
+    err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)
     ab_t, d_t = CUTE_DTYPES[dtype_name], CUTE_DTYPES[out_dtype_name]

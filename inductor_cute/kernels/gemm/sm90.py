@@ -17,8 +17,9 @@ Design (one CTA):
     epilogues, so one's epilogue overlaps the other's mainloop and the tensor cores stay busy.
     Both read the one A/B ring (each stage by one warp group) and the one C pipeline in tile
     order; each has its own D staging buffers, bias row, epilogue barrier and store warp.
-  * tiles are walked by a grouped ("swizzled") raster; with persistent=True the grid is
-    sized to the SM count and each CTA loops over tiles, otherwise each CTA gets one tile.
+  * tiles are dealt by the tile scheduler (kernels/common/tile_scheduler.py) in a grouped
+    ("swizzled") raster; with persistent=True the grid is sized to the SM count and each CTA
+    loops over tiles, otherwise each CTA gets one tile. Every role walks them with one loop.
   * clusters (cluster_m, cluster_n) multicast B along M and A along N.
 
 Tensor conventions (mode order used by the jit function, all 3-D with batch last):
@@ -43,42 +44,16 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from .config import (C_STAGES, EPI_N, EPI_STAGES, GemmConfig, GemmProblem, config_error, problem_error,
-                          smem_bytes)
+from ..common import barriers
+from ..common.activations import activations
+from ..common.tile_scheduler import GroupedRaster, TileScheduler
+from .config import (C_STAGES, EPI_N, EPI_STAGES, SM_COUNT, GemmConfig, GemmProblem, smem_bytes,
+                     unsupported_reason)
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
 
 
 # ----------------------------------------------------------------------------- epilogue
-LOG2E = 1.4426950408889634
-
-
-def _sigmoid_precise(x):
-    # ex2.approx (~2 ulp) and an IEEE reciprocal; 1 / (1 + inf) = 0 keeps the negative tail exact
-    return 1.0 / (1.0 + cute.math.exp2(x * (-LOG2E), fastmath=True))
-
-
-def _sigmoid_fast(x):
-    # One tanh.approx (MUFU) op; its ~5e-4 relative error is 1/8 of a bf16 ulp, while the IEEE
-    # reciprocal above is a long instruction sequence per element.
-    return 0.5 + 0.5 * cute.math.tanh(0.5 * x, fastmath=True)
-
-
-def activations(fast: bool) -> dict[str, Callable]:
-    """Pointwise activations on fp32 fragments; `fast` trades accuracy a bf16 output cannot hold."""
-    sigmoid = _sigmoid_fast if fast else _sigmoid_precise
-    return {
-        "identity": lambda x: x,
-        "relu": lambda x: cute.where(x < 0.0, 0.0, x),  # NaN stays NaN, as in torch.relu
-        # 0.5 * (1 + tanh(u)) == sigmoid(2u)
-        "gelu_tanh": lambda x: x * sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)),
-        "gelu_erf": lambda x: 0.5 * x * (1.0 + cute.math.erf(x * 0.7071067811865476)),
-        "silu": lambda x: x * sigmoid(x),
-        "sigmoid": sigmoid,
-        "tanh": lambda x: cute.math.tanh(x, fastmath=fast),
-    }
-
-
 def make_epilogue(activation: str = "identity", fast: bool = False) -> Callable:
     """Default hook: act(alpha * acc + bias + beta * C). All operands are fp32 TensorSSA
     fragments of one subtile (bias already broadcast along M); bias / c are None when absent."""
@@ -98,7 +73,7 @@ def make_epilogue(activation: str = "identity", fast: bool = False) -> Callable:
 # ----------------------------------------------------------------------------- kernel
 class HopperGemm:
     def __init__(self, config: GemmConfig, a_major: str, b_major: str, has_bias: bool,
-                 has_c: bool, epilogue_fn: Callable, num_sms: int = 132, raster_group: int = 8):
+                 has_c: bool, epilogue_fn: Callable, num_sms: int = SM_COUNT, raster_group: int = 8):
         self.cfg = config
         self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
@@ -109,8 +84,7 @@ class HopperGemm:
         self.tile_mnk = (config.tile_m, config.tile_n, config.tile_k)
         self.cluster_mn = (config.cluster_m, config.cluster_n)
         self.cluster_size = config.cluster_m * config.cluster_n
-        # non-persistent runs one tile per cluster; 65535 is the gridDim.z limit
-        self.max_clusters = num_sms // self.cluster_size if config.persistent else 65535
+        self.max_clusters = TileScheduler.max_clusters(config.persistent, num_sms, self.cluster_size)
         self.pingpong = config.pingpong
         self.num_consumers = config.consumer_warpgroups
         self.threads = 128 * (1 + self.num_consumers)
@@ -176,11 +150,11 @@ class HopperGemm:
                                                     cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
         # grid: (cluster_m, cluster_n, #clusters); z is clamped to the persistent wave size
         cm, cn = self.cluster_mn
-        n_clusters = (cute.ceil_div(cute.ceil_div(mD.shape[0], tm), cm)
-                      * cute.ceil_div(cute.ceil_div(mD.shape[1], tn), cn) * mD.shape[2])
-        grid_z = cutlass.min(n_clusters, self.max_clusters)
+        tiles = GroupedRaster.create(cute.ceil_div(mD.shape[0], tm), cute.ceil_div(mD.shape[1], tn), mD.shape[2],
+                                     self.cluster_mn, self.raster_group)
+        grid_z = TileScheduler.launch_clusters(tiles.count, self.max_clusters)
         self.shared_storage = self._shared_storage()
-        # config_error budgets with smem_bytes: keep it exact
+        # unsupported_reason budgets with smem_bytes: keep it exact
         assert self.shared_storage.size_in_bytes() == smem_bytes(
             self.cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8, self.has_c, self.has_bias)
         self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, tma_c, gC, mBias, alpha, beta,
@@ -188,25 +162,11 @@ class HopperGemm:
                     ).launch(grid=[cm, cn, grid_z], block=[self.threads, 1, 1],
                              cluster=[cm, cn, 1], min_blocks_per_mp=1, stream=stream)
 
-    def _tile_coord(self, work: Int32, n_cl_m: Int32, n_cl_n: Int32, cta_m: Int32, cta_n: Int32):
-        """Grouped raster: runs of `raster_group` cluster rows are swept column by column."""
-        per_batch = n_cl_m * n_cl_n
-        l = work // per_batch
-        r = work - l * per_batch
-        span = self.raster_group * n_cl_n
-        grp = r // span
-        first_m = grp * self.raster_group
-        rows = cutlass.min(n_cl_m - first_m, self.raster_group)
-        within = r - grp * span
-        cl_m = first_m + within % rows
-        cl_n = within // rows
-        return cl_m * self.cluster_mn[0] + cta_m, cl_n * self.cluster_mn[1] + cta_n, l
-
     @staticmethod
     def _turn(phase: int, slot) -> pipeline.NamedBarrier:
         """Ping-pong turn of consumer `slot` for its mainloop (phase 0) or epilogue (phase 1): that
-        warp group syncs on it, the other arrives when it hands the turn over (ids 3..6)."""
-        return pipeline.NamedBarrier(barrier_id=3 + 2 * phase + slot, num_threads=256)
+        warp group syncs on it, the other arrives when it hands the turn over."""
+        return pipeline.NamedBarrier(barrier_id=barriers.gemm_turn(phase, slot), num_threads=256)
 
     @staticmethod
     def _column_groups(coords0, n_vals):
@@ -271,12 +231,9 @@ class HopperGemm:
         gB = cute.local_tile(mB, (tn, tk), (None, None, None))
         gD = cute.local_tile(mD, (tm, tn), (None, None, None))
         k_tiles = cute.size(gA, mode=[3])
-        n_cl_m = cute.ceil_div(cute.size(gD, mode=[2]), cm)
-        n_cl_n = cute.ceil_div(cute.size(gD, mode=[3]), cn)
-        total_work = n_cl_m * n_cl_n * cute.size(gD, mode=[4])
-        # the grid never exceeds total_work: every CTA has at least one tile
-        _, _, first_work = cute.arch.block_idx()
-        _, _, work_stride = cute.arch.grid_dim()
+        tiles = GroupedRaster.create(cute.size(gD, mode=[2]), cute.size(gD, mode=[3]), cute.size(gD, mode=[4]),
+                                     self.cluster_mn, self.raster_group)
+        scheduler = TileScheduler.create(tiles, cta_coord)
 
         tAsA, tAgA = cpasync.tma_partition(tma_a, cta_coord[1], cute.make_layout(cn),
                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
@@ -298,11 +255,11 @@ class HopperGemm:
                 a_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=1) if self.mcast_a > 1 else 0
                 b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0) if self.mcast_b > 1 else 0
                 ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
-                work = first_work
-                while work < total_work:
-                    tile_m, tile_n, l = self._tile_coord(work, n_cl_m, n_cl_n, cta_coord[0], cta_coord[1])
-                    tAgA_t = tAgA[(None, tile_m, None, l)]
-                    tBgB_t = tBgB[(None, tile_n, None, l)]
+                work = scheduler.first()
+                while scheduler.valid(work):
+                    tile = scheduler.tile(work)
+                    tAgA_t = tAgA[(None, tile.m, None, tile.batch)]
+                    tBgB_t = tBgB[(None, tile.n, None, tile.batch)]
                     for kt in range(k_tiles):
                         ab_pipe.producer_acquire(ab_state)
                         bar = ab_pipe.producer_get_barrier(ab_state)
@@ -312,17 +269,17 @@ class HopperGemm:
                                   tma_bar_ptr=bar, mcast_mask=b_mask)
                         ab_pipe.producer_commit(ab_state)
                         ab_state.advance()
-                    work += work_stride
+                    work = scheduler.next(work)
                 # do not exit while peers may still signal our barriers
                 ab_pipe.producer_tail(ab_state)
             if cutlass.const_expr(self.has_c):
                 # C needs no tail: only this CTA's consumers arrive on its barriers
                 if warp_idx == 1:
                     c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, C_STAGES)
-                    work = first_work
-                    while work < total_work:
-                        tile_m, tile_n, l = self._tile_coord(work, n_cl_m, n_cl_n, cta_coord[0], cta_coord[1])
-                        gC_t = cute.local_tile(mC, (tm, tn), (tile_m, tile_n, l))
+                    work = scheduler.first()
+                    while scheduler.valid(work):
+                        tile = scheduler.tile(work)
+                        gC_t = cute.local_tile(mC, (tm, tn), (tile.m, tile.n, tile.batch))
                         bsC, bgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                                                          cute.zipped_divide(gC_t, self.epi_tile))
                         for e in cutlass.range_constexpr(n_epi):
@@ -331,7 +288,7 @@ class HopperGemm:
                                       bsC[(None, c_state.index)], tma_bar_ptr=c_pipe.producer_get_barrier(c_state))
                             c_pipe.producer_commit(c_state)
                             c_state.advance()
-                        work += work_stride
+                        work = scheduler.next(work)
 
         # ================================================================ consumers
         if wg_idx > 0:
@@ -341,7 +298,7 @@ class HopperGemm:
             if cutlass.const_expr(self.pingpong):
                 slot = wg_idx - 1
             ctid = tidx - 128 * (1 + slot)  # thread index among the warp groups sharing a tile
-            epi_barrier = pipeline.NamedBarrier(barrier_id=1 + slot, num_threads=self.epi_threads)
+            epi_barrier = pipeline.NamedBarrier(barrier_id=barriers.gemm_epilogue(slot), num_threads=self.epi_threads)
             thr_mma = tiled_mma.get_slice(ctid)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -384,11 +341,11 @@ class HopperGemm:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
             c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, C_STAGES)
-            work = first_work
+            slots = self.cfg.slots
+            work = scheduler.first(slot, slots)
             if cutlass.const_expr(self.pingpong):
                 # Slot 1 starts at the CTA's second tile, past the first tile's ring stages and C
                 # subtiles; slot 0 owns the first tile, so slot 1 hands it both first turns.
-                work += slot * work_stride
                 read_state.advance(Int32(slot * k_tiles))
                 release_state.advance(Int32(slot * k_tiles))
                 c_state.advance(Int32(slot * n_epi))
@@ -396,14 +353,14 @@ class HopperGemm:
                     self._turn(0, 0).arrive()
                     self._turn(1, 0).arrive()
             n_done = Int32(0)
-            while work < total_work:
-                tile_m, tile_n, l = self._tile_coord(work, n_cl_m, n_cl_n, cta_coord[0], cta_coord[1])
+            while scheduler.valid(work):
+                tile = scheduler.tile(work)
                 # a turn is handed over only if the CTA has a next tile, so no arrive is left pending
-                has_next = work + work_stride < total_work
+                has_next = scheduler.has_next(work)
                 if cutlass.const_expr(self.has_bias):
                     # Issue the tile's bias loads now; the mainloop hides their latency.
                     for i in cutlass.range_constexpr(bias_per_thread):
-                        col = tile_n * tn + ctid + i * self.epi_threads
+                        col = tile.n * tn + ctid + i * self.epi_threads
                         rBiasRow[i] = Float32(0.0)
                         if col < mBias.shape[0] and ctid + i * self.epi_threads < tn:
                             rBiasRow[i] = mBias[col].to(Float32)
@@ -443,7 +400,7 @@ class HopperGemm:
                 if cutlass.const_expr(self.pingpong):
                     # epilogues run in tile order: the shared C pipeline is consumed in that order
                     self._turn(1, slot).arrive_and_wait()
-                gD_t = cute.zipped_divide(gD[(None, None, tile_m, tile_n, l)], self.epi_tile)
+                gD_t = cute.zipped_divide(gD[(None, None, tile.m, tile.n, tile.batch)], self.epi_tile)
                 bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1),
                                                  cute.group_modes(sD, 0, 2), gD_t)
                 for e in cutlass.range_constexpr(n_epi):
@@ -485,18 +442,18 @@ class HopperGemm:
                     release_state.advance(Int32(k_tiles))
                     c_state.advance(n_epi)
                 n_done += 1
-                work += self.cfg.slots * work_stride
+                work = scheduler.next(work, slots)
             store_pipe.producer_tail()
 
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation,
           tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent, pingpong=False,
-          num_sms=132, raster_group=8, epilogue="", epilogue_fn=None):
+          num_sms=SM_COUNT, raster_group=8, epilogue="", epilogue_fn=None):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = GemmProblem(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation, epilogue)
     cfg = GemmConfig(tile_m, tile_n, tile_k, cluster_m, cluster_n, stages, consumer_warpgroups, persistent, pingpong)
-    err = problem_error(problem) or config_error(cfg, problem)
+    err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)
     ab_t, d_t = CUTE_DTYPES[dtype_name], CUTE_DTYPES[out_dtype_name]

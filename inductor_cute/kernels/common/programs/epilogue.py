@@ -94,7 +94,7 @@ def make_epilogue_fn(text: str, fast: bool):
     broadcast along M); numbers fold at trace time. `fast` picks bf16-grade special functions."""
     import cutlass.cute as cute
 
-    from ...gemm.sm90 import activations
+    from ..activations import activations
 
     steps = loads(text)
     act = activations(fast)
