@@ -36,9 +36,17 @@ class CompiledObject:
 
 
 def ptx_fingerprint(ptx: str) -> str:
-    """Hash of the PTX with kernel symbol names (which spell the builder's module path) taken out:
-    equal fingerprints mean the same generated code, wherever the kernel's module lives."""
-    return hashlib.sha256(re.sub(r"kernel_cutlass_kernel_\w*?_object_at_", "K_", ptx).encode()).hexdigest()[:16]
+    """Hash of the PTX with kernel symbol names taken out: the DSL spells the builder's module path
+    into them (cut to a fixed length), so equal fingerprints mean the same generated code wherever
+    the kernel's module lives. Each symbol becomes K<n>, numbered by first appearance."""
+    names: dict[str, str] = {}
+
+    def placeholder(m: re.Match) -> str:
+        base, param = m.group(1), m.group(2) or ""
+        return names.setdefault(base, f"K{len(names)}") + param
+
+    normal = re.sub(r"(kernel_cutlass_\w+?)(_param_\d+)?\b", placeholder, ptx)
+    return hashlib.sha256(normal.encode()).hexdigest()[:16]
 
 
 def _log_ptx(spec: KernelSpec, ptx: str | None) -> None:
