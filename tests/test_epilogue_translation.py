@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from inductor_cute.inductor.gemm.epilogue import translate
-from inductor_cute.kernels.common.programs.epilogue import dumps, evaluate, loads, reference_ops
+from inductor_cute.kernels.common.programs.epilogue import dumps, loads, reference
 from inductor_cute.kernels.gemm.config import GemmConfig, GemmProblem, spec, unsupported_reason
 from inductor_cute.runtime.compiler import compile_spec
 
@@ -81,8 +81,7 @@ def run_program(fn, *args, acc, dynamic=None):
             return None
         return inputs[operand.name].reshape(-1).as_strided(shape, operand.strides, operand.offset)
 
-    env = {"acc": acc.reshape(shape), "row": view(epi.row), "full": view(epi.full)}
-    return evaluate(loads(epi.program), env, reference_ops()), epi
+    return reference(epi.program, acc.reshape(shape), view(epi.row), view(epi.full)), epi
 
 
 A, B = torch.randn(8, 16), torch.randn(16, 32)
@@ -97,6 +96,7 @@ FUSABLE = {
     "sigmoid*tanh-bias": (lambda a, b, r: (lambda y: torch.sigmoid(y) * torch.tanh(y) - r)(a @ b), ROW),
     "where": (lambda a, b, f: (lambda y: torch.where(y > 0, y, f))(a @ b), FULL),
     "maximum": (lambda a, b, f: torch.maximum(a @ b, f), FULL),
+    "bool*value": (lambda a, b, _: (lambda y: (y > 0).float() * y)(a @ b), ROW),  # the bool itself, as 0/1
     "offset row": (lambda a, b, r: a @ b + r[3:], torch.randn(35)),
     "addmm": (lambda a, b, r: torch.addmm(r, a, b, alpha=2.0, beta=0.5) * 3, FULL),
     "addmm row+silu": (lambda a, b, r: F.silu(torch.addmm(r, a, b)), ROW),

@@ -17,6 +17,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention,
 import inductor_cute
 from inductor_cute.inductor.flex import lowering as flex
 from inductor_cute.inductor.flex.lowering import decline_reason  # the real one: `decisions` patches the module's
+from inductor_cute.kernels.common.programs import registry
 from inductor_cute.kernels.common.programs import score as sp
 
 HOP = torch.ops.higher_order.flex_attention
@@ -482,6 +483,35 @@ def test_block_mask_under_dynamic_shapes_is_taken(cpu_accepted, decisions):
                 assert "captured buffer 0 is not a 1-D tensor" in decisions[-1][1] and OUR_CALL not in code
             ref = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
             torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_each_mod_is_translated_once_per_call(cpu_accepted, decisions, monkeypatch):
+    """The decision's translations are the ones the lowering hands the kernel."""
+    translated = []
+    translate = flex._translate
+    monkeypatch.setattr(flex, "_translate", lambda gm, *args: translated.append(gm) or translate(gm, *args))
+    q, k, v = qkv(q_len=1, kv_len=KV, dtype=torch.bfloat16)
+    block_mask = create_block_mask(prefix_lm, None, None, 1, KV, device="cpu")
+    taken_and_matching(decisions, q, k, v, score_mod=softcap, block_mask=block_mask)
+    problem, _ = decisions[0]
+    assert translated == [problem.score_graph, problem.mask_graph]
+
+
+def test_casts_type_each_step_once(monkeypatch):
+    """A cast needs its argument's type: the steps before it are typed once, not again per cast."""
+    g = torch.fx.Graph()
+    x, *_ = (g.placeholder(name) for name in ("score", "b", "h", "m", "n"))
+    for _ in range(40):
+        x = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+        x = g.call_function(torch.ops.prims.convert_element_type.default, (x, torch.int32))
+        x = g.call_function(torch.ops.prims.convert_element_type.default, (x, torch.float32))
+    g.output(x)
+    typed = []
+    add = registry.Typer.add
+    monkeypatch.setattr(registry.Typer, "add", lambda self, step: typed.append(step) or add(self, step))
+    program = flex.score_program(torch.fx.GraphModule({}, g))
+    assert len(typed) <= 2 * 120  # translation, then the canonical text's check (once per cast: ~80 * 60)
+    assert len(sp.loads(program)) == 120
 
 
 def test_an_untyped_scalar_tensor_is_a_float_constant():

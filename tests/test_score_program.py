@@ -1,11 +1,14 @@
-"""Score programs (kernels/score_program.py): validation with one-line errors, typing, the canonical
-text, and the torch reference evaluator against the score_mods they stand for."""
+"""Score programs (kernels/common/programs/score.py) and the op registry they share with epilogue
+programs: validation with one-line errors, typing, the canonical text, and the torch reference
+evaluator against the score_mods they stand for."""
 
 import pytest
 import torch
 
 from inductor_cute import UnsupportedError, ops
 from inductor_cute.host import flex as host_flex
+from inductor_cute.kernels.common.programs import epilogue as ep
+from inductor_cute.kernels.common.programs import registry
 from inductor_cute.kernels.common.programs import score as sp
 
 SOFTCAP = sp.dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
@@ -68,6 +71,33 @@ def test_invalid_programs_are_named_in_one_line(text, dtypes, message):
     with pytest.raises(ValueError, match=message) as err:
         sp.loads(text, dtypes)
     assert "\n" not in str(err.value)
+
+
+def test_one_registry_types_both_kinds_of_program():
+    """Both kinds validate and type through the registry; an epilogue counts a bool as a number
+    (Inductor's `(y > 0).float() * y` keeps the bool, the kernel converts it to 0/1 as torch does),
+    a score program does not; every op either kind uses has a torch reference."""
+    assert len(ep.loads(ep.dumps([["c", "gt", "acc", 0], ["o", "mul", "c", "full"]]))) == 2
+    with pytest.raises(ValueError, match="^score step o: mul needs numbers, got b/f$"):
+        sp.loads(sp.dumps([["c", "gt", "score", 0], ["o", "mul", "c", "score"]]))
+    with pytest.raises(ValueError, match="^epilogue step o: where needs a bool and two numbers, got f/f/f$"):
+        ep.loads(ep.dumps([["o", "where", "acc", "row", "full"]]))
+    with pytest.raises(ValueError, match="'floordiv' with 2 arguments is not supported"):
+        ep.loads(ep.dumps([["o", "floordiv", "acc", 2]]))  # a score-only op
+    assert set(ep.ARITY) & set(sp.ARITY) == {"neg", "abs", "exp", "log", "tanh", "sigmoid", "add", "sub", "mul",
+                                             "truediv", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne",
+                                             "where"}
+    assert set(registry.reference_ops()) == set(ep.ARITY) | set(sp.ARITY)
+
+
+def test_epilogue_reference_follows_torch():
+    acc, row, full = torch.randn(4, 8), torch.randn(8), torch.randn(4, 8)
+    acc[0, 0] = float("nan")
+    program = ep.dumps([["a", "add", "acc", "row"], ["m", "maximum", "a", 0.0], ["g", "gt", "full", 0],
+                        ["w", "where", "g", "m", "full"], ["s", "mul", "g", "w"], ["o", "rsqrt", "s"]])
+    a = acc + row
+    want = torch.rsqrt((full > 0) * torch.where(full > 0, torch.maximum(a, torch.tensor(0.0)), full))
+    torch.testing.assert_close(ep.reference(program, acc, row, full), want, equal_nan=True)
 
 
 def test_canonical_text_is_whitespace_free_and_stable():

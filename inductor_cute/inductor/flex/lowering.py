@@ -1,7 +1,7 @@
 """The flex_attention higher-order op under torch.compile: decoding-shaped calls whose score_mod and
-mask_mod we can translate into score / mask programs (kernels/score_program.py), with or without a
-BlockMask our kernel can walk, run our split-KV kernel (`ops.flex_decode`); everything else goes
-to the stock lowering, unchanged.
+mask_mod we can translate into score / mask programs (kernels/common/programs/score.py), with or
+without a BlockMask our kernel can walk, run our split-KV kernel (`ops.flex_decode`); everything
+else goes to the stock lowering, unchanged.
 
 inductor/install.py wraps `torch._inductor.lowering.lowerings[flex_attention]`. For a call we accept, the
 output code calls the custom op `torch.ops.inductor_cute.flex_decode` and imports this module
@@ -14,6 +14,7 @@ Torch-version differences are confined to `_block_mask_fields`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -22,6 +23,9 @@ import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor.virtualized import V
+
+from ...kernels.common.programs import registry
+from ...kernels.common.programs import score as sp
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,20 @@ class FlexProblem:
     kernel_options: dict
     inference: bool
 
+    @functools.cached_property
+    def translated(self) -> tuple[tuple[str, str] | None, str | None]:
+        """((score program, mask program), None), or (None, why a mod cannot be translated). Each
+        graph is translated once per call: the decision and the lowering read this."""
+        try:
+            score = score_program(self.score_graph, self.score_buffers)
+        except ValueError as e:
+            return None, f"a score_mod we cannot translate: {e}"
+        try:
+            mask = mask_program(self.mask_graph, self.mask_buffers)
+        except ValueError as e:
+            return None, f"a mask_mod we cannot translate: {e}"
+        return (score, mask), None
+
 
 def decline_reason(p: FlexProblem) -> str | None:
     """Why our decode kernel does not take this call (the stock lowering does); None if it does."""
@@ -123,15 +141,8 @@ def decline_reason(p: FlexProblem) -> str | None:
         problem = _block_mask_reason(p)
         if problem:
             return problem
-    try:
-        score_program(p.score_graph, p.score_buffers)
-    except ValueError as e:
-        return f"a score_mod we cannot translate: {e}"
-    try:
-        mask_program(p.mask_graph, p.mask_buffers)
-    except ValueError as e:
-        return f"a mask_mod we cannot translate: {e}"
-    return _options_reason(p.kernel_options)
+    _, problem = p.translated
+    return problem or _options_reason(p.kernel_options)
 
 
 def _block_mask_reason(p: FlexProblem) -> str | None:
@@ -196,20 +207,14 @@ def is_identity_score_mod(gm: torch.fx.GraphModule) -> bool:
 _aten, _prims = torch.ops.aten, torch.ops.prims
 _LEAVES = ("score", "b", "h", "q", "kv")  # the score_mod's placeholders (score, b, h, m, n) in program terms
 _MASK_LEAVES = _LEAVES[1:]  # the mask_mod's (b, h, m, n)
-_OPS = {
-    **dict.fromkeys((_aten.add.Tensor, _aten.add.Scalar), "add"), **dict.fromkeys((_aten.sub.Tensor, _aten.sub.Scalar), "sub"),
-    **dict.fromkeys((_aten.mul.Tensor, _aten.mul.Scalar), "mul"), **dict.fromkeys((_aten.div.Tensor, _aten.div.Scalar), "truediv"),
-    **dict.fromkeys((_aten.remainder.Tensor, _aten.remainder.Scalar), "remainder"), _aten.floor_divide.default: "floordiv",
-    _aten.maximum.default: "maximum", _aten.minimum.default: "minimum",
-    **{getattr(_aten, c).Tensor: c for c in ("lt", "le", "gt", "ge", "eq", "ne")},
-    **{getattr(_aten, c).Scalar: c for c in ("lt", "le", "gt", "ge", "eq", "ne")},
-    # on bools (the type check refuses ints): `&`, `|`, `~` of masks trace to the bitwise ops
-    **dict.fromkeys((_aten.logical_and.default, _aten.bitwise_and.Tensor), "and"),
-    **dict.fromkeys((_aten.logical_or.default, _aten.bitwise_or.Tensor), "or"),
-    **dict.fromkeys((_aten.logical_not.default, _aten.bitwise_not.default), "not"),
-    _aten.neg.default: "neg", _aten.abs.default: "abs", _aten.exp.default: "exp", _aten.log.default: "log",
-    _aten.tanh.default: "tanh", _aten.sigmoid.default: "sigmoid", _aten.where.self: "where",
-}
+
+
+def _aten_overload(name: str):
+    packet, overload = name.split(".")
+    return getattr(getattr(_aten, packet), overload)
+
+
+_OPS = {_aten_overload(name): op for name, op in registry.aten_ops().items()}  # aten overload -> program op
 _CASTS = (_prims.convert_element_type.default, _aten._to_copy.default)
 _CONSTANTS = (_aten.full.default, _aten.scalar_tensor.default)
 _IDENTITY = (_aten.clone.default, _aten.alias.default, _aten.lift_fresh_copy.default)
@@ -234,8 +239,6 @@ def mask_program(gm: torch.fx.GraphModule, buffer_dtypes: tuple = ()) -> str:
 
 def _translate(gm: torch.fx.GraphModule, buffer_dtypes: tuple, leaves: tuple) -> str:
     """A score_mod (leaves _LEAVES) or mask_mod (_MASK_LEAVES) graph as a canonical program."""
-    from ...kernels.common.programs import score as sp
-
     mask = leaves == _MASK_LEAVES
     what = "mask_mod" if mask else "score_mod"
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -251,6 +254,7 @@ def _translate(gm: torch.fx.GraphModule, buffer_dtypes: tuple, leaves: tuple) ->
         raise ValueError("captured buffers do not match the graph")
     dtypes = tuple(str(dt).removeprefix("torch.") for dt in buffer_dtypes)
     steps: list[list] = []
+    typer = None  # the types of the steps so far, extended when a cast asks (each step typed once)
 
     def arg(x):
         if isinstance(x, torch.fx.Node):
@@ -262,7 +266,12 @@ def _translate(gm: torch.fx.GraphModule, buffer_dtypes: tuple, leaves: tuple) ->
         raise ValueError(f"argument {x!r}")
 
     def type_of(a) -> str:
-        return sp.types_of(steps, dtypes, mask)[a] if isinstance(a, str) else sp._literal_type(a)
+        nonlocal typer
+        if typer is None:
+            typer = sp.typer(dtypes, mask)
+        for step in steps[len(typer.types) - len(leaves):]:
+            typer.add(step)
+        return typer.type_of(a)
 
     def emit(node, op, *args):
         steps.append([node.name, op, *args])
@@ -424,8 +433,7 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
                                                               mask_mod_other_buffers)
         reason = _call_reason(problem, query, key)
         if not reason:
-            programs = (score_program(problem.score_graph, problem.score_buffers),
-                        mask_program(problem.mask_graph, problem.mask_buffers))
+            programs, reason = problem.translated  # what decline_reason translated
     except Exception as e:  # our decision must never fail a compile
         reason = f"the decision failed: {type(e).__name__}: {e}"
     if reason:

@@ -1,7 +1,8 @@
 """Inductor pointwise nodes after a GEMM -> an epilogue program for our kernel.
 
 The nodes' store functions run under a handler that records every op as a program step
-(kernels/epilogue_program.py). Anything the kernel cannot do raises NotImplementedError with the
+(kernels/common/programs/epilogue.py); the registry's `handler` names say which handler methods
+are program ops as they are. Anything the kernel cannot do raises NotImplementedError with the
 reason, which turns the fusion down: Inductor then runs the pointwise nodes as a Triton kernel.
 
 Index spaces: the GEMM output is (M, N) or (L, M, N), contiguous. An epilogue node may iterate
@@ -23,10 +24,11 @@ from torch._inductor.ops_handler import DefaultHandler
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 
-from ...kernels.common.programs.epilogue import ARITY, dumps
+from ...kernels.common.programs.epilogue import dumps
+from ...kernels.common.programs.registry import handler_ops
 from .runtime import input_role
 
-_OPS_AS_IS = set(ARITY) - {"relu"}
+_HANDLED = handler_ops()  # ops-handler method -> epilogue op (relu, square, casts... have methods below)
 _FLOATS = (torch.float32, torch.float64)
 
 
@@ -130,10 +132,12 @@ class _Recorder(DefaultHandler):
         return name
 
     def _default(self, name, args, kwargs):
-        if name in _OPS_AS_IS and not kwargs:
-            if all(isinstance(a, float) for a in args) or (name == "where" and all(isinstance(a, float) for a in args[1:])):
+        if name in _HANDLED and not kwargs:
+            op = _HANDLED[name]
+            values = args[1:] if op == "where" else args
+            if all(isinstance(a, float) for a in values):
                 raise NotImplementedError(f"{name} of constants only")
-            return self.step(name, *args)
+            return self.step(op, *args)
         raise NotImplementedError(f"op {name} has no CuTe epilogue form")
 
     # ---- ops with their own meaning
