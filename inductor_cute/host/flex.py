@@ -7,7 +7,7 @@ import functools
 import torch
 
 from ..errors import UnsupportedError
-from ..kernels.attention.units import LOG2E
+from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
 from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count
 

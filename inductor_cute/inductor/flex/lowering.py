@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from typing import Any
 
 import sympy
@@ -26,11 +25,11 @@ from torch._inductor.virtualized import V
 
 from ...kernels.common.programs import registry
 from ...kernels.common.programs import score as sp
+from ...kernels.common.units import LOG2E
 
 log = logging.getLogger(__name__)
 
 _HOP = torch.ops.higher_order.flex_attention
-_LOG2E = 1 / math.log(2)
 _MAX_GRID_Z = 65535  # ops.flex_decode's limit on batch x KV heads (one CTA row per pair)
 _WHOLE_SEQUENCE_BLOCK = 1 << 30  # flex_attention's block size for "no block mask": one block spans any length
 # Kernel options that change nothing we compute: Triton performance hints and backward switches.
@@ -476,6 +475,6 @@ def _lower_to_decode(query, key, value, scale: float, programs: tuple, score_buf
                 for x in _FlexDecodeCall.create(torch.ops.inductor_cute.flex_decode.default, query, key, value, scale,
                                                 programs[0], score_buffers, programs[1], mask_buffers, *block_tensors,
                                                 kv_block, q_block))
-    lse2 = lowerings[torch.ops.aten.mul.Tensor](lse, _LOG2E)
+    lse2 = lowerings[torch.ops.aten.mul.Tensor](lse, LOG2E)
     max_scores = empty_strided(lse.get_size(), None, dtype=torch.float32, device=query.get_device())
     return out, lse2, max_scores

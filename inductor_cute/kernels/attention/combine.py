@@ -16,7 +16,7 @@ import operator
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .units import LN2, NEG_INF
+from ..common.units import LN2, NEG_INF
 
 
 class SplitCombine:

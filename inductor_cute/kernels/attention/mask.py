@@ -15,7 +15,7 @@ from cutlass import Float32, Int32, const_expr
 from ..common.programs.score import make_score_fn
 from .accumulator import row_half
 from .pack_gqa import PackGQA
-from .units import LOG2E, NEG_INF
+from ..common.units import LOG2E, NEG_INF
 
 
 class ScoreMods:

@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from .accumulator import row_half
-from .units import NEG_INF
+from ..common.units import NEG_INF
 
 
 def softmax_state():

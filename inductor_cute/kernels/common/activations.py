@@ -4,7 +4,7 @@ from typing import Callable
 
 import cutlass.cute as cute
 
-LOG2E = 1.4426950408889634
+from .units import LOG2E
 
 
 def _sigmoid_precise(x):
