@@ -3,7 +3,7 @@
 Importing the package is cheap: the CuTe DSL is imported when a kernel is first compiled or loaded.
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from .errors import CompileError, DSLUnavailableError, InductorCuteError, UnsupportedError  # noqa: E402
 from .runtime.artifacts import register_when_torch_loads as _register_when_torch_loads  # noqa: E402

@@ -4,30 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ..errors import first_line
 from . import record as rec
+from .case import Case  # noqa: F401  (suites may take it from here too)
 from .timing import bound_us, host_overhead_us, measure_ceilings, time_side_by_side
-
-
-@dataclass
-class Case:
-    name: str
-    params: dict
-    flops: float
-    bytes: float
-    runners: dict[str, Callable | None]  # backend -> zero-argument callable returning the output
-    notes: list[str] = field(default_factory=list)
-    matmul: bool = False  # whether `flops` run on the tensor cores and count toward the bound
-    atol: float = 2e-2
-    rtol: float = 2e-2
-    # Times the case measured itself (wall time per call, as whole-model suites need); the harness
-    # then only runs each backend once for its output.
-    wall_times_us: dict[str, float] | None = None
 
 
 def _progress(msg: str) -> None:

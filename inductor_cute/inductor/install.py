@@ -20,34 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import logging
-from typing import Any, Callable
+from typing import Any
+
+from .gemm.extern import GEMM_KERNEL
+from .hooks import FeedbackSaver, Hook, LoweringWrapper, SchedulingWrapper, _attr, stock_lowering  # noqa: F401  (public here too)
+from .settings import Settings, active_settings  # noqa: F401  (public here too)
 
 log = logging.getLogger(__name__)
-
-
-def _setting(tag: str):
-    return dataclasses.field(default=False, metadata={"tag": tag})
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """enable()'s switches; each has a short name for the factory's tag."""
-
-    fuse_epilogues: bool = _setting("fuse")  # a GEMM of ours takes the pointwise ops after it (our CUDA scheduling)
-    flex_decode: bool = _setting("flex")  # flex_attention decoding calls may run our split-KV kernel
-
-    def tag(self) -> str:
-        return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))
-
-
-def active_settings() -> Settings:
-    """The settings of the compile under way: those of V.choices when it is ours, all off otherwise."""
-    from torch._inductor.virtualized import V
-
-    settings = getattr(V.choices, "settings", None)
-    return settings if isinstance(settings, Settings) else Settings()
 
 
 def choices_factory(fuse_epilogues: bool = False, flex_decode: bool = False) -> functools.partial:
@@ -61,7 +41,7 @@ def _factory(settings: Settings) -> functools.partial:
     import hashlib
     from pathlib import Path
 
-    from .. import __version__
+    from ..version import __version__
     from ..runtime.spec import source_hash
     from .gemm.choices import CuteChoices
 
@@ -74,175 +54,12 @@ def _factory(settings: Settings) -> functools.partial:
 
 # ------------------------------------------------------------------------------------- hooks
 
-class Hook:
-    """One replacement in torch's state, installed when `when(settings)` holds."""
-
-    def __init__(self, name: str, when: Callable[[Settings], bool] = lambda settings: True) -> None:
-        self.name = name
-        self.when = when
-
-    def installed(self) -> bool:
-        raise NotImplementedError
-
-    def install(self) -> None:
-        raise NotImplementedError
-
-    def uninstall(self) -> None:
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name} installed={self.installed()}>"
-
-
-class LoweringWrapper(Hook):
-    """`lowering` in place of `torch._inductor.lowering.lowerings[op]`; the lowering it replaced is
-    `stock_lowering(op)` while installed."""
-
-    def __init__(self, name: str, op: Callable[[], Any], lowering: Callable[[], Callable], **kw) -> None:
-        super().__init__(name, **kw)
-        self.op, self._lowering = op, lowering  # resolved at install: importing us imports no family
-        self.stock = None
-
-    def installed(self) -> bool:
-        from torch._inductor import lowering
-
-        return self.stock is not None and lowering.lowerings.get(self.op()) is self._lowering()
-
-    def install(self) -> None:
-        from torch._inductor import lowering  # registers the stock lowerings
-
-        if not self.installed():
-            self.stock = lowering.lowerings[self.op()]
-            lowering.lowerings[self.op()] = self._lowering()
-
-    def uninstall(self) -> None:
-        from torch._inductor import lowering
-
-        if self.stock is None:
-            return
-        if lowering.lowerings.get(self.op()) is self._lowering():
-            lowering.lowerings[self.op()] = self.stock
-        else:
-            log.warning("inductor-cute: the lowering of %s was replaced after ours; left as it is", self.op())
-        self.stock = None
-
-
-class SchedulingWrapper(Hook):
-    """`make(replaced)` as a device's scheduling constructor in Inductor's codegen registry
-    (`codegen.common.device_codegens`), the rest of the device's entry kept."""
-
-    def __init__(self, name: str, device: str, make: Callable[[], Callable], **kw) -> None:
-        super().__init__(name, **kw)
-        self.device, self._make = device, make
-        self._replaced = self._ours = None  # registry entries; kept after uninstall to reuse `_ours`
-
-    def installed(self) -> bool:
-        from torch._inductor.codegen import common
-
-        return self._ours is not None and common.device_codegens.get(self.device) is self._ours
-
-    def install(self) -> None:
-        from torch._inductor.codegen import common
-
-        if self.installed():
-            return
-        if not common.device_codegens:
-            common.init_backend_registration()
-        current = common.device_codegens[self.device]
-        if current is not self._replaced or self._ours is None:
-            self._replaced = current
-            self._ours = dataclasses.replace(current, scheduling=self._make()(current.scheduling))
-        common.device_codegens[self.device] = self._ours
-
-    def uninstall(self) -> None:
-        from torch._inductor.codegen import common
-
-        if self.installed():
-            common.device_codegens[self.device] = self._replaced
-
-
-class FeedbackSaver(Hook):
-    """A function `select_algorithm` calls with every autotuning's timings."""
-
-    def __init__(self, name: str, fn: Callable[[], Callable], **kw) -> None:
-        super().__init__(name, **kw)
-        self._fn = fn
-
-    def installed(self) -> bool:
-        from .compat import feedback_savers
-
-        return self._fn() in feedback_savers()
-
-    def install(self) -> None:
-        from torch._inductor import select_algorithm
-
-        if not self.installed():
-            select_algorithm.add_feedback_saver(self._fn())
-
-    def uninstall(self) -> None:
-        from .compat import feedback_savers
-
-        savers = feedback_savers()
-        while self._fn() in savers:
-            savers.remove(self._fn())
-
-
-class ExternKernel(Hook):
-    """An ExternKernelChoice. Constructing one registers its kernel as `extern_kernels.<name>` and
-    asserts the name is free, so an entry left there (by an earlier copy of our module) is taken out
-    first and put back at uninstall. `choice()` installs on first use: Inductor configured directly,
-    without enable(), still gets our choice."""
-
-    def __init__(self, name: str, kernel_name: str, make: Callable[[], Callable[[str], Any]], **kw) -> None:
-        super().__init__(name, **kw)
-        self.kernel_name, self._make = kernel_name, make
-        self._choice = None
-        self._replaced: list = []  # the entry found under our name, if any
-
-    def installed(self) -> bool:
-        from torch._inductor.select_algorithm import extern_kernels
-
-        return self._choice is not None and hasattr(extern_kernels, self.kernel_name)
-
-    def install(self) -> None:
-        from torch._inductor.select_algorithm import extern_kernels
-
-        if self.installed():
-            return
-        self._replaced = []
-        if hasattr(extern_kernels, self.kernel_name):
-            self._replaced.append(getattr(extern_kernels, self.kernel_name))
-            delattr(extern_kernels, self.kernel_name)
-        self._choice = self._make()(self.kernel_name)
-
-    def uninstall(self) -> None:
-        from torch._inductor.select_algorithm import extern_kernels
-
-        if self._choice is None:
-            return
-        if hasattr(extern_kernels, self.kernel_name):
-            delattr(extern_kernels, self.kernel_name)
-        for entry in self._replaced:
-            setattr(extern_kernels, self.kernel_name, entry)
-        self._choice, self._replaced = None, []
-
-    def choice(self):
-        self.install()
-        return self._choice
-
-
-def _attr(module: str, name: str) -> Callable[[], Any]:
-    """A reference resolved when a hook installs, so that importing this module imports no family."""
-    return lambda: getattr(importlib.import_module(module, __package__), name)
-
-
 def _flex_attention_hop():
     import torch
 
     return torch.ops.higher_order.flex_attention
 
 
-GEMM_KERNEL = ExternKernel("gemm_extern_kernel", "inductor_cute_gemm", _attr(".gemm.extern", "new_gemm_choice"))
 HOOKS: tuple[Hook, ...] = (
     GEMM_KERNEL,
     FeedbackSaver("gemm_feedback_log", _attr(".gemm.extern", "log_timings")),
@@ -256,14 +73,6 @@ HOOKS: tuple[Hook, ...] = (
 def hook(name: str) -> Hook:
     (found,) = [h for h in HOOKS if h.name == name]
     return found
-
-
-def stock_lowering(op) -> Callable:
-    """The lowering our wrapper of `op` replaced: where the calls it declines go."""
-    for h in HOOKS:
-        if isinstance(h, LoweringWrapper) and h.stock is not None and h.op() is op:
-            return h.stock
-    raise RuntimeError(f"inductor-cute: no lowering of ours is installed for {op}")
 
 
 # ---------------------------------------------------------------------------- enable / disable

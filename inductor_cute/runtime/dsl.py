@@ -20,7 +20,7 @@ def _dist_version(name: str) -> str | None:
 @functools.lru_cache(maxsize=None)
 def versions() -> dict[str, str | None]:
     """Versions of everything that changes what a compiled object contains or how it loads."""
-    from .. import __version__
+    from ..version import __version__
 
     cutlass_dsl = _dist_version("nvidia-cutlass-dsl")
     if cutlass_dsl is None and "cutlass" in sys.modules:  # staged without pip metadata

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..harness import Case
+from ..case import Case
 from ..timing import time_us
 from .gemm_compiled import compile_now, describe_gemms
 

@@ -32,7 +32,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from ... import ops
 from ...kernels.common.programs import score as score_program
-from ..harness import Case
+from ..case import Case
 
 WINDOW = 1024  # sliding-window keys (Gemma-3-like local layers)
 SOFTCAP = 30.0  # score_mod: cap * tanh(score / cap), score already scaled

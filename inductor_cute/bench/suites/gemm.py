@@ -12,7 +12,7 @@ from ...kernels.gemm import config as gemm_config
 from ...kernels.gemm import family, gemv_config
 from ...kernels.gemm.gemv_config import GemvConfig
 from ...runtime import precompile
-from ..harness import Case
+from ..case import Case
 from ..timing import time_side_by_side
 
 # (M, N, K): the anchors of DESIGN.md, then decoder layers of Llama-3 8B/70B, DeepSeek-V3, Qwen3.

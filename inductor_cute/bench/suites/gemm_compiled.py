@@ -21,7 +21,7 @@ from unittest import mock
 import torch
 import torch.utils._pytree as pytree
 
-from ..harness import Case
+from ..case import Case
 from .gemm import QUICK, SHAPES, _operands
 
 OUR_CALL = "inductor_cute.inductor.gemm.runtime.gemm("

@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..harness import Case
+from ..case import Case
 
 HIDDEN, INTERMEDIATE = 4096, 11008
 ROWS = (1, 17, 512, 4096, 16384)

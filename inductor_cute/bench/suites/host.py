@@ -17,7 +17,7 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from ..harness import Case
+from ..case import Case
 from .models import wall_us
 
 MM_ROWS = (1, 8, 128, 4096)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..harness import Case
+from ..case import Case
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
 WRAP = 256  # decode positions a runner walks through before wrapping round
@@ -162,7 +162,7 @@ def step_cost(spec: ModelSpec, layers: int, phase: str, batch: int, tokens: int,
         active = params - moe_layers * (experts - cfg.num_experts_per_tok) * per_expert
     heads = cfg.num_attention_heads
     if spec.family == "deepseek_v2":
-        dqk, dv, kv_width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, None
+        dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
         kv_bytes_per_token = 2 * heads * (dqk + dv)  # transformers caches decompressed K and V
     else:
         dqk = dv = cfg.head_dim

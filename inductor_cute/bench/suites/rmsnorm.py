@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import ops
-from ..harness import Case
+from ..case import Case
 
 # (tokens, hidden): decode batches and prefill chunks of Llama-3 8B/70B, Qwen3, DeepSeek-V3 sizes.
 SHAPES = [(8, 4096), (256, 8192), (4096, 4096), (4096, 7168), (8192, 5120), (16384, 4096), (16384, 8192),

@@ -436,7 +436,7 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
     except Exception as e:  # our decision must never fail a compile
         reason = f"the decision failed: {type(e).__name__}: {e}"
     if reason:
-        from ..install import stock_lowering
+        from ..hooks import stock_lowering
 
         log.debug("inductor-cute: flex_attention left to the stock lowering: %s", reason)
         return stock_lowering(_HOP)(query, key, value, subgraph, block_mask, scale, kernel_options,

@@ -13,7 +13,7 @@ from torch._inductor.virtualized import V
 
 from ...errors import first_line
 from ...host.common import DTYPE_NAMES
-from ..install import Settings
+from ..settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,8 @@ from torch._inductor import ir
 from torch._inductor.select_algorithm import ExternKernelCaller, ExternKernelChoice
 
 from ...errors import first_line
+from ..hooks import ExternKernel
+from ..settings import active_settings
 from . import runtime
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,6 @@ class CuteGemmCaller(ExternKernelCaller):
         return {"backend": "inductor_cute", "kernel_name": self.name, "config": self.description}
 
     def output_node(self):
-        from ..install import active_settings
         from .template import CuteGemmTemplateBuffer, scheduling_installed
 
         log.info("inductor-cute %s chosen for %s", self.description, self.kwargs["op"])
@@ -76,10 +77,12 @@ def new_gemm_choice(name: str) -> CuteGemmChoice:
     return CuteGemmChoice(runtime.gemm, name=name, has_out_variant=True)
 
 
+# The hook that registers our extern kernel; inductor/install.py lists it with the others.
+GEMM_KERNEL = ExternKernel("gemm_extern_kernel", "inductor_cute_gemm", lambda: new_gemm_choice)
+
+
 def gemm_choice() -> CuteGemmChoice:
     """Our GEMM's extern choice (registered on first use when Inductor was configured directly)."""
-    from ..install import GEMM_KERNEL
-
     return GEMM_KERNEL.choice()
 
 

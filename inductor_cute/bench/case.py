@@ -1,0 +1,22 @@
+"""One benchmark case: what it computes (flops, bytes), the backends that run it, notes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Case:
+    name: str
+    params: dict
+    flops: float
+    bytes: float
+    runners: dict[str, Callable | None]  # backend -> zero-argument callable returning the output
+    notes: list[str] = field(default_factory=list)
+    matmul: bool = False  # whether `flops` run on the tensor cores and count toward the bound
+    atol: float = 2e-2
+    rtol: float = 2e-2
+    # Times the case measured itself (wall time per call, as whole-model suites need); the harness
+    # then only runs each backend once for its output.
+    wall_times_us: dict[str, float] | None = None

@@ -1,0 +1,30 @@
+"""enable()'s settings. They travel on the CuteChoices instance the factory makes (the factory's tag
+spells them, so they enter the FX-graph cache key); code that needs them while lowering or
+scheduling reads `active_settings()`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _setting(tag: str):
+    return dataclasses.field(default=False, metadata={"tag": tag})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """enable()'s switches; each has a short name for the factory's tag."""
+
+    fuse_epilogues: bool = _setting("fuse")  # a GEMM of ours takes the pointwise ops after it (our CUDA scheduling)
+    flex_decode: bool = _setting("flex")  # flex_attention decoding calls may run our split-KV kernel
+
+    def tag(self) -> str:
+        return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))
+
+
+def active_settings() -> Settings:
+    """The settings of the compile under way: those of V.choices when it is ours, all off otherwise."""
+    from torch._inductor.virtualized import V
+
+    settings = getattr(V.choices, "settings", None)
+    return settings if isinstance(settings, Settings) else Settings()
