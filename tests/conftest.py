@@ -32,3 +32,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class KernelRecorder:
+    """Stands in for every GEMM kernel: records (KernelSpec, arguments) of each launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def kernel_for(self, spec):
+        return lambda *args: self.launches.append((spec, args))
+
+    @property
+    def args(self):
+        """The arguments of the last launch."""
+        return self.launches[-1][1]
+
+
+@pytest.fixture
+def cpu_gemm_kernels(monkeypatch):
+    """Our GEMM entry points on CPU tensors: device checks passed, 132 SMs, and every kernel a
+    KernelRecorder; remembered kernels, fast paths and launchers are forgotten before and after."""
+    from inductor_cute.host import gemm as host_gemm
+    from inductor_cute.inductor.gemm import runtime
+
+    def forget():
+        host_gemm._gemm_kernel.cache_clear()
+        host_gemm._FAST_PATHS.clear()
+        runtime._LAUNCHERS.clear()
+
+    recorder = KernelRecorder()
+    monkeypatch.setattr(host_gemm, "check_cuda", lambda *tensors: None)
+    monkeypatch.setattr(host_gemm, "sm_count", lambda index: 132)
+    monkeypatch.setattr(host_gemm, "get_kernel", recorder.kernel_for)
+    forget()
+    yield recorder
+    forget()

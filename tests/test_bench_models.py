@@ -65,7 +65,8 @@ def test_case_names_and_the_suite_is_registered():
 
 
 def test_our_kernel_calls_counts_gemm_and_flex_call_sites():
-    code = ("buf1 = inductor_cute.inductor.gemm.runtime.gemm(a, b)\n"
+    code = ("icute_gemm_0 = inductor_cute.inductor.gemm.runtime.GemmLauncher(op='mm', config=(8,)).launch\n"
+            "icute_gemm_0(a, b, buf1)\n"
             "buf2 = torch.ops.inductor_cute.flex_decode.default(q, k, v)\n"
             "buf3 = extern_kernels.mm(a, b)\n")
     assert M.our_kernel_calls(code) == 2

@@ -235,24 +235,31 @@ def test_a_translated_program_compiles_into_the_gemm():
 _CONFIG = (128, 128, 64, 1, 1, 6, 2, True, False)  # what the H200 picked for these shapes
 
 
-def _our_addmm(inp, mat1, mat2, *, beta=1, alpha=1):
+def _our_addmm(inp, mat1, mat2, *, beta=1, alpha=1, node="template"):
+    """Our chosen addmm: the template node (fusion on) or the plain extern node (fusion off)."""
     from torch._inductor import lowering
 
+    from inductor_cute.inductor.gemm.extern import RUNTIME, CuteGemmOut
     from inductor_cute.inductor.gemm.template import CuteGemmTemplateBuffer
 
     (m, _), (_, n) = mat1.get_size(), mat2.get_size()
     inputs = [ir.ExternKernel.realize_input(t) for t in (lowering.expand(inp, [m, n]), mat1, mat2)]
     layout = ir.FixedLayout(mat1.get_device(), mat1.get_dtype(), [m, n], [n, 1])
+    kwargs = {"op": "addmm", "config": _CONFIG, "alpha": float(alpha), "beta": float(beta)}
+    if node == "extern":
+        return ir.TensorBox.create(CuteGemmOut(layout=layout, inputs=inputs, kwargs=kwargs,
+                                               python_kernel_name=f"{RUNTIME}.gemm"))
     problem = GemmProblem("bfloat16", "bfloat16", "k", "k", has_bias=True)
-    return ir.TensorBox.create(CuteGemmTemplateBuffer(
-        layout, inputs, op="addmm", kwargs={"config": _CONFIG, "alpha": float(alpha), "beta": float(beta)},
-        problem=problem, num_sms=132))
+    return ir.TensorBox.create(CuteGemmTemplateBuffer(layout, inputs, op="addmm", kwargs=kwargs, problem=problem,
+                                                      num_sms=132))
 
 
-def scheduled(fn, shapes, dynamic=(), codegen=False):
+def scheduled(fn, shapes, dynamic=(), codegen=False, node="template"):
     """The scheduler's nodes (lists of the operation names fused into each) for fn on bf16 CUDA
-    tensors of `shapes`; sizes listed in `dynamic` become one symbolic size each. With `codegen`,
-    also the output code's calls of our runtime (the fused kernel's compile is skipped)."""
+    tensors of `shapes`; sizes listed in `dynamic` become one symbolic size each; `node` is what
+    our chosen addmm becomes (see _our_addmm). With `codegen`, also the output code (the fused
+    kernel's compile is skipped)."""
+    import functools
     from types import SimpleNamespace
     from unittest import mock
 
@@ -273,7 +280,7 @@ def scheduled(fn, shapes, dynamic=(), codegen=False):
     addmm = torch.ops.aten.addmm.default
     scheduling = hook("cuda_scheduling")
     saved, installed_before = lowering.lowerings[addmm], scheduling.installed()
-    lowering.lowerings[addmm] = _our_addmm
+    lowering.lowerings[addmm] = functools.partial(_our_addmm, node=node)
     scheduling.install()
     try:
         with inductor_config.patch(benchmark_epilogue_fusion=False, cuda_backend="triton"), \
@@ -289,12 +296,20 @@ def scheduled(fn, shapes, dynamic=(), codegen=False):
                 compiled = lambda specs, *a, **k: [SimpleNamespace(status="compiled") for _ in specs]  # noqa: E731
                 with mock.patch("inductor_cute.runtime.precompile", compiled):
                     code = graph.codegen()[0].value  # schedules again, then writes the wrapper
-                nodes = [[n.get_name() for n in node.get_nodes()] for node in graph.scheduler.nodes]
-                return nodes, [line.strip() for line in code.splitlines() if "runtime.gemm(" in line]
+                return [[n.get_name() for n in node.get_nodes()] for node in graph.scheduler.nodes], code
     finally:
         lowering.lowerings[addmm] = saved
         if not installed_before:
             scheduling.uninstall()
+
+
+def our_launchers(code: str) -> tuple[dict, list]:
+    """The launchers output code defines in its header ({name: definition}) and its calls of them
+    ([(name, argument text)])."""
+    definitions = dict(re.findall(r"^(icute_gemm_\d+) = (.*)$", code, re.MULTILINE))
+    calls = re.findall(r"^\s+(icute_gemm_\d+)\((.*)\)$", code, re.MULTILINE)
+    assert "runtime.gemm(" not in code
+    return definitions, calls
 
 
 LINEAR = {  # the GPU tests' functions of (weight, bias, x, residual)
@@ -317,6 +332,70 @@ def test_the_scheduler_fuses_into_a_linear_on_3d_activations(dynamic):
 
 def test_the_fused_call_on_3d_activations_writes_its_output_as_the_gemm_shape():
     shapes = [(2048, 1024), (2048,), (2, 300, 1024), (2, 300, 2048)]
-    nodes, calls = scheduled(LINEAR["gelu_tanh+residual"], shapes, (300,), codegen=True)
-    assert nodes == [["op0", "op1"]] and len(calls) == 1 and "epilogue=" in calls[0]
-    assert re.search(r"out=reinterpret_tensor\(buf1, \(2\*s\d+, 2048\), \(2048, 1\), 0\)", calls[0]), calls[0]
+    nodes, code = scheduled(LINEAR["gelu_tanh+residual"], shapes, (300,), codegen=True)
+    definitions, calls = our_launchers(code)
+    assert nodes == [["op0", "op1"]] and len(definitions) == len(calls) == 1
+    (name, definition), = definitions.items()
+    assert definition.startswith("inductor_cute.inductor.gemm.runtime.GemmLauncher(op='mm', config=(128, 128, 64, ")
+    assert "epilogue='[[" in definition and definition.endswith(").launch")
+    assert calls[0][0] == name  # a, b, out, row, full: positional
+    assert re.fullmatch(r"reinterpret_tensor\(x_1, .*\), reinterpret_tensor\(w_1, .*\), "
+                        r"reinterpret_tensor\(buf1, \(2\*s\d+, 2048\), \(2048, 1\), 0\), "
+                        r"reinterpret_tensor\(b_1, .*\), reinterpret_tensor\(r_1, .*\)", calls[0][1]), calls[0][1]
+
+
+@pytest.mark.parametrize("node", ["template", "extern"])
+def test_an_unfused_gemm_calls_a_launcher_defined_in_the_header(node):
+    shapes = [(2048, 1024), (2048,), (1000, 1024), (1000, 2048)]
+    linear = lambda w, b, x, r: F.linear(x, w, b)  # noqa: E731
+    _, code = scheduled(linear, shapes, codegen=True, node=node)
+    definitions, calls = our_launchers(code)
+    assert list(definitions.values()) == [
+        f"inductor_cute.inductor.gemm.runtime.GemmLauncher(op='addmm', config={_CONFIG!r}, alpha=1.0, beta=1.0).launch"]
+    (name, args), = calls  # inp (the bias row, broadcast), a, b, out
+    assert name in definitions
+    assert args == "reinterpret_tensor(b_1, (1000, 2048), (0, 1), 0), x_1, reinterpret_tensor(w_1, (1024, 2048), " \
+                   "(1, 1024), 0), buf0"
+    assert code.index(f"{name} = ") < code.index("def call(")  # built once, at import
+
+
+def test_output_code_builds_its_launchers_in_a_fresh_process(tmp_path):
+    # What a graph served from Inductor's FX cache does: import the code in a process that never lowered it.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    _, code = scheduled(FUSABLE_LINEAR, [(256, 64), (256,), (32, 64), (32, 256)], codegen=True)
+    (tmp_path / "output_code.py").write_text(code)
+    script = textwrap.dedent("""
+        import importlib.util, json, sys, torch
+        from inductor_cute.host import gemm as host_gemm
+        spec = importlib.util.spec_from_file_location("output_code", sys.argv[1])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        (name,) = [n for n in vars(module) if n.startswith("icute_gemm_")]
+        launcher = getattr(module, name).__self__
+        plans_at_import = len(launcher._plans)
+        launches = []
+        host_gemm.check_cuda = lambda *tensors: None  # CPU tensors
+        host_gemm.sm_count = lambda index: 132
+        host_gemm.get_kernel = lambda spec: lambda *args: launches.append(args)
+        t = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)  # noqa: E731
+        x, w, out, row, full = t(32, 64), t(256, 64), t(32, 256), t(256), t(32, 256)
+        for _ in range(2):
+            getattr(module, name)(x, w.t(), out, row, full)
+        print(json.dumps({"type": type(launcher).__name__, "plans_at_import": plans_at_import,
+                          "plans": len(launcher._plans), "launches": len(launches)}))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "output_code.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"type": "GemmLauncher", "plans_at_import": 0,
+                                                                "plans": 1, "launches": 2}
+
+
+FUSABLE_LINEAR = lambda w, b, x, r: F.silu(F.linear(x, w, b)) + r  # noqa: E731

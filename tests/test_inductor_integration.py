@@ -97,50 +97,45 @@ def test_attaches_once_per_gemm_at_the_main_template_call():
         assert chooser._first_ask(_Inputs(a, b), [_Template("aten::mm")], "mm")  # another op
 
 
-class _Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, a, b, **kw):
-        self.calls.append(kw)
-
-
-@pytest.fixture
-def recorded(monkeypatch):
-    rec = _Recorder()
-    monkeypatch.setattr(runtime.ops, "mm", rec)
-    monkeypatch.setattr(runtime.ops, "bmm", rec)
-    return rec
-
-
 CFG = tuple(GemmConfig().as_params().values())
+BF16 = torch.bfloat16
 
 
-def test_runtime_routes_addmm_bias_rows_and_residuals(recorded):
-    a, b, out = torch.randn(4, 8), torch.randn(8, 16), torch.empty(4, 16)
-    row = torch.randn(16)
+def _launched(recorder):
+    """(GemmProblem flags, kernel arguments) of each recorded launch."""
+    return [((spec.kwargs["has_bias"], spec.kwargs["has_c"]), args) for spec, args in recorder.launches]
+
+
+def test_runtime_routes_addmm_bias_rows_and_residuals(cpu_gemm_kernels):
+    a, b, out = torch.randn(32, 64, dtype=BF16), torch.randn(64, 128, dtype=BF16), torch.empty(32, 128, dtype=BF16)
+    row = torch.randn(128, dtype=BF16)
     runtime.gemm(row, a, b, out=out, op="addmm", config=CFG)  # torch 2.13: 1-D bias
-    runtime.gemm(row.expand(4, 16), a, b, out=out, op="addmm", config=CFG)  # 2.11: expanded bias
+    runtime.gemm(row.expand(32, 128), a, b, out=out, op="addmm", config=CFG)  # 2.11: expanded bias
     runtime.gemm(row, a, b, out=out, op="addmm", config=CFG, alpha=2.0, beta=0.5)  # scaled: C
-    full = torch.randn(4, 16)
+    full = torch.randn(32, 128, dtype=BF16)
     runtime.gemm(full, a, b, out=out, op="addmm", config=CFG)
-    first, expanded, scaled, residual = recorded.calls
-    assert first["bias"] is not None and first["c"] is None and torch.equal(first["bias"], row)
-    assert torch.equal(expanded["bias"], row) and expanded["c"] is None
-    assert scaled["bias"] is None and scaled["c"] is row and scaled["beta"] == 0.5 and scaled["alpha"] == 2.0
-    assert residual["c"] is full and residual["beta"] == 1.0
-    assert all(call["config"] == GemmConfig() and call["out"] is out for call in recorded.calls)
+    (first_kind, first), (expanded_kind, expanded), (scaled_kind, scaled), (residual_kind, residual) = \
+        _launched(cpu_gemm_kernels)
+    assert first_kind == expanded_kind == (True, False) and scaled_kind == residual_kind == (False, True)
+    for bias in (first[4], expanded[4]):  # A, B, D, C, bias, alpha, beta
+        assert bias.shape == (128,) and bias.stride() == (1,) and bias.data_ptr() == row.data_ptr()
+    assert first[3] is None and first[5:] == (1.0, 0.0)
+    assert scaled[4] is None and torch.equal(scaled[3][:, :, 0], row.expand(32, 128)) and scaled[5:] == (2.0, 0.5)
+    assert residual[3].data_ptr() == full.data_ptr() and residual[5:] == (1.0, 1.0)
+    assert all(args[2].data_ptr() == out.data_ptr() and args[0].data_ptr() == a.data_ptr()
+               for _, args in _launched(cpu_gemm_kernels))
 
 
-def test_runtime_routes_bmm_and_baddbmm(recorded):
-    a, b, out = torch.randn(2, 4, 8), torch.randn(2, 8, 16), torch.empty(2, 4, 16)
+def test_runtime_routes_bmm_and_baddbmm(cpu_gemm_kernels):
+    a, b, out = torch.randn(2, 32, 64, dtype=BF16), torch.randn(2, 64, 128, dtype=BF16), torch.empty(2, 32, 128,
+                                                                                                       dtype=BF16)
     runtime.gemm(a, b, out=out, op="bmm", config=CFG)
-    runtime.gemm(torch.randn(16).expand(2, 4, 16), a, b, out=out, op="baddbmm", config=CFG)
-    runtime.gemm(torch.randn(2, 1, 16).expand(2, 4, 16), a, b, out=out, op="baddbmm", config=CFG)
-    plain, row, per_batch = recorded.calls
-    assert plain["bias"] is None and plain["c"] is None
-    assert row["bias"] is not None and row["bias"].shape == (16,)
-    assert per_batch["c"] is not None and per_batch["bias"] is None  # differs across the batch
+    runtime.gemm(torch.randn(128, dtype=BF16).expand(2, 32, 128), a, b, out=out, op="baddbmm", config=CFG)
+    runtime.gemm(torch.randn(2, 1, 128, dtype=BF16).expand(2, 32, 128), a, b, out=out, op="baddbmm", config=CFG)
+    (plain_kind, plain), (row_kind, row), (per_batch_kind, per_batch) = _launched(cpu_gemm_kernels)
+    assert plain_kind == (False, False) and plain[3] is None and plain[4] is None
+    assert row_kind == (True, False) and row[4].shape == (128,)
+    assert per_batch_kind == (False, True) and per_batch[4] is None  # differs across the batch
 
 
 @pytest.mark.parametrize("sizes,strides,expected", [
@@ -198,13 +193,15 @@ def test_fusion_installs_our_cuda_scheduling_and_restores_everything():
         assert not scheduling_installed() and not fusion_enabled()
 
 
-def test_runtime_passes_a_gemv_config_through(recorded):
+def test_runtime_passes_a_gemv_config_through(cpu_gemm_kernels):
     from inductor_cute.kernels.gemm.family import as_tuple
     from inductor_cute.kernels.gemm.gemv_config import GemvConfig
 
-    a, b, out = torch.randn(4, 8), torch.randn(16, 8).t(), torch.empty(4, 16)
+    a, b, out = torch.randn(4, 1024, dtype=BF16), torch.randn(256, 1024, dtype=BF16).t(), torch.empty(4, 256,
+                                                                                                       dtype=BF16)
     runtime.gemm(a, b, out=out, op="mm", config=as_tuple(GemvConfig(8, 1024, 8, 1)))
-    assert recorded.calls[0]["config"] == GemvConfig(8, 1024, 8, 1)
+    (spec, args), = cpu_gemm_kernels.launches
+    assert spec.kwargs["warps"] == 8 and spec.kwargs["k_slice"] == 1024 and len(args) == 9  # with the workspace
 
 
 class _Node:

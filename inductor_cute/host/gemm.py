@@ -11,6 +11,12 @@ from ..errors import UnsupportedError
 from ..runtime import get_kernel
 from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count
 
+try:  # what Inductor's output code calls reinterpret_tensor: a view in C++, a third of as_strided's host time
+    from torch._C._dynamo.guards import _reinterpret_tensor as _alias
+except ImportError:  # pragma: no cover
+    def _alias(t: torch.Tensor, sizes, strides, offset_increment: int) -> torch.Tensor:
+        return t.as_strided(sizes, strides, t.storage_offset() + offset_increment)
+
 _GEMM_INPUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -54,15 +60,14 @@ def _gemm_kernel(problem, config, num_sms: int):
 
 
 def _gemv_workspace(device, sizes: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMV's split-K partials and arrival counters, fresh per call: a cached buffer could be
-    shared by two streams, or live in a CUDA graph's private pool that the graph later reuses.
-    The counters are zeroed only when the kernel splits K (otherwise it touches neither)."""
+    """The GEMV's split-K partials and arrival counters, fresh per call from torch's caching
+    allocator: a cached buffer could be shared by two streams, or live in a CUDA graph's private
+    pool that the graph later reuses. The counters are zeroed only when the kernel splits K
+    (otherwise it touches neither). Two allocations cost less host time than slicing one."""
     n_partials, n_counters, split = sizes
-    ws = torch.empty(n_partials + n_counters, device=device, dtype=torch.float32)
-    counters = ws[n_partials:].view(torch.int32)
-    if split:
-        counters.zero_()
-    return ws[:n_partials], counters
+    partials = torch.empty(n_partials, device=device, dtype=torch.float32)
+    counters = (torch.zeros if split else torch.empty)(n_counters, device=device, dtype=torch.int32)
+    return partials, counters
 
 
 def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue=""):
@@ -155,11 +160,94 @@ def _batched(name, a, b, bias, c, out):
     return a, b, c, out
 
 
-# Calls whose checks passed and whose kernel operands are plain views of the caller's tensors
-# are remembered by their argument layout, so a repeat (a compiled graph's GEMM, a training
-# step) skips the checks and only restrides: ~60 us of host time down to a few.
+class GemmLaunch:
+    """A checked GEMM call reduced to what repeating it needs; it holds no tensor. `operands`
+    says where each tensor argument of the kernel (A, B, D, C, bias) comes from: None (absent),
+    (i, None, None) for the caller's `sources[i]` itself (its layout already is the kernel's), or
+    (i, sizes, strides) for that view of `sources[i]` from its own storage offset (as_strided's,
+    taken without the dispatcher). Then the GEMV's workspace (fresh), then the scalars. Valid only for sources of
+    the layouts it was made from (shapes, strides, dtypes, device, 16-byte alignment): callers key
+    it on them."""
+
+    __slots__ = ("kernel", "operands", "scalars", "workspace", "device")
+
+    def __init__(self, kernel, operands: tuple, scalars: tuple, workspace: tuple | None, device) -> None:
+        self.kernel, self.operands, self.scalars = kernel, operands, scalars
+        self.workspace, self.device = workspace, device
+
+    def arguments(self, sources) -> list:
+        """The kernel's arguments for these sources, a fresh workspace included."""
+        args = []
+        for op in self.operands:
+            if op is None:
+                args.append(None)
+            elif op[1] is None:
+                args.append(sources[op[0]])
+            else:
+                args.append(_alias(sources[op[0]], op[1], op[2], 0))
+        if self.workspace is not None:
+            args += _gemv_workspace(self.device, self.workspace)
+        args += self.scalars
+        return args
+
+    def __call__(self, sources) -> None:
+        self.kernel(*self.arguments(sources))
+
+
+def _in_place(view: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether `view` reads `t`'s memory from `t`'s own start, so that a view of `t` remakes it."""
+    return (view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+            and view.storage_offset() == t.storage_offset() and view.dtype == t.dtype)
+
+
+def _launch_of(kernel, kernel_args: tuple, workspace, sources: tuple, origins: tuple) -> GemmLaunch | None:
+    """The GemmLaunch that repeats `kernel(*kernel_args)` on `sources`; `origins[j]` is the index in
+    `sources` of the tensor that kernel argument j (A, B, D, C, bias) was made from. None when an
+    argument is not a view of its source (a copy: misaligned, cast, or a layout TMA cannot read)."""
+    operands = []
+    for arg, origin in zip(kernel_args[:5], origins):
+        if arg is None:
+            operands.append(None)
+            continue
+        source = sources[origin] if origin is not None else None
+        if not isinstance(source, torch.Tensor) or not _in_place(arg, source):
+            return None
+        same = arg.shape == source.shape and arg.stride() == source.stride()
+        operands.append((origin, None, None) if same else (origin, tuple(arg.shape), tuple(arg.stride())))
+    return GemmLaunch(kernel, tuple(operands), tuple(kernel_args[5:]), workspace, kernel_args[2].device)
+
+
+def _checked(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue):
+    """One GEMM through every check, launched: (result, (kernel, kernel arguments, workspace)),
+    the second None when the output is empty (nothing to launch)."""
+    a3d, b3d, c3d, out3 = _batched(name, a, b, bias, c, out)
+    plan, kernel_args, out3 = _prepare_gemm(name, a3d, b3d, bias, c3d, alpha, beta, activation, out_dtype, out3, config,
+                                            epilogue)
+    result = out3[0] if name == "mm" else out3
+    if plan is None:
+        return result, None
+    kernel = _gemm_kernel(*plan[:3])
+    _launch(kernel, kernel_args, plan[3], out3.device)
+    return result, (kernel, kernel_args, plan[3])
+
+
+def run_checked(name: str, a, b, *, bias, c, alpha, beta, activation: str = "identity", out, config, epilogue: str,
+                sources: tuple, origins: tuple) -> GemmLaunch | None:
+    """`name` ("mm" or "bmm") into `out` through every check that mm/bmm make, then the GemmLaunch
+    that repeats it on `sources` (the caller's tensors, `out` among them; `origins` as for
+    _launch_of, in the order A, B, D, C, bias), or None where it cannot (an operand was copied,
+    or the output is empty). Raises UnsupportedError as mm/bmm do."""
+    _, launched = _checked(name, a, b, bias, c, alpha, beta, activation, None, out, config, epilogue)
+    return _launch_of(*launched, sources, origins) if launched is not None else None
+
+
+# Eager calls whose checks passed and whose kernel operands are views of the caller's tensors are
+# remembered by their arguments' layouts, so a repeat (a training step, a decode loop) skips the
+# checks: a layout key, the views and the kernel call. With out=None the output is allocated from
+# the remembered shape. Calls that copied an operand are not remembered.
 _FAST_PATHS: dict[tuple, tuple] = {}
 _FAST_PATHS_MAX = 4096
+_EAGER_ORIGINS = (0, 1, 4, 2, 3)  # kernel A, B, D, C, bias from (a, b, c, bias, out)
 
 
 def _layout(t):
@@ -170,47 +258,24 @@ def _layout(t):
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % ALIGN_BYTES == 0)
 
 
-def _view_of(view, t):
-    """(sizes, strides) that make `view` from `t` with as_strided, or None if it is not a view of t."""
-    if view is None or t is None or view.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() \
-            or view.storage_offset() != t.storage_offset() or view.dtype != t.dtype:
-        return None
-    return tuple(view.shape), tuple(view.stride())
-
-
-def _remember(key, kernel, kernel_args, workspace, a, b, c, out, bias):
-    a3, b3, d3, c3, bias_arg = kernel_args[:5]
-    views = [_view_of(a3, a), _view_of(b3, b), _view_of(d3, out)]
-    if None in views or (c is not None and _view_of(c3, c) is None) or bias_arg is not bias:
-        return
-    if len(_FAST_PATHS) >= _FAST_PATHS_MAX:
-        _FAST_PATHS.clear()
-    _FAST_PATHS[key] = (kernel, views, _view_of(c3, c) if c is not None else None, kernel_args[5:], workspace)
-
-
-def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue="", launch=True):
-    key = None
-    if launch and out is not None:
-        key = (name, _layout(a), _layout(b), _layout(c), _layout(bias), _layout(out), alpha, beta, activation,
-               out_dtype, config, epilogue)
-        hit = _FAST_PATHS.get(key)
-        if hit is not None:
-            kernel, views, c_view, scalars, workspace = hit
-            c3 = c.as_strided(*c_view) if c is not None else None
-            _launch(kernel, (a.as_strided(*views[0]), b.as_strided(*views[1]), out.as_strided(*views[2]), c3, bias,
-                             *scalars), workspace, out.device)
-            return out
-    a3d, b3d, c3d, out3 = _batched(name, a, b, bias, c, out)
-    plan, kernel_args, out3 = _prepare_gemm(name, a3d, b3d, bias, c3d, alpha, beta, activation, out_dtype, out3, config,
-                                            epilogue)
-    if not launch:
-        return plan[:3] if plan is not None else None
-    if plan is not None:
-        kernel = _gemm_kernel(*plan[:3])
-        _launch(kernel, kernel_args, plan[3], out3.device)
-        if key is not None:
-            _remember(key, kernel, kernel_args, plan[3], a, b, c, out, bias)
-    return out3[0] if name == "mm" else out3
+def _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue=""):
+    key = (name, _layout(a), _layout(b), _layout(c), _layout(bias), _layout(out), alpha, beta, activation,
+           out_dtype, config, epilogue)
+    hit = _FAST_PATHS.get(key)
+    if hit is not None:
+        launch, out_shape, result_dtype = hit
+        if out is None:
+            out = torch.empty(out_shape, device=launch.device, dtype=result_dtype)
+        launch((a, b, c, bias, out))
+        return out
+    result, launched = _checked(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue)
+    if launched is not None:
+        launch = _launch_of(*launched, (a, b, c, bias, result), _EAGER_ORIGINS)
+        if launch is not None:
+            if len(_FAST_PATHS) >= _FAST_PATHS_MAX:
+                _FAST_PATHS.clear()
+            _FAST_PATHS[key] = (launch, tuple(result.shape), result.dtype)
+    return result
 
 
 def mm(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="identity", out_dtype=None, out=None,
@@ -238,10 +303,11 @@ def gemm_plan(a, b, *, bias=None, c=None, alpha=1.0, beta=None, activation="iden
               out=None, config=None, epilogue=""):
     """(GemmProblem, GemmConfig, SM count) that `mm` (2-D inputs) or `bmm` (3-D) would run."""
     name = "mm" if a.dim() == 2 else "bmm"
-    plan = _gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config, epilogue, launch=False)
+    a3d, b3d, c3d, out3 = _batched(name, a, b, bias, c, out)
+    plan, _, _ = _prepare_gemm(name, a3d, b3d, bias, c3d, alpha, beta, activation, out_dtype, out3, config, epilogue)
     if plan is None:
         raise UnsupportedError(f"{name}: an empty output needs no kernel")
-    return plan
+    return plan[:3]
 
 
 def gemm_spec_for(a, b, **kwargs):

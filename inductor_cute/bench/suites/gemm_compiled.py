@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from ..case import Case
 from .gemm import QUICK, SHAPES, _operands
 
-OUR_CALL = "inductor_cute.inductor.gemm.runtime.gemm("
+OUR_CALL = "inductor_cute.inductor.gemm.runtime.GemmLauncher("  # defined once per call site
 STOCK_BACKENDS = "ATEN,TRITON"
 OUR_BACKENDS = "ATEN,TRITON,ICUTE"
 # no FX-graph or autotune cache: every compile lowers and autotunes from scratch

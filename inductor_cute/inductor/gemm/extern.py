@@ -1,5 +1,6 @@
-"""Our GEMM as an Inductor extern-kernel choice: benchmarked in-process beside ATen and Triton,
-emitted into output code as a call to `inductor_cute.inductor.gemm.runtime.gemm`."""
+"""Our GEMM as an Inductor extern-kernel choice: benchmarked in-process beside ATen and Triton
+(through `inductor_cute.inductor.gemm.runtime.gemm`), emitted into output code as a GemmLauncher
+defined in the module's header and called at the GEMM's place in the graph."""
 
 from __future__ import annotations
 
@@ -17,13 +18,26 @@ log = logging.getLogger(__name__)
 RUNTIME = runtime.MODULE
 
 
+def define_launcher(wrapper, op: str, config: tuple, **scalars) -> str:
+    """Define a GemmLauncher for one call site in the output code's header (with the import of our
+    runtime, so a graph served from the FX cache works in a process that never lowered it) and
+    return the name to call: its bound `launch`, which takes the tensors positionally."""
+    wrapper.add_import_once(f"import {RUNTIME}")
+    name = f"icute_gemm_{wrapper.next_kernel_suffix()}"
+    kwargs = "".join(f", {k}={v!r}" for k, v in scalars.items())
+    wrapper.define_kernel(name, f"{RUNTIME}.GemmLauncher(op={op!r}, config={tuple(config)!r}{kwargs}).launch",
+                          gpu=False)
+    return name
+
+
 class CuteGemmOut(ir.ExternKernelOut):
-    """The chosen GEMM in the graph; its output code imports our runtime itself, so a graph
-    served from the FX cache works in a process that never lowered it."""
+    """The chosen GEMM in the graph, unfused: `icute_gemm_<n>(*inputs, out)`."""
 
     def codegen(self, wrapper) -> None:
-        wrapper.add_import_once(f"import {RUNTIME}")
-        super().codegen(wrapper)
+        launcher = define_launcher(wrapper, **self.kwargs)
+        self.codegen_comment(wrapper)
+        out = (self.output_view or self).codegen_reference()
+        wrapper.writeline(f"{launcher}({', '.join([*self.codegen_args(), out])})")
 
 
 class CuteGemmCaller(ExternKernelCaller):

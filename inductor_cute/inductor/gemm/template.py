@@ -3,8 +3,9 @@
 When our choice wins autotuning it enters the graph as a CuteGemmTemplateBuffer. Inductor's
 scheduler then asks the CUDA backend whether a following pointwise node may fuse; our scheduling
 (installed by inductor/install.py for "cuda" when fusing) says yes when the node translates into
-an epilogue program (gemm/epilogue.py), and at code generation writes one call of our runtime
-with that program. Everything else is delegated to the stock CUDA scheduling.
+an epilogue program (gemm/epilogue.py), and at code generation defines a launcher of our runtime
+for that program (extern.define_launcher) and calls it once. Everything else is delegated to the
+stock CUDA scheduling.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ...host.common import DTYPE_NAMES
 from ...kernels.gemm import family
 from ...kernels.gemm.family import from_tuple
 from .epilogue import Operand, translate
-from .runtime import MODULE as RUNTIME
+from .extern import define_launcher
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,6 @@ class CuteGemmScheduling(BaseScheduling):
         assert not prologue_nodes
         template = _ours(template_node)
         wrapper = V.graph.wrapper_code
-        wrapper.add_import_once(f"import {RUNTIME}")
         kw = template.kwargs
         if epilogue_nodes:
             epi = translate(template, list(epilogue_nodes))
@@ -121,16 +121,15 @@ class CuteGemmScheduling(BaseScheduling):
                 out_ref = (f"reinterpret_tensor({out_ref}, {wrapper.codegen_shape_tuple(size)}, "
                            f"{wrapper.codegen_shape_tuple(template.get_layout().stride)}, "
                            f"{wrapper.codegen_sizevar(out.get_layout().offset)})")
-            args = [m.codegen_reference() for m in mats]
-            call = (f"{RUNTIME}.gemm({', '.join(args)}, out={out_ref}, "
-                    f"op={'bmm' if len(size) == 3 else 'mm'!r}, config={tuple(kw['config'])!r}, "
-                    f"epilogue={epi.program!r}, row={_operand_arg(epi.row, size)}, "
-                    f"full={_operand_arg(epi.full, size)})")
+            launcher = define_launcher(wrapper, op="bmm" if len(size) == 3 else "mm", config=kw["config"],
+                                       epilogue=epi.program)
+            args = [*(m.codegen_reference() for m in mats), out_ref, _operand_arg(epi.row, size),
+                    _operand_arg(epi.full, size)]
             log.info("inductor-cute fused %d epilogue node(s) into %s", len(epilogue_nodes), template.get_name())
         else:
-            args = [inp.codegen_reference() for inp in template.inputs]
-            extra = "".join(f", {k}={v!r}" for k, v in kw.items())
-            call = f"{RUNTIME}.gemm({', '.join(args)}, out={template.codegen_reference()}{extra})"
+            launcher = define_launcher(wrapper, **kw)
+            args = [*(inp.codegen_reference() for inp in template.inputs), template.codegen_reference()]
+        call = f"{launcher}({', '.join(args)})"
         for node in (template_node, *epilogue_nodes):
             node.mark_run()
         wrapper.writeline(call)
