@@ -13,21 +13,10 @@ from ...errors import first_line
 from ..hooks import ExternKernel
 from ..settings import active_settings
 from . import runtime
+from .codegen import define_launcher
 
 log = logging.getLogger(__name__)
 RUNTIME = runtime.MODULE
-
-
-def define_launcher(wrapper, op: str, config: tuple, **scalars) -> str:
-    """Define a GemmLauncher for one call site in the output code's header (with the import of our
-    runtime, so a graph served from the FX cache works in a process that never lowered it) and
-    return the name to call: its bound `launch`, which takes the tensors positionally."""
-    wrapper.add_import_once(f"import {RUNTIME}")
-    name = f"icute_gemm_{wrapper.next_kernel_suffix()}"
-    kwargs = "".join(f", {k}={v!r}" for k, v in scalars.items())
-    wrapper.define_kernel(name, f"{RUNTIME}.GemmLauncher(op={op!r}, config={tuple(config)!r}{kwargs}).launch",
-                          gpu=False)
-    return name
 
 
 class CuteGemmOut(ir.ExternKernelOut):

@@ -4,7 +4,7 @@ When our choice wins autotuning it enters the graph as a CuteGemmTemplateBuffer.
 scheduler then asks the CUDA backend whether a following pointwise node may fuse; our scheduling
 (installed by inductor/install.py for "cuda" when fusing) says yes when the node translates into
 an epilogue program (gemm/epilogue.py), and at code generation defines a launcher of our runtime
-for that program (extern.define_launcher) and calls it once. Everything else is delegated to the
+for that program (codegen.define_launcher) and calls it once. Everything else is delegated to the
 stock CUDA scheduling.
 """
 
@@ -27,7 +27,7 @@ from ...host.common import DTYPE_NAMES
 from ...kernels.gemm import family
 from ...kernels.gemm.family import from_tuple
 from .epilogue import Operand, translate
-from .extern import define_launcher
+from .codegen import define_launcher
 
 log = logging.getLogger(__name__)
 
