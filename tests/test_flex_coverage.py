@@ -100,6 +100,42 @@ def test_transformers_score_mod_with_a_4d_additive_mask(cpu_accepted, decisions)
     assert decisions[0][0].score_buffers == (Captured(torch.float32, (2, 1, 2, KV)),)
 
 
+def test_a_transformers_llama_decode_step_runs_our_op(cpu_accepted, decisions):
+    """A 1-layer Llama (GQA 2, head dim 64) with attn_implementation="flex_attention" and a
+    StaticCache: prefill 20 tokens (batch 1 left-padded) eagerly, then one compiled decode step.
+    Its mask_mod (causal + padding + the cache-position offset) takes our op, and the logits match
+    the same model on SDPA."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+    def model(attn_implementation):
+        torch.manual_seed(0)  # the same weights for both
+        return transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16,
+                                                          attn_implementation=attn_implementation).eval()
+
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(2, 21, dtype=torch.long)
+    attention_mask[1, :3] = 0
+    logits = []
+    for attn_implementation in ("flex_attention", "sdpa"):
+        llama, cache = model(attn_implementation), transformers.StaticCache(config=config, max_cache_len=64)
+        with torch.no_grad():
+            llama(input_ids=ids, attention_mask=attention_mask[:, :20], past_key_values=cache)
+        step = dict(input_ids=ids[:, -1:], attention_mask=attention_mask, past_key_values=cache,
+                    cache_position=torch.tensor([20]))
+        if attn_implementation == "flex_attention":
+            out, code = compiled(llama, **step)
+            assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
+        else:
+            with torch.no_grad():
+                out = llama(**step)
+        logits.append(out.logits.float())
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-2, rtol=2e-2)
+
+
 # --------------------------------------------------------- PyTorch's flex decoding test patterns
 
 def alibi_exp2(num_heads):
@@ -257,3 +293,16 @@ def test_buffers_the_kernel_cannot_read_are_described():
     assert "0 elements" in translate.describe(torch.bool, (2, 0)).problem
     assert "device" in translate.describe(torch.int32, (3,), on_device=False).problem
     assert translate.describe(torch.bool, ()).kernel_dtype is torch.int32
+
+
+def test_arithmetic_on_two_bools_stays_logical_as_in_torch():
+    gm = graph(lambda s, b, h, q, kv: s + ((q >= kv) + (kv < 3)) * 1.5 + (q > 0) * (kv > 1))
+    program = translate.score_program(gm)
+    score = torch.randn(2, 2, 3, 5)
+    idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate(score.shape)]
+    b, h, q, kv = idx
+    torch.testing.assert_close(sp.reference(program, score, *idx),
+                               score + ((q >= kv) | (kv < 3)) * 1.5 + ((q > 0) & (kv > 1)))
+    with pytest.raises(ValueError, match="bitwise_xor.Tensor is not supported"):
+        translate.score_program(graph(lambda s, b, h, q, kv: s + ((q >= kv) ^ (kv < 3))))

@@ -132,6 +132,7 @@ _CASTS = (_prims.convert_element_type.default, _aten._to_copy.default)
 _CONSTANTS = (_aten.full.default, _aten.scalar_tensor.default, _aten.ones.default, _aten.zeros.default)
 _IDENTITY = (_aten.clone.default, _aten.alias.default, _aten.lift_fresh_copy.default, _aten.detach.default)
 _NONNEG_OPS = ("add", "mul", "floordiv", "maximum")  # of nonnegative ints: nonnegative
+_ON_BOOLS = {"add": "or", "maximum": "or", "mul": "and", "minimum": "and"}  # what torch computes on two bools
 
 
 class _Translation:
@@ -308,7 +309,13 @@ class _Translation:
         if target in _OPS:
             if kwargs.get("alpha", 1) != 1:
                 raise ValueError(f"{target} with alpha")
-            return self.emit(node.name, _OPS[target], *(self.number(a) for a in args))
+            op, values = _OPS[target], [self.scalar(a) for a in args]
+            if registry.OPS[op].typing in ("same", "int") and all(self.type_of(v) == "b" for v in values):
+                # torch keeps bool op bool a bool: True + True is True, not 2
+                if op not in _ON_BOOLS:
+                    raise ValueError(f"{op} of bools")
+                return self.logical(node.name, _ON_BOOLS[op], *values)
+            return self.emit(node.name, op, *(self.as_number(v) for v in values))
         if target in _FLOOR_DIV:
             if kwargs.get("rounding_mode") != "floor":
                 raise ValueError(f"a division with rounding_mode={kwargs.get('rounding_mode')!r}")
