@@ -6,6 +6,7 @@ taken call must record no decline reason, run our op, and match fp32 eager flex_
 the kernel cannot do is declined with its reason. GPU twins: tests/gpu/test_flex_compile_gpu.py."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -306,3 +307,22 @@ def test_arithmetic_on_two_bools_stays_logical_as_in_torch():
                                score + ((q >= kv) | (kv < 3)) * 1.5 + ((q > 0) & (kv > 1)))
     with pytest.raises(ValueError, match="bitwise_xor.Tensor is not supported"):
         translate.score_program(graph(lambda s, b, h, q, kv: s + ((q >= kv) ^ (kv < 3))))
+
+
+def test_layers_sharing_a_mask_share_its_converted_buffers(cpu_accepted, decisions, mu):
+    """Every layer of a model passes the same 0-d offset and bool padding mask: they are converted
+    (int32, flattened) once per graph, not once per layer."""
+    block_mask = mu.flex_attention_mask(2, 1, KV, q_offset=torch.tensor(250), mask_function=mu.causal_mask_function,
+                                        attention_mask=padded_attention_mask(), device="cpu")
+    q, k, v = qkv(q_len=1, kv_len=KV, dtype=torch.bfloat16)
+
+    def two_layers(q, k, v):
+        x = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return flex_attention(x, k, v, block_mask=block_mask, enable_gqa=True)
+
+    out, code = compiled(two_layers, q, k, v)
+    calls = [line for line in code.splitlines() if OUR_CALL in line]
+    assert len(calls) == 2 and [reason for _, reason in decisions] == [None, None]
+    mask_tensors = [re.findall(r"\[reinterpret_tensor[^\]]*\]", line) for line in calls]
+    assert len(mask_tensors[0]) == 1 and mask_tensors[0] == mask_tensors[1]
+    torch.testing.assert_close(out.float(), two_layers(q.float(), k.float(), v.float()), atol=3e-2, rtol=3e-2)

@@ -26,8 +26,8 @@ from torch._inductor import ir
 from torch._inductor.virtualized import V
 
 from ...kernels.common.units import LOG2E
-from .translate import (Captured, describe, is_full, is_identity_score_mod, is_noop_mask_mod,  # noqa: F401 (re-exported)
-                        mask_program, score_program)
+from .translate import (Captured, describe, is_full, is_identity_score_mod,  # noqa: F401 (re-exported)
+                        is_noop_mask_mod, mask_program, score_program)
 
 log = logging.getLogger(__name__)
 
@@ -322,14 +322,23 @@ def _kernel_buffer(buf, captured: Captured, device):
     tensor. Inductor IR ops: the conversions are part of the compiled graph, not eager work."""
     from torch._inductor.lowering import full, lowerings
 
-    if not isinstance(buf, ir.IRNode):
-        return full([1], buf, dtype=torch.int32, device=device)
-    if captured.dtype != captured.kernel_dtype:
-        buf = lowerings[torch.ops.prims.convert_element_type.default](buf, captured.kernel_dtype)
-    size = buf.get_size()
-    if len(size) != 1:
-        buf = lowerings[torch.ops.aten.reshape.default](buf, [sympy.Mul(*size) if size else 1])
-    return buf
+    if isinstance(buf, ir.IRNode) and captured.dtype == captured.kernel_dtype and len(buf.get_size()) == 1:
+        return buf
+    # Every layer of a model passes the same mask buffers: convert each once per graph
+    converted = V.graph.__dict__.setdefault("_inductor_cute_flex_buffers", {})
+    key = id(buf) if isinstance(buf, ir.IRNode) else buf
+    if key not in converted:
+        if not isinstance(buf, ir.IRNode):
+            x = full([1], buf, dtype=torch.int32, device=device)
+        else:
+            x = buf
+            if captured.dtype != captured.kernel_dtype:
+                x = lowerings[torch.ops.prims.convert_element_type.default](x, captured.kernel_dtype)
+            size = x.get_size()
+            if len(size) != 1:
+                x = lowerings[torch.ops.aten.reshape.default](x, [sympy.Mul(*size) if size else 1])
+        converted[key] = (buf, x)  # the buffer too: its id stays its own while the graph lives
+    return converted[key][1]
 
 
 def _lower_to_decode(query, key, value, scale: float, programs: tuple, score_buffers: list, mask_buffers: list,

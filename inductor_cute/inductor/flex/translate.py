@@ -117,8 +117,6 @@ class _View:
     remaining: tuple = ()
 
 
-
-
 def _aten_overload(name: str):
     packet, overload = name.split(".")
     return getattr(getattr(_aten, packet), overload)
@@ -246,7 +244,8 @@ class _Translation:
                 continue
             i = self.scalar(entry)
             if self.type_of(i) != "i":
-                raise ValueError(f"captured buffer {view.slot} indexed by a {'bool' if self.type_of(i) == 'b' else 'float'}")
+                kind = "bool" if self.type_of(i) == "b" else "float"
+                raise ValueError(f"captured buffer {view.slot} indexed by a {kind}")
             indices[dim] = i
         return _View(view.slot, tuple(sorted(indices.items())), tuple(kept) + view.remaining[len(entries):])
 
@@ -332,11 +331,10 @@ class _Translation:
             return self.load(node.name, view) if not view.remaining else view
         if target is _aten.select.int and isinstance(self.value(args[0]), _View):
             view, (dim, i) = self.values[args[0]], args[1:]
-            if not isinstance(dim, int) or not isinstance(i, int) or not -len(view.remaining) <= dim < len(view.remaining):
+            dims = len(view.remaining)
+            if not isinstance(dim, int) or not isinstance(i, int) or not -dims <= dim < dims:
                 raise ValueError(f"select({dim}, {i}) of captured buffer {view.slot}")
-            dim %= len(view.remaining)
-            entries = [None] * dim + [i]
-            view = self.index(view, entries)
+            view = self.index(view, [None] * (dim % dims) + [i])
             return self.load(node.name, view) if not view.remaining else view
         raise ValueError(f"{target} is not supported")
 
