@@ -32,8 +32,13 @@ MIXED = dumps([["r", "remainder", "kv", 3], ["z", "floordiv", "q", 2], ["even", 
                ["f", "float", "i"], ["m", "maximum", "f", "score"], ["g", "load", "t0", "z"],
                ["off", "load", "t1", "b"], ["e", "exp", "g"], ["s", "sigmoid", "e"], ["x", "add", "m", "s"],
                ["o", "add", "x", "off"]])
+# PyTorch's flex decoding tests write ALiBi with exp2: 2^(-(h + 1) * 8 / heads)
+ALIBI_EXP2 = dumps([["h1", "add", "h", 1], ["m", "mul", "h1", 8.0], ["d", "truediv", "m", 8], ["n", "neg", "d"],
+                    ["slope", "exp2", "n"], ["r", "sub", "kv", "q"], ["bias", "mul", "r", "slope"],
+                    ["o", "add", "score", "bias"]])
 # name -> (flex_decode_spec arguments, score program, captured tensor dtypes)
 SCORE_VARIANTS = {
+    "d64-gqa8-alibi-exp2": (VARIANTS["d64-gqa8"], ALIBI_EXP2, ()),
     "d128-gqa8-softcap": (VARIANTS["d128-gqa8"], SOFTCAP, ()),
     "d128-gqa8-alibi": (VARIANTS["d128-gqa8"], ALIBI, ("float32",)),
     "d64-fp16-mixed-ops": ((64, 64, "float16", 4, False), MIXED, ("bfloat16", "int32")),
@@ -45,8 +50,15 @@ SLIDING = dumps([["d", "sub", "q", "kv"], ["pos", "add", "d", 1000], ["ge", "ge"
                  ["lt", "lt", "pos", 1024], ["o", "and", "ge", "lt"]])
 DOCUMENT = dumps([["qd", "load", "t0", "q"], ["kd", "load", "t0", "kv"], ["o", "eq", "qd", "kd"]])
 PREFIX_LM = dumps([["pre", "lt", "kv", 100], ["c", "ge", "q", "kv"], ["o", "or", "pre", "c"]])
+# transformers' causal + padding mask_mod as the lowering translates it: the 0-d int64 query offset
+# and the (batch, 300) bool padding mask, both int32 and flattened
+TRANSFORMERS_PADDING = dumps([["off", "load", "t0", 0], ["pos", "add", "q", "off"], ["causal", "le", "kv", "pos"],
+                              ["row", "mul", "b", 300], ["i", "add", "row", "kv"], ["p.v", "load", "t1", "i"],
+                              ["p", "ne", "p.v", 0], ["o", "and", "causal", "p"]])
 # name -> (flex_decode_spec arguments, keyword arguments: mask program, its tensors, block mask)
 MASK_VARIANTS = {
+    "d128-gqa4-transformers-padding-block128": ((128, 128, "bfloat16", 4, False), dict(
+        mask_program=TRANSFORMERS_PADDING, mask_dtypes=("int32", "int32"), sparse_block=128)),
     "d128-gqa8-sliding-block128": (VARIANTS["d128-gqa8"], dict(mask_program=SLIDING, sparse_block=128)),
     "d128-gqa8-document-block256-softcap": (VARIANTS["d128-gqa8"], dict(
         mask_program=DOCUMENT, mask_dtypes=("int32",), sparse_block=256, score_program=SOFTCAP)),
@@ -116,6 +128,18 @@ def test_score_programs_reach_the_split_kernel():
     assert alibi.count("ld.global.b32") > plain.count("ld.global.b32")
     assert "cvt.rn.f32.s32" in alibi
     for ptx in (softcap, alibi):  # the mod sits between two WGMMAs, P still from registers
+        assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_exp2_and_n_d_mask_reads_reach_the_split_kernel():
+    plain = compile_spec(spec_of("d64-gqa8"), "sm_90a", keep_ptx=True).ptx
+    alibi = compile_spec(spec_of("d64-gqa8-alibi-exp2"), "sm_90a", keep_ptx=True).ptx
+    # exp2 of each row's slope: more ex2 than the softmax's own, and the row's int math converted
+    assert alibi.count("ex2.") > plain.count("ex2.") and "cvt.rn.f32.s32" in alibi
+    padded = compile_spec(spec_of("d128-gqa4-transformers-padding-block128"), "sm_90a", keep_ptx=True).ptx
+    base = compile_spec(flex_decode_spec(128, 128, "bfloat16", 4, False), "sm_90a", keep_ptx=True).ptx
+    assert padded.count("ld.global") > base.count("ld.global")  # the offset, the padding row, the block list
+    for ptx in (alibi, padded):
         assert "ld.local" not in ptx and "st.local" not in ptx
 
 

@@ -4,24 +4,24 @@ custom op's fake impl, and the whole compiled path with a CPU stand-in for the G
 GPU runs are in tests/gpu/test_flex_compile_gpu.py."""
 
 import dataclasses
-import functools
 
 import pytest
 import sympy
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import lowering
-from torch._inductor.utils import run_and_get_code
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
 
 import inductor_cute
 from inductor_cute.inductor.flex import lowering as flex
+from inductor_cute.inductor.flex import translate
 from inductor_cute.inductor.flex.lowering import decline_reason  # the real one: `decisions` patches the module's
+from inductor_cute.inductor.flex.translate import Captured
 from inductor_cute.kernels.common.programs import registry
 from inductor_cute.kernels.common.programs import score as sp
 
-HOP = torch.ops.higher_order.flex_attention
-OUR_CALL = "torch.ops.inductor_cute.flex_decode.default"
+from flex_support import (HOP, OUR_CALL, compiled, cpu_accepted, decisions, hopper, qkv,  # noqa: F401 (fixtures)
+                          record_decisions, taken_and_matching, traced_problem)
 
 
 def softcap(score, b, h, m, n):
@@ -53,71 +53,6 @@ def sliding_window(b, h, m, n):
     return (m >= n) & (m - n < 64)
 
 
-def compiled(fn, *args, dynamic=None, **kwargs):
-    """fn compiled with inductor-cute enabled, run once: (result, output code)."""
-    torch._dynamo.reset()
-    with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False), torch.no_grad():
-        result, codes = run_and_get_code(torch.compile(fn, dynamic=dynamic), *args, **kwargs)
-    torch._dynamo.reset()
-    return result, "\n".join(codes)
-
-
-def qkv(batch=2, heads=8, kv_heads=2, q_len=1, kv_len=300, dim=64, dtype=torch.float32):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads, q_len, dim, generator=g).to(dtype)
-    k = torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype)
-    v = torch.randn(batch, kv_heads, kv_len, dim, generator=g).to(dtype)
-    return q, k, v
-
-
-def record_decisions(monkeypatch) -> list:
-    """Every (problem, reason) the lowering decides from now on, in order."""
-    seen = []
-
-    def record(problem):
-        seen.append((problem, decline_reason(problem)))
-        return seen[-1][1]
-
-    monkeypatch.setattr(flex, "decline_reason", record)
-    return seen
-
-
-@pytest.fixture
-def decisions(monkeypatch):
-    return record_decisions(monkeypatch)
-
-
-def _stand_in(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks, kv_indices,
-              full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size):
-    """The custom op's contract on the CPU (fp32 math): out in q's dtype, natural-log lse; the
-    programs and the block mask by the reference evaluators; rows with no key out 0, lse -inf."""
-    g = q.shape[1] // k.shape[1]
-    s = (q.float() @ k.float().repeat_interleave(g, 1).transpose(-1, -2)) * scale
-    if score_mod:
-        idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
-               for d, n in enumerate(s.shape)]
-        s = sp.reference(score_mod, s, *idx, score_tensors)
-    keep = sp.reference_keep(s.shape, mask_mod, mask_tensors,
-                             (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), kv_block_size,
-                             q_block_size)
-    s = s.masked_fill(~keep, float("-inf"))
-    lse = s.logsumexp(-1)
-    p = (s - lse[..., None]).exp().nan_to_num(0.0)
-    return (p @ v.float().repeat_interleave(g, 1)).to(q.dtype), lse
-
-
-@functools.cache
-def register_stand_in():  # once per session; only CPU calls of our op reach it
-    flex.flex_decode_op.register_kernel("cpu")(_stand_in)
-
-
-@pytest.fixture
-def cpu_accepted(monkeypatch):
-    """The lowering treats the CPU as a Hopper GPU and the op runs `_stand_in` there."""
-    register_stand_in()
-    monkeypatch.setattr(flex, "_device_reason", lambda device: None)
-
-
 def test_enable_wraps_the_lowering_and_disable_restores_it():
     from inductor_cute.inductor.install import hook
 
@@ -147,20 +82,6 @@ def test_cpu_inputs_get_the_stock_result(decisions):
 
 # ------------------------------------------------------- decisions on problems from real graphs
 
-def traced_problem(decisions, **kwargs) -> flex.FlexProblem:
-    """The problem the lowering saw for a CPU compile of flex_attention, moved to a CUDA device."""
-    q, k, v = qkv(dtype=torch.bfloat16)
-    compiled(flex_attention, q, k, v, enable_gqa=True, **kwargs)
-    (problem, _), = decisions
-    decisions.clear()
-    return dataclasses.replace(problem, device=torch.device("cuda", 0))
-
-
-@pytest.fixture
-def hopper(monkeypatch):
-    monkeypatch.setattr(flex, "_device_reason", lambda device: None if device.type == "cuda" else f"device {device}")
-
-
 @pytest.fixture(scope="module")
 def plain() -> flex.FlexProblem:
     """The problem of a decode call with no score_mod and no mask (traced once for the module)."""
@@ -186,7 +107,7 @@ def test_softcap_and_alibi_are_translated_and_taken(decisions, hopper):
     assert flex.score_program(softcapped.score_graph, softcapped.score_buffers) == SOFTCAP_PROGRAM
     assert decline_reason(softcapped) is None
     biased = traced_problem(decisions, score_mod=alibi)
-    assert biased.score_buffers == (torch.float32,)
+    assert biased.score_buffers == (Captured(torch.float32, (8,)),)
     assert flex.score_program(biased.score_graph, biased.score_buffers) == ALIBI_PROGRAM
     assert decline_reason(biased) is None
     assert flex.score_program(traced_problem(decisions).score_graph) == ""  # no score_mod: no program
@@ -206,12 +127,12 @@ def test_translated_programs_compute_what_the_score_mod_does(decisions):
 def test_untranslatable_score_mods_are_declined_with_the_reason(decisions, hopper):
     assert decline_reason(traced_problem(decisions, score_mod=sine)) == \
         "a score_mod we cannot translate: aten.sin.default is not supported"
-    two_d = torch.ones(8, 4)
-    problem = traced_problem(decisions, score_mod=lambda score, b, h, m, n: score + two_d[h, 0])
-    assert "cannot translate" in decline_reason(problem)
     slopes64 = SLOPES.double()
     problem = traced_problem(decisions, score_mod=lambda score, b, h, m, n: score + slopes64[h])
-    assert "float64" in decline_reason(problem)
+    assert decline_reason(problem) == "a score_mod we cannot translate: captured buffer 0 has dtype float64 " \
+                                      "(supported: float32, bfloat16, float16, int32, int64, bool)"
+    problem = traced_problem(decisions, score_mod=lambda score, b, h, m, n: score + b.to(torch.float64))
+    assert decline_reason(problem) == "a score_mod we cannot translate: a cast to torch.float64"
 
 
 def test_block_masks_are_translated_and_taken(decisions, hopper):
@@ -360,17 +281,6 @@ def test_a_kv_cache_view_of_a_new_length_reuses_the_compiled_graph(cpu_accepted)
     assert len(codes) == 1 and OUR_CALL in codes[0], "the second length recompiled"
 
 
-def taken_and_matching(decisions, q, k, v, **mods):
-    """Compile flex_attention with `mods`; assert our op took the call and that (out, lse) match
-    eager flex_attention in fp32. Returns (out, lse)."""
-    (out, lse), code = compiled(flex_attention, q, k, v, enable_gqa=True, return_lse=True, **mods)
-    assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
-    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), enable_gqa=True, return_lse=True, **mods)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
-    return out, lse
-
-
 @pytest.mark.parametrize("score_mod", [softcap, alibi, relative_parity])
 def test_translated_score_mod_runs_our_op_and_matches(cpu_accepted, decisions, score_mod):
     q, k, v = qkv(q_len=2, dtype=torch.bfloat16)
@@ -464,8 +374,8 @@ def test_a_block_mask_we_cannot_walk_delegates(cpu_accepted, decisions):
 def test_block_mask_under_dynamic_shapes_is_taken(cpu_accepted, decisions):
     # dynamic=True turns the BlockMask's block sizes into symbols; the lowering specialises them
     # (guard_int, as the stock lowerings do) instead of declining every dynamic block-masked call.
-    # The decode offset as a captured tensor is taken; as a closure int it becomes a SymInt operand
-    # of the mask_mod, which mask programs cannot read yet: declined with the reason.
+    # The decode offset is taken both as a captured tensor and as a closure int, which becomes a
+    # SymInt operand of the mask_mod: the lowering hands it to the kernel as a 1-element tensor.
     g = torch.Generator().manual_seed(0)
     cache_k, cache_v = (torch.randn(2, 2048, 2, 64, generator=g).bfloat16() for _ in range(2))
     q = torch.randn(2, 8, 1, 64, generator=g).bfloat16()
@@ -473,14 +383,14 @@ def test_block_mask_under_dynamic_shapes_is_taken(cpu_accepted, decisions):
         k, v = cache_k[:, :kv_len].transpose(1, 2), cache_v[:, :kv_len].transpose(1, 2)
         offset = kv_len - 1
         offsets = torch.tensor([offset], dtype=torch.int32)
-        for mask_mod, taken in ((lambda b, h, m, n: (m + offsets[0] >= n) & (m + offsets[0] - n < 300), True),
-                                (lambda b, h, m, n: (m + offset >= n) & (m + offset - n < 300), False)):
+        for mask_mod, captured in ((lambda b, h, m, n: (m + offsets[0] >= n) & (m + offsets[0] - n < 300),
+                                    Captured(torch.int32, (1,))),
+                                   (lambda b, h, m, n: (m + offset >= n) & (m + offset - n < 300),
+                                    Captured(torch.int64, ()))):
             block_mask = create_block_mask(mask_mod, None, None, 1, kv_len, device="cpu")
             out, code = compiled(flex_attention, q, k, v, block_mask=block_mask, enable_gqa=True, dynamic=True)
-            if taken:
-                assert decisions[-1][1] is None and OUR_CALL in code
-            else:
-                assert "captured buffer 0 is not a 1-D tensor" in decisions[-1][1] and OUR_CALL not in code
+            assert decisions[-1][1] is None and OUR_CALL in code
+            assert decisions[-1][0].mask_buffers == (captured,)
             ref = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
             torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
@@ -488,8 +398,8 @@ def test_block_mask_under_dynamic_shapes_is_taken(cpu_accepted, decisions):
 def test_each_mod_is_translated_once_per_call(cpu_accepted, decisions, monkeypatch):
     """The decision's translations are the ones the lowering hands the kernel."""
     translated = []
-    translate = flex._translate
-    monkeypatch.setattr(flex, "_translate", lambda gm, *args: translated.append(gm) or translate(gm, *args))
+    program = translate._Translation.program
+    monkeypatch.setattr(translate._Translation, "program", lambda self: translated.append(self.gm) or program(self))
     q, k, v = qkv(q_len=1, kv_len=KV, dtype=torch.bfloat16)
     block_mask = create_block_mask(prefix_lm, None, None, 1, KV, device="cpu")
     taken_and_matching(decisions, q, k, v, score_mod=softcap, block_mask=block_mask)

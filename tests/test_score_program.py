@@ -84,7 +84,7 @@ def test_one_registry_types_both_kinds_of_program():
         ep.loads(ep.dumps([["o", "where", "acc", "row", "full"]]))
     with pytest.raises(ValueError, match="'floordiv' with 2 arguments is not supported"):
         ep.loads(ep.dumps([["o", "floordiv", "acc", 2]]))  # a score-only op
-    assert set(ep.ARITY) & set(sp.ARITY) == {"neg", "abs", "exp", "log", "tanh", "sigmoid", "add", "sub", "mul",
+    assert set(ep.ARITY) & set(sp.ARITY) == {"neg", "abs", "exp", "exp2", "log", "tanh", "sigmoid", "add", "sub", "mul",
                                              "truediv", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne",
                                              "where"}
     assert set(registry.reference_ops()) == set(ep.ARITY) | set(sp.ARITY)
@@ -174,3 +174,14 @@ def test_block_mask_operands_are_checked_in_one_line():
         operands((num.expand(1, 8, 1), idx.expand(1, 8, 1, 4), None, None))
     with pytest.raises(UnsupportedError, match="query length 32 spans more than one"):
         operands((num, idx, None, None), q_block_size=16, q_len=32)
+
+
+def test_exp2_is_a_score_op_and_one_element_tensors_get_unit_stride():
+    score, b, h, q, kv = grid()
+    program = sp.dumps([["n", "neg", "h"], ["s", "exp2", "n"], ["o", "mul", "score", "s"]])
+    torch.testing.assert_close(sp.reference(program, score, b, h, q, kv), score * torch.exp2(-h.float()))
+    # Inductor hands a flattened 0-d buffer over with stride 0; the kernel declares compact tensors
+    offset = torch.arange(4, dtype=torch.int32)[2:3].as_strided((1,), (0,))
+    load = sp.dumps([["a", "load", "t0", 0], ["o", "add", "score", "a"]])
+    _, _, slots = host_flex._score_mod_operands(load, (offset,), torch.device("cpu"))
+    assert slots[0].stride() == (1,) and slots[0].item() == 2

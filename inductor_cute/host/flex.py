@@ -43,7 +43,15 @@ def _score_mod_operands(score_mod: str | None, score_tensors, device, kind: str 
         text = sp.canonical(score_mod, dtypes, mask=kind == "mask")
     except ValueError as e:
         raise UnsupportedError(f"flex_decode: {kind}_mod: {e}") from None
-    return text, dtypes, [t.contiguous() for t in tensors] + [None] * (sp.MAX_TENSORS - len(tensors))
+    return text, dtypes, [_unit_stride(t) for t in tensors] + [None] * (sp.MAX_TENSORS - len(tensors))
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous with stride 1, as the kernel's compact 1-D tensors are declared: torch calls a
+    one-element tensor contiguous whatever its stride (Inductor hands over a flattened 0-d buffer
+    with stride 0)."""
+    t = t.contiguous()
+    return t if t.stride(0) == 1 else t.as_strided(t.shape, (1,))
 
 
 def _block_mask_operands(block_mask: tuple, kv_block_size: int, q_block_size: int, heads: int, group: int,

@@ -3,7 +3,8 @@ and no score_mod, or a translatable one (softcap, ALiBi), run our split-KV kerne
 calls the custom op) and match an fp64 reference and eager flex_attention, lse included; an
 untranslatable score_mod or a block mask we cannot walk goes to the stock lowering and still matches;
 BlockMasks with translatable mask_mods (sliding window, causal with an offset, document, prefix-LM)
-run our kernel; a graph from the FX cache works in a process that never lowered it."""
+run our kernel; a graph from the FX cache works in a process that never lowered it. What
+transformers and PyTorch's flex decoding tests hand the lowering: tests/gpu/test_flex_coverage_gpu.py."""
 
 import json
 import math
@@ -200,8 +201,8 @@ def test_block_mask_with_a_dynamic_length():
     """Causal-window with the decode offset, the cache view's length changing between calls
     (dynamic=True) with a new BlockMask each time. dynamic=True makes the block sizes symbols
     (specialised by the lowering) and a closure int offset a SymInt operand of the mask_mod, which
-    mask programs cannot read: that form goes to the stock lowering, the captured-tensor form
-    runs our kernel (CPU twin: test_flex_lowering.test_block_mask_under_dynamic_shapes_is_taken)."""
+    the lowering hands over as a 1-element tensor: both forms run our kernel (CPU twin:
+    test_flex_lowering.test_block_mask_under_dynamic_shapes_is_taken)."""
     cache_k, cache_v = rand(2, 4096, 8, 128), rand(2, 4096, 8, 128)
     q = rand(2, 32, 1, 128) * 3
     for kv_len in (1000, 1537):
@@ -209,7 +210,7 @@ def test_block_mask_with_a_dynamic_length():
         offset = kv_len - 1
         offsets = torch.tensor([offset], device="cuda", dtype=torch.int32)
         for mask_mod, ours in ((lambda b, h, m, n: (m + offsets[0] >= n) & (m + offsets[0] - n < 300), True),
-                               (lambda b, h, m, n: (m + offset >= n) & (m + offset - n < 300), False)):
+                               (lambda b, h, m, n: (m + offset >= n) & (m + offset - n < 300), True)):
             torch._dynamo.reset()
             block_mask = create_block_mask(mask_mod, None, None, 1, kv_len)
             out, code = compiled_run(q, k, v, block_mask=block_mask, enable_gqa=True, dynamic=True)

@@ -8,6 +8,8 @@ output code calls the custom op `torch.ops.inductor_cute.flex_decode` and import
 first, which registers the op: a graph served from the FX cache works in a fresh process.
 
 The decision is `decline_reason(FlexProblem)`: plain values, so it is testable without a graph.
+The mods' graphs are translated by translate.py; their captured buffers (of any rank, bool and
+int64 included) and integer operands reach the kernel flattened and converted by `_kernel_buffer`.
 Torch-version differences are confined to `_block_mask_fields`.
 """
 
@@ -23,9 +25,9 @@ import torch
 from torch._inductor import ir
 from torch._inductor.virtualized import V
 
-from ...kernels.common.programs import registry
-from ...kernels.common.programs import score as sp
 from ...kernels.common.units import LOG2E
+from .translate import (Captured, describe, is_full, is_identity_score_mod,  # noqa: F401 (re-exported)
+                        is_noop_mask_mod, mask_program, score_program)
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +88,9 @@ class FlexProblem:
     head_dim_v: int | None
     operands_match: bool  # k and v agree with q on batch and head dim, with each other on heads and length
     score_graph: torch.fx.GraphModule
-    score_buffers: tuple  # per captured score_mod buffer: its dtype, or None unless a 1-D tensor on q's device
+    score_buffers: tuple[Captured, ...]  # the score_mod's captured buffers (translate.py)
     mask_graph: torch.fx.GraphModule
-    mask_buffers: tuple  # the same for the mask_mod's captured buffers
+    mask_buffers: tuple[Captured, ...]  # the mask_mod's
     keys_all_in_blocks: bool  # the block-sparse tensors visit every key (no block mask was given)
     block_sizes: tuple  # the block mask's (KV, Q) block sizes
     mask_heads: int | None  # the block mask's head dim (1: broadcast)
@@ -102,7 +104,7 @@ class FlexProblem:
         """((score program, mask program), None), or (None, why a mod cannot be translated). Each
         graph is translated once per call: the decision and the lowering read this."""
         try:
-            score = score_program(self.score_graph, self.score_buffers)
+            score = score_program(self.score_graph, self.score_buffers, self.dtypes[0])
         except ValueError as e:
             return None, f"a score_mod we cannot translate: {e}"
         try:
@@ -189,163 +191,6 @@ def _options_reason(options: dict) -> str | None:
     return None
 
 
-def _output_value(gm: torch.fx.GraphModule):
-    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
-    value = output.args[0]
-    return value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
-
-
-def is_identity_score_mod(gm: torch.fx.GraphModule) -> bool:
-    """The score_mod graph returns its score argument untouched (no score_mod was given)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return len(placeholders) >= 5 and _output_value(gm) is placeholders[0]
-
-
-# ------------------------------------------------------------------- score_mod -> score program
-
-_aten, _prims = torch.ops.aten, torch.ops.prims
-_LEAVES = ("score", "b", "h", "q", "kv")  # the score_mod's placeholders (score, b, h, m, n) in program terms
-_MASK_LEAVES = _LEAVES[1:]  # the mask_mod's (b, h, m, n)
-
-
-def _aten_overload(name: str):
-    packet, overload = name.split(".")
-    return getattr(getattr(_aten, packet), overload)
-
-
-_OPS = {_aten_overload(name): op for name, op in registry.aten_ops().items()}  # aten overload -> program op
-_CASTS = (_prims.convert_element_type.default, _aten._to_copy.default)
-_CONSTANTS = (_aten.full.default, _aten.scalar_tensor.default)
-_IDENTITY = (_aten.clone.default, _aten.alias.default, _aten.lift_fresh_copy.default)
-
-
-def score_program(gm: torch.fx.GraphModule, buffer_dtypes: tuple = ()) -> str:
-    """The canonical score program of a score_mod graph, "" for the identity; raises ValueError
-    saying what cannot be translated. All float math is fp32, as the stock kernels compute it
-    (the graph's dtypes say bf16 for a bf16 query, but its scores are fp32)."""
-    if is_identity_score_mod(gm):
-        return ""
-    return _translate(gm, buffer_dtypes, _LEAVES)
-
-
-def mask_program(gm: torch.fx.GraphModule, buffer_dtypes: tuple = ()) -> str:
-    """The canonical mask program of a mask_mod graph, "" for flex_attention's noop_mask; raises
-    ValueError saying what cannot be translated."""
-    if is_noop_mask_mod(gm):
-        return ""
-    return _translate(gm, buffer_dtypes, _MASK_LEAVES)
-
-
-def _translate(gm: torch.fx.GraphModule, buffer_dtypes: tuple, leaves: tuple) -> str:
-    """A score_mod (leaves _LEAVES) or mask_mod (_MASK_LEAVES) graph as a canonical program."""
-    mask = leaves == _MASK_LEAVES
-    what = "mask_mod" if mask else "score_mod"
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) < len(leaves):
-        raise ValueError(f"{what} graph without its {len(leaves)} arguments")
-    values = dict(zip(placeholders, leaves))  # node -> program argument (a name or a number)
-    tensors = {}  # captured buffer placeholder -> tensor name
-    for i, (node, dtype) in enumerate(zip(placeholders[len(leaves):], buffer_dtypes)):
-        if dtype is None:
-            raise ValueError(f"captured buffer {i} is not a 1-D tensor on the query's device")
-        tensors[node] = sp.tensor_name(i)
-    if len(placeholders) - len(leaves) != len(buffer_dtypes):
-        raise ValueError("captured buffers do not match the graph")
-    dtypes = tuple(str(dt).removeprefix("torch.") for dt in buffer_dtypes)
-    steps: list[list] = []
-    typer = None  # the types of the steps so far, extended when a cast asks (each step typed once)
-
-    def arg(x):
-        if isinstance(x, torch.fx.Node):
-            if x not in values:
-                raise ValueError(f"{x.name} is used as a value")
-            return values[x]
-        if isinstance(x, (int, float)) and not isinstance(x, bool):
-            return x
-        raise ValueError(f"argument {x!r}")
-
-    def type_of(a) -> str:
-        nonlocal typer
-        if typer is None:
-            typer = sp.typer(dtypes, mask)
-        for step in steps[len(typer.types) - len(leaves):]:
-            typer.add(step)
-        return typer.type_of(a)
-
-    def emit(node, op, *args):
-        steps.append([node.name, op, *args])
-        values[node] = node.name
-
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        target, args, kwargs = node.target, node.args, node.kwargs
-        if target in _OPS:
-            if kwargs.get("alpha", 1) != 1:
-                raise ValueError(f"{target} with alpha")
-            emit(node, _OPS[target], *(arg(a) for a in args))
-        elif target is _aten.div.Tensor_mode and kwargs.get("rounding_mode") == "floor":
-            emit(node, "floordiv", *(arg(a) for a in args))
-        elif target in _CASTS:
-            _cast(node, arg(args[0]), args[1] if len(args) > 1 else kwargs.get("dtype"), type_of, emit, values)
-        elif target in _CONSTANTS:
-            value = args[1] if target is _aten.full.default else args[0]
-            if target is _aten.full.default and list(args[0]):
-                raise ValueError(f"full of shape {args[0]}")
-            dtype = kwargs.get("dtype")
-            if isinstance(value, bool) or dtype is torch.bool:
-                raise ValueError("a boolean constant")
-            # scalar_tensor without a dtype is float32 (the default dtype); full infers it from the value
-            floating = dtype.is_floating_point if dtype is not None else target is _aten.scalar_tensor.default
-            values[node] = float(value) if floating else value
-        elif target in _IDENTITY:
-            values[node] = arg(args[0])
-        elif target is _aten.index.Tensor and args[0] in tensors and len(args[1]) == 1:
-            emit(node, "load", tensors[args[0]], arg(args[1][0]))
-        elif target is _aten.select.int and args[0] in tensors and args[1] == 0 and args[2] >= 0:
-            emit(node, "load", tensors[args[0]], args[2])
-        else:
-            raise ValueError(f"{target} is not supported")
-    out = arg(_output_value(gm))
-    if not steps or out != steps[-1][0]:
-        if type_of(out) != ("b" if mask else "f"):
-            raise ValueError(f"the {what} does not return a {'bool' if mask else 'float'}")
-        steps.append(["out", "and", out, out] if mask else ["out", "mul", out, 1.0])
-    return sp.canonical(sp.dumps(steps), dtypes, mask)
-
-
-def _cast(node, x, dtype, type_of, emit, values) -> None:
-    """x.to(dtype): float32 keeps floats and converts ints and bools, int32 truncates floats,
-    bool compares with 0. Casts to other dtypes would round or widen differently: refused."""
-    t = type_of(x)
-    if dtype is torch.float32:
-        if t == "f":
-            values[node] = x
-        else:
-            emit(node, "float", x)
-    elif dtype is torch.int32:
-        if t == "i":
-            values[node] = x
-        else:
-            emit(node, "int", x)
-    elif dtype is torch.bool and t != "b":
-        emit(node, "ne", x, 0)
-    elif dtype is torch.bool:
-        values[node] = x
-    else:
-        raise ValueError(f"a cast to {dtype}")
-
-
-def is_noop_mask_mod(gm: torch.fx.GraphModule) -> bool:
-    """The mask_mod graph is flex_attention's noop_mask: a constant True, whatever (b, h, m, n)."""
-    return _is_full(_output_value(gm), True)
-
-
-def _is_full(node, value) -> bool:
-    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
-            and node.target is torch.ops.aten.full.default and node.args[1] == value)
-
-
 def _block_mask_fields(block_mask: tuple) -> tuple:
     """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, Q block size, KV block
     size, mask graph) of the HOP's block-mask tuple (BlockMask.as_tuple()). It has 13 entries in
@@ -363,7 +208,7 @@ def _keys_all_in_blocks(node: torch.fx.Node, kv_len) -> bool:
     num_blocks, indices, full_num_blocks, _, _, block, _ = _block_mask_fields(node.args[4])
     spans = isinstance(block, int) and (block >= _WHOLE_SEQUENCE_BLOCK
                                         or V.graph.sizevars.statically_known_leq(kv_len, block))
-    return full_num_blocks is None and _is_full(num_blocks, 1) and _is_full(indices, 0) and spans
+    return full_num_blocks is None and is_full(num_blocks, 1) and is_full(indices, 0) and spans
 
 
 def _static(expr) -> int | None:
@@ -373,11 +218,14 @@ def _static(expr) -> int | None:
         return None
 
 
-def _buffer_dtype(buf, device):
-    """A captured score_mod buffer's dtype when it is a 1-D tensor on `device`, else None."""
-    if not isinstance(buf, ir.IRNode) or len(buf.get_size()) != 1 or buf.get_device() != device:
-        return None
-    return buf.get_dtype()
+def _captured(buf, device) -> Captured:
+    """How the kernel reads a captured buffer (translate.py): a tensor on `device`, or an integer
+    operand (a SymInt, under dynamic shapes), which the lowering hands over as a 1-element tensor."""
+    if isinstance(buf, ir.IRNode):
+        return describe(buf.get_dtype(), [_static(s) for s in buf.get_size()], buf.get_device() == device)
+    if isinstance(buf, (int, sympy.Expr)) and not isinstance(buf, bool) and sympy.sympify(buf).is_integer:
+        return describe(torch.int64, ())
+    return Captured(problem=f"is not a tensor or an integer ({type(buf).__name__})")
 
 
 def _block_size(size):
@@ -403,9 +251,9 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
         heads=_static(hq), kv_heads=_static(hk), q_len=_static(lq), head_dim_qk=_static(dqk), head_dim_v=_static(dv),
         operands_match=operands_match,
         score_graph=subgraph.graph_module,
-        score_buffers=tuple(_buffer_dtype(buf, query.get_device()) for buf in score_buffers),
+        score_buffers=tuple(_captured(buf, query.get_device()) for buf in score_buffers),
         mask_graph=mask_graph.graph_module,
-        mask_buffers=tuple(_buffer_dtype(buf, query.get_device()) for buf in mask_buffers),
+        mask_buffers=tuple(_captured(buf, query.get_device()) for buf in mask_buffers),
         keys_all_in_blocks=_keys_all_in_blocks(V.graph.current_node, lk),
         block_sizes=(_block_size(kv_block), _block_size(q_block)),
         mask_heads=_static(block_tensors[0].get_size()[1]) if block_tensors[0] is not None else None,
@@ -447,8 +295,11 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
     kv_block, q_block = problem.block_sizes  # ints (a symbolic size was specialised in _problem)
     if problem.keys_all_in_blocks:  # flex_attention's "no block mask": walk the whole sequence
         block_tensors, q_block, kv_block = [None] * 4, 0, 0
-    return _lower_to_decode(query, key, value, float(scale), programs, list(score_mod_other_buffers),
-                            list(mask_mod_other_buffers), block_tensors, kv_block, q_block)
+    device = query.get_device()
+    score_buffers = [_kernel_buffer(buf, c, device) for buf, c in zip(score_mod_other_buffers, problem.score_buffers)]
+    mask_buffers = [_kernel_buffer(buf, c, device) for buf, c in zip(mask_mod_other_buffers, problem.mask_buffers)]
+    return _lower_to_decode(query, key, value, float(scale), programs, score_buffers, mask_buffers, block_tensors,
+                            kv_block, q_block)
 
 
 def _call_reason(problem: FlexProblem | None, query, key) -> str | None:
@@ -463,6 +314,31 @@ def _grid_reason(query, key) -> str | None:
     if not V.graph.sizevars.evaluate_expr(sympy.Le(batch * kv_heads, _MAX_GRID_Z)):
         return f"batch x KV heads exceeds {_MAX_GRID_Z}"
     return None
+
+
+def _kernel_buffer(buf, captured: Captured, device):
+    """A captured buffer as the kernel reads it (translate.Captured): flattened row-major into a 1-D
+    tensor of its kernel dtype (bool 0/1 and int64 as int32), an integer operand a 1-element int32
+    tensor. Inductor IR ops: the conversions are part of the compiled graph, not eager work."""
+    from torch._inductor.lowering import full, lowerings
+
+    if isinstance(buf, ir.IRNode) and captured.dtype == captured.kernel_dtype and len(buf.get_size()) == 1:
+        return buf
+    # Every layer of a model passes the same mask buffers: convert each once per graph
+    converted = V.graph.__dict__.setdefault("_inductor_cute_flex_buffers", {})
+    key = id(buf) if isinstance(buf, ir.IRNode) else buf
+    if key not in converted:
+        if not isinstance(buf, ir.IRNode):
+            x = full([1], buf, dtype=torch.int32, device=device)
+        else:
+            x = buf
+            if captured.dtype != captured.kernel_dtype:
+                x = lowerings[torch.ops.prims.convert_element_type.default](x, captured.kernel_dtype)
+            size = x.get_size()
+            if len(size) != 1:
+                x = lowerings[torch.ops.aten.reshape.default](x, [sympy.Mul(*size) if size else 1])
+        converted[key] = (buf, x)  # the buffer too: its id stays its own while the graph lives
+    return converted[key][1]
 
 
 def _lower_to_decode(query, key, value, scale: float, programs: tuple, score_buffers: list, mask_buffers: list,

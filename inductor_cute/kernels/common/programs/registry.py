@@ -181,7 +181,8 @@ _OPS = [
            lambda d, x: abs(x) if isinstance(x, float) else d.cute.where(x < 0.0, -x, x),
            lambda d, x: d.sel(x < 0, -x, x, d.kind_of(x))),
     _unary("exp", "float", lambda t, x: t.exp(x), _fold(math.exp, _math("exp", True)), _math("exp", False)),
-    _unary("exp2", "float", lambda t, x: t.exp2(x), _fold(lambda x: 2.0 ** x, _math("exp2", True))),
+    _unary("exp2", "float", lambda t, x: t.exp2(x), _fold(lambda x: 2.0 ** x, _math("exp2", True)),
+           _math("exp2", False)),
     _unary("log", "float", lambda t, x: t.log(x), _fold(math.log, _math("log", "fast")), _math("log", False)),
     _unary("sqrt", "float", lambda t, x: t.sqrt(x), _fold(math.sqrt, _math("sqrt", "fast"))),
     _unary("rsqrt", "float", lambda t, x: t.rsqrt(x), _fold(lambda x: 1.0 / math.sqrt(x), _math("rsqrt", "fast"))),
@@ -206,7 +207,7 @@ _OPS = [
             _scalar_minimum, ("minimum.default",)),
     # Python/torch integer division: floor, the remainder takes the divisor's sign
     Op("floordiv", 2, "int", lambda t, a, b: t.div(a, b, rounding_mode="floor"), None,
-       lambda d, a, b: _scalar_floor_div_mod(d, a, b)[0], ("floor_divide.default",)),
+       lambda d, a, b: _scalar_floor_div_mod(d, a, b)[0], ("floor_divide.default", "floor_divide.Scalar")),
     _binary("remainder", "int", lambda t, a, b: t.remainder(a, b), None,
             lambda d, a, b: _scalar_floor_div_mod(d, a, b)[1]),
     # comparisons
@@ -214,9 +215,9 @@ _OPS = [
     _compare("ge", lambda a, b: a >= b), _compare("eq", lambda a, b: a == b), _compare("ne", lambda a, b: a != b),
     # on bools: `&`, `|`, `~` of masks trace to the bitwise ops (the typing refuses ints)
     Op("and", 2, "logical", lambda t, a, b: t.logical_and(a, b), None, lambda d, a, b: a & b,
-       ("logical_and.default", "bitwise_and.Tensor")),
+       ("logical_and.default", "bitwise_and.Tensor", "bitwise_and.Scalar")),
     Op("or", 2, "logical", lambda t, a, b: t.logical_or(a, b), None, lambda d, a, b: a | b,
-       ("logical_or.default", "bitwise_or.Tensor")),
+       ("logical_or.default", "bitwise_or.Tensor", "bitwise_or.Scalar")),
     Op("not", 1, "logical", lambda t, x: t.logical_not(x), None, lambda d, x: ~x,
        ("logical_not.default", "bitwise_not.default")),
     Op("where", 3, "where", lambda t, c, a, b: t.where(t.as_tensor(c), t.as_tensor(a), t.as_tensor(b)),

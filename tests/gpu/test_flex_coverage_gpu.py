@@ -1,0 +1,211 @@
+"""What real callers hand the flex lowering, on the H200 (CPU twin: tests/test_flex_coverage.py):
+transformers' mask_mods built by its own flex_attention_mask (0-d offsets, bool padding masks,
+int64 per-batch tensors, bool constants), a transformers Llama decode step with a StaticCache, and
+the score_mod/mask_mod patterns of PyTorch's flex decoding tests (exp2 ALiBi, casts, 0-d, bool and
+N-D captured tensors, a paged-attention table). Taken calls run our kernel (the output code calls
+the custom op), write every output element (the allocator is poisoned with NaN first) and match
+fp32 eager flex_attention; calls the kernel cannot take go to the stock lowering and match too."""
+
+import copy
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
+
+from .test_flex_compile_gpu import (OUR_CALL, assert_lse_close, assert_out_close, compiled_run,  # noqa: F401
+                                    fresh_compile)
+
+pytestmark = pytest.mark.gpu
+KV = 2048  # the static cache's length
+SEEN = 1500  # tokens in the cache so far
+
+
+def poison_allocator():
+    """Free blocks of the caching allocator (small and large pools) filled with NaN: an output
+    element the kernel leaves unwritten shows as NaN."""
+    torch.cuda.synchronize()
+    blocks = [torch.full((n,), float("nan"), device="cuda") for n in (1 << 8, 1 << 12, 1 << 16, 1 << 18) * 8]
+    blocks += [torch.full((n,), float("nan"), device="cuda") for n in (1 << 22, 1 << 24)]
+    del blocks
+
+
+def check_ours(q, k, v, **mods):
+    """Our kernel takes the compiled call (once), writes every element and matches fp32 eager."""
+    poison_allocator()
+    (out, lse), code = compiled_run(q, k, v, enable_gqa=q.shape[1] != k.shape[1], return_lse=True, **mods)
+    assert code.count(OUR_CALL) == 1
+    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), enable_gqa=q.shape[1] != k.shape[1],
+                                  return_lse=True, **mods)
+    assert not out.isnan().any() and not lse.isnan().any(), "unwritten (poisoned) elements"
+    empty = torch.isinf(ref_lse)
+    assert_out_close(out, ref, q.dtype)
+    assert torch.equal(torch.isinf(lse), empty) and (out[empty] == 0).all()
+    assert_lse_close(lse[~empty], ref_lse[~empty])
+
+
+def check_stock(q, k, v, **mods):
+    out, code = compiled_run(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **mods)
+    assert OUR_CALL not in code
+    ref = flex_attention(q.float(), k.float(), v.float(), enable_gqa=q.shape[1] != k.shape[1], **mods)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- transformers
+
+def transformers_masks(mu):
+    """name -> (mask_function, attention_mask or None, q_len, kv_len) for batch 4."""
+    attention_mask = torch.ones(4, SEEN, dtype=torch.bool, device="cuda")
+    for b, pad in enumerate((0, 7, 300, 1)):
+        attention_mask[b, :pad] = False
+    left_padding = torch.tensor([0, 7, 300, 1], device="cuda")  # int64
+    packed = torch.tensor([[0] * 20 + [1] * 28, [0] * 48, [0] * 10 + [1] * 10 + [2] * 28, [0] * 47 + [1]],
+                          device="cuda")
+    return {
+        "causal": (mu.causal_mask_function, None, 1, KV),
+        "causal-padding": (mu.causal_mask_function, attention_mask, 1, KV),
+        "causal-padding-4-queries": (mu.causal_mask_function, attention_mask, 4, KV),
+        "sliding-window-padding": (mu.sliding_window_causal_mask_function(512), attention_mask, 1, KV),
+        "chunked": (mu.chunked_causal_mask_function(256, left_padding), attention_mask, 1, KV),
+        "bidirectional-window": (mu.sliding_window_bidirectional_mask_function(300), None, 1, KV),
+        "packed-sequences": (mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(packed)),
+                             None, 48, 48),
+    }
+
+
+@pytest.mark.parametrize("name", ["causal", "causal-padding", "causal-padding-4-queries", "sliding-window-padding",
+                                  "chunked", "bidirectional-window", "packed-sequences"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_transformers_masks_run_our_kernel(name, group):
+    mu = pytest.importorskip("transformers.masking_utils")
+    mask_function, attention_mask, q_len, kv_len = transformers_masks(mu)[name]
+    cache_position = torch.arange(SEEN - q_len, SEEN, device="cuda") if kv_len == KV else \
+        torch.arange(q_len, device="cuda")
+    block_mask = mu.flex_attention_mask(4, q_len, kv_len, q_offset=cache_position[0], kv_offset=0,
+                                        mask_function=mask_function, attention_mask=attention_mask, device="cuda")
+    q = rand(4, 2 * group, q_len, 128) * 3
+    k, v = rand(4, 2, kv_len, 128), rand(4, 2, kv_len, 128)
+    check_ours(q, k, v, block_mask=block_mask)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_transformers_llama_decode_step_runs_our_kernel(padded):
+    """A 2-layer Llama (head dim 128, 8 query heads on 2 KV heads), attn_implementation=
+    "flex_attention", StaticCache: prefill eagerly, then a compiled decode step; every layer
+    runs our kernel and the logits match the same weights on SDPA."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    ids = torch.randint(0, 1024, (4, 300), device="cuda")
+    attention_mask = torch.ones(4, 301, dtype=torch.long, device="cuda")
+    if padded:
+        attention_mask[1, :30] = 0
+        attention_mask[3, :5] = 0
+    logits = []
+    for attn_implementation in ("flex_attention", "sdpa"):
+        torch.manual_seed(0)  # the same weights for both
+        llama = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16,
+                                                           attn_implementation=attn_implementation).cuda().eval()
+        cache = transformers.StaticCache(config=config, max_cache_len=512)
+        llama(input_ids=ids, attention_mask=attention_mask[:, :300], past_key_values=cache)
+        step = dict(input_ids=ids[:, -1:], attention_mask=attention_mask, past_key_values=cache,
+                    cache_position=torch.tensor([300], device="cuda"))
+        if attn_implementation == "flex_attention":
+            from torch._inductor.utils import run_and_get_code
+
+            import inductor_cute
+
+            with inductor_cute.enable(flex_decode=True):
+                out, codes = run_and_get_code(torch.compile(llama), **step)
+            assert "\n".join(codes).count(OUR_CALL) == 2  # one per layer
+        else:
+            out = llama(**step)
+        logits.append(out.logits.float())
+    assert (logits[0] - logits[1]).abs().max().item() < 5e-2
+
+
+# --------------------------------------------------------- PyTorch's flex decoding test patterns
+
+B, HQ, HKV, D = 4, 16, 8, 64  # PyTorch's test_flex_decoding shapes
+
+
+def alibi_exp2(num_heads):
+    def score_mod(score, b, h, q, kv):
+        return score + (kv - q) * torch.exp2(-((h + 1) * 8.0 / num_heads))
+
+    return score_mod
+
+
+def score_mods():
+    head_offset = torch.rand(HQ, device="cuda", dtype=torch.float16)
+    scale = torch.ones((), device="cuda", dtype=torch.int32)
+    seq_idx = torch.zeros(KV, device="cuda", dtype=torch.bool)
+    seq_idx[KV // 2:] = True
+    bias2, bias3, bias4 = (torch.randn(*shape, device="cuda") for shape in ((1, KV), (B, 1, KV), (B, HQ, 1, KV)))
+    seq_len = torch.arange(B, device="cuda", dtype=torch.int32) + 1
+    return {
+        "alibi-exp2": alibi_exp2(HQ),
+        "causal-where-inf": lambda s, b, h, q, kv: torch.where(q + 1000 >= kv, s, float("-inf")),
+        "head-offset-fp16": lambda s, b, h, q, kv: s * head_offset[h],
+        "captured-0d-int": lambda s, b, h, q, kv: s + scale,
+        "bool-seq-mask": lambda s, b, h, q, kv: torch.where(seq_idx[q + KV - 1] == seq_idx[kv], s, float("-inf")),
+        "bias-2d": lambda s, b, h, q, kv: s + bias2[q, kv],
+        "bias-3d": lambda s, b, h, q, kv: s + bias3[b, q, kv],
+        "bias-4d": lambda s, b, h, q, kv: s + bias4[b, h, q, kv],
+        "padded-dense": lambda s, b, h, q, kv: torch.where(s <= seq_len[b], s, -float("inf")),
+        "silu": lambda s, b, h, q, kv: torch.nn.functional.silu(s),
+        "int-casts": lambda s, b, h, q, kv: s + (kv % 3 == 0).to(torch.int64) * 2 - (q > 0).float(),
+        "negative-index-wrap": lambda s, b, h, q, kv: s + bias4[b - B, h - HQ, q - 1, kv - KV],
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["alibi-exp2", "causal-where-inf", "head-offset-fp16", "captured-0d-int",
+                                  "bool-seq-mask", "bias-2d", "bias-3d", "bias-4d", "padded-dense", "silu",
+                                  "int-casts", "negative-index-wrap"])
+def test_flex_decoding_score_mods_run_our_kernel(name, dtype):
+    q, k, v = rand(B, HQ, 1, D, dtype=dtype) * 3, rand(B, HKV, KV, D, dtype=dtype), rand(B, HKV, KV, D, dtype=dtype)
+    check_ours(q, k, v, score_mod=score_mods()[name])
+
+
+def paged_mask_mod(table, page, inner):
+    def mask_mod(b, h, q_idx, physical_kv_idx):
+        logical_block = table[b, physical_kv_idx // page]
+        logical_kv_idx = logical_block * page + physical_kv_idx % page
+        is_valid = (logical_block >= 0) & True & (logical_kv_idx >= 0)
+        return torch.where(is_valid, inner(b, h, q_idx, logical_kv_idx), False)
+
+    return mask_mod
+
+
+def test_flex_decoding_mask_mods_run_our_kernel():
+    offset = torch.tensor(KV // 2 - 3, device="cuda", dtype=torch.int32)
+    head_type = torch.tensor([i % 3 != 0 for i in range(HQ)], device="cuda", dtype=torch.bool)
+    table = torch.stack([torch.randperm(KV // 128, device="cuda") for _ in range(B)])  # int64 pages
+    table[1, 3] = -1
+    cases = [  # (mask_mod, mask heads, KV heads)
+        (lambda b, h, q, kv: kv >= q + offset, 1, HKV),
+        (lambda b, h, q, kv: head_type[h] & (q + KV - 1 >= kv), HQ, HQ),  # per-head mask without GQA
+        (paged_mask_mod(table, 128, lambda b, h, q, kv: q + 1500 >= kv), 1, HKV),
+    ]
+    for mask_mod, heads, kv_heads in cases:
+        torch._dynamo.reset()
+        q, k, v = rand(B, HQ, 1, D) * 3, rand(B, kv_heads, KV, D), rand(B, kv_heads, KV, D)
+        block_mask = create_block_mask(mask_mod, B, heads, 1, KV)
+        check_ours(q, k, v, block_mask=block_mask, score_mod=alibi_exp2(HQ))
+
+
+def test_what_the_kernel_cannot_take_goes_to_the_stock_lowering():
+    q, k, v = rand(B, HQ, 1, D), rand(B, HKV, KV, D), rand(B, HKV, KV, D)
+    head_type = torch.tensor([i % 3 != 0 for i in range(HQ)], device="cuda", dtype=torch.bool)
+    for block_mask in (create_block_mask(noop_mask, B, 1, 1, KV, BLOCK_SIZE=64),  # < our KV block 128
+                       create_block_mask(lambda b, h, q, kv: head_type[h] & (q >= kv), 1, HQ, 1, KV)):  # GQA 2
+        torch._dynamo.reset()
+        check_stock(q, k, v, block_mask=block_mask)
+    torch._dynamo.reset()  # K/V broadcast over the batch (a shared cache): no zero batch stride in TMA
+    check_stock(q, k[:1], v[:1], block_mask=create_block_mask(noop_mask, B, 1, 1, KV))
+    torch._dynamo.reset()  # head dims 64/32: no kernel variant
+    check_stock(q, k, v[..., :32].contiguous(), score_mod=alibi_exp2(HQ))

@@ -1,0 +1,328 @@
+"""What real callers hand the flex lowering, on the CPU stand-in (flex_support.py): the mask_mods
+transformers builds (masking_utils: 0-d offsets, bool padding masks, int64 per-batch tensors,
+bool constants, `&`/`|`, casts) and the score_mod/mask_mod patterns of PyTorch's flex decoding
+tests (exp2 ALiBi, casts, 0-d, bool and N-D captured tensors, paged-attention tables). Each
+taken call must record no decline reason, run our op, and match fp32 eager flex_attention; what
+the kernel cannot do is declined with its reason. GPU twins: tests/gpu/test_flex_compile_gpu.py."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
+
+from inductor_cute.inductor.flex import translate
+from inductor_cute.inductor.flex.lowering import decline_reason
+from inductor_cute.inductor.flex.translate import Captured
+from inductor_cute.kernels.common.programs import score as sp
+
+from flex_support import (OUR_CALL, compiled, cpu_accepted, decisions, hopper, qkv,  # noqa: F401 (fixtures)
+                          taken_and_matching, traced_problem)
+
+KV = 300  # the static cache's length: two blocks of 128 and a partial one
+
+
+# ----------------------------------------------------------------------------- transformers
+
+@pytest.fixture
+def mu(monkeypatch):
+    """transformers.masking_utils, its create_block_mask not compiled (the masks are the same;
+    compiling them costs ~15 s a mask on the CPU)."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+
+    def create_block_mask_eagerly(*args, _compile=False, **kwargs):
+        return create_block_mask(*args, **kwargs)
+
+    monkeypatch.setattr(masking_utils, "create_block_mask", create_block_mask_eagerly)
+    return masking_utils
+
+
+def padded_attention_mask(batch=2, seen=251):
+    """transformers' 2-D attention mask of the tokens seen so far: batch 1 left-padded by 7."""
+    mask = torch.ones(batch, seen, dtype=torch.bool)
+    mask[1, :7] = False
+    return mask
+
+
+def transformers_masks(mu):
+    """name -> (mask_function, attention_mask, q_len): what create_causal_mask & co. hand to
+    flex_attention_mask for a decode step after 251 tokens in a static cache of KV (q_len 1: the
+    query at cache position 250; q_len 3: 248..250), or a 48-token packed prefill."""
+    left_padding = torch.tensor([0, 7])  # int64, as create_chunked_causal_mask counts it
+    packed = torch.tensor([[0] * 20 + [1] * 28, [0] * 48])  # int64 sequence ids per (batch, position)
+    return {
+        "causal": (mu.causal_mask_function, None, 1),
+        "causal-padding": (mu.causal_mask_function, padded_attention_mask(), 1),
+        "causal-padding-3-queries": (mu.causal_mask_function, padded_attention_mask(seen=251), 3),
+        "sliding-window-padding": (mu.sliding_window_causal_mask_function(100), padded_attention_mask(), 1),
+        "chunked": (mu.chunked_causal_mask_function(64, left_padding), padded_attention_mask(), 1),
+        "bidirectional-window": (mu.sliding_window_bidirectional_mask_function(40), None, 1),
+        "or-masks": (mu.or_masks(mu.sliding_window_overlay(30), lambda b, h, q, kv: kv < 4), None, 1),
+        "packed-sequences": (mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(packed)),
+                             None, 48),
+    }
+
+
+TRANSFORMERS = ["causal", "causal-padding", "causal-padding-3-queries", "sliding-window-padding", "chunked",
+                "bidirectional-window", "or-masks", "packed-sequences"]
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_transformers_masks_run_our_op_and_match(cpu_accepted, decisions, mu, name):
+    mask_function, attention_mask, q_len = transformers_masks(mu)[name]
+    kv_len = 48 if name == "packed-sequences" else KV  # packed sequences: a prefill without cache
+    cache_position = torch.arange(251 - q_len, 251) if kv_len == KV else torch.arange(q_len)
+    q_offset = cache_position[0]  # a 0-d int64 tensor, captured by the mask_mod
+    block_mask = mu.flex_attention_mask(2, q_len, kv_len, q_offset=q_offset, kv_offset=0,
+                                        mask_function=mask_function, attention_mask=attention_mask, device="cpu")
+    q, k, v = qkv(q_len=q_len, kv_len=kv_len, dtype=torch.bfloat16)
+    out, lse = taken_and_matching(decisions, q, k, v, block_mask=block_mask, scale=0.125)
+    problem, _ = decisions[0]
+    dtypes = [b.dtype for b in problem.mask_buffers]
+    assert torch.int64 in dtypes  # the q_offset (0-d) at least
+    if attention_mask is not None:
+        assert any(b.dtype is torch.bool and len(b.shape) == 2 for b in problem.mask_buffers)
+
+
+def test_transformers_score_mod_with_a_4d_additive_mask(cpu_accepted, decisions):
+    """flex_attention_forward's score_mod for a tensor mask: score + mask[b][0][q][kv] (chained
+    indexing of a 4-D float buffer) and the softcap, as Gemma-2 configures it."""
+    score_mask = torch.zeros(2, 1, 2, KV)
+    score_mask[1, :, :, :9] = float("-inf")
+    score_mask[0, :, 1, 100:] = -2.5
+
+    def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+        score = 50.0 * torch.tanh(score / 50.0)
+        return score + score_mask[batch_idx][0][q_idx][kv_idx]
+
+    q, k, v = qkv(q_len=2, kv_len=KV, dtype=torch.bfloat16)
+    taken_and_matching(decisions, q * 4, k, v, score_mod=score_mod)
+    assert decisions[0][0].score_buffers == (Captured(torch.float32, (2, 1, 2, KV)),)
+
+
+def test_a_transformers_llama_decode_step_runs_our_op(cpu_accepted, decisions):
+    """A 1-layer Llama (GQA 2, head dim 64) with attn_implementation="flex_attention" and a
+    StaticCache: prefill 20 tokens (batch 1 left-padded) eagerly, then one compiled decode step.
+    Its mask_mod (causal + padding + the cache-position offset) takes our op, and the logits match
+    the same model on SDPA."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+    def model(attn_implementation):
+        torch.manual_seed(0)  # the same weights for both
+        return transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16,
+                                                          attn_implementation=attn_implementation).eval()
+
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(2, 21, dtype=torch.long)
+    attention_mask[1, :3] = 0
+    logits = []
+    for attn_implementation in ("flex_attention", "sdpa"):
+        llama, cache = model(attn_implementation), transformers.StaticCache(config=config, max_cache_len=64)
+        with torch.no_grad():
+            llama(input_ids=ids, attention_mask=attention_mask[:, :20], past_key_values=cache)
+        step = dict(input_ids=ids[:, -1:], attention_mask=attention_mask, past_key_values=cache,
+                    cache_position=torch.tensor([20]))
+        if attn_implementation == "flex_attention":
+            out, code = compiled(llama, **step)
+            assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
+        else:
+            with torch.no_grad():
+                out = llama(**step)
+        logits.append(out.logits.float())
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-2, rtol=2e-2)
+
+
+# --------------------------------------------------------- PyTorch's flex decoding test patterns
+
+def alibi_exp2(num_heads):
+    def score_mod(score, b, h, q, kv):
+        scale = torch.exp2(-((h + 1) * 8.0 / num_heads))
+        return score + (kv - q) * scale
+
+    return score_mod
+
+
+HEAD_OFFSET = torch.rand(8, dtype=torch.float16)
+SCALE_0D = torch.ones((), dtype=torch.int32)
+SEQ_IDX = torch.zeros(KV, dtype=torch.bool)
+SEQ_IDX[KV // 2:] = True
+BIAS_2D = torch.randn(1, KV, dtype=torch.bfloat16)
+BIAS_3D = torch.randn(2, 1, KV, dtype=torch.float16)
+BIAS_4D = torch.randn(2, 8, 1, KV)
+SEQ_LEN = torch.arange(2, dtype=torch.int32) + 1
+NJT_OFFSETS = torch.tensor([0, 100, 150, KV], dtype=torch.int32)
+NJT_SEQ = torch.bucketize(torch.arange(KV), NJT_OFFSETS[1:], right=True).to(torch.int32)
+
+SCORE_MODS = {
+    "alibi-exp2": alibi_exp2(8),
+    "causal-where-inf": lambda s, b, h, q, kv: torch.where(q + 250 >= kv, s, float("-inf")),
+    "head-offset-fp16": lambda s, b, h, q, kv: s * HEAD_OFFSET[h],
+    "captured-0d-int": lambda s, b, h, q, kv: s + SCALE_0D,
+    "bool-seq-mask": lambda s, b, h, q, kv: torch.where(SEQ_IDX[q + 200] == SEQ_IDX[kv], s, float("-inf")),
+    "bias-2d": lambda s, b, h, q, kv: s + BIAS_2D[q, kv],
+    "bias-3d": lambda s, b, h, q, kv: s + BIAS_3D[b, q, kv],
+    "bias-4d": lambda s, b, h, q, kv: s + BIAS_4D[b, h, q, kv],
+    "padded-dense": lambda s, b, h, q, kv: torch.where(s <= SEQ_LEN[b], s, -float("inf")),
+    "njt-causal": lambda s, b, h, q, kv: torch.where(
+        q + 250 - NJT_OFFSETS[NJT_SEQ[q + 250]] >= kv - NJT_OFFSETS[NJT_SEQ[kv]], s, float("-inf")),
+    "silu-cast-to-query-dtype": lambda s, b, h, q, kv: torch.nn.functional.silu(s),
+    "int-casts": lambda s, b, h, q, kv: s + (kv % 3 == 0).to(torch.int64) * 2 - (q > 0).float(),
+    "subgraph-floordiv": lambda s, b, h, q, kv: s - q // (1 + kv),
+    "negative-index-wrap": lambda s, b, h, q, kv: s + BIAS_4D[b - 2, h - 8, q - 1, kv - KV],
+}
+
+
+@pytest.mark.parametrize("name", SCORE_MODS)
+def test_flex_decoding_score_mods_run_our_op_and_match(cpu_accepted, decisions, name):
+    q, k, v = qkv(q_len=1, kv_len=KV, dtype=torch.bfloat16)
+    taken_and_matching(decisions, q * 3, k, v, score_mod=SCORE_MODS[name])
+
+
+OFFSET_0D = torch.tensor(KV // 2 - 3, dtype=torch.int32)
+HEAD_TYPE = torch.tensor([i % 3 != 0 for i in range(8)], dtype=torch.bool)
+PAGE = 128
+PHYSICAL_TO_LOGICAL = torch.tensor([[1, 0, -1], [2, 1, 0]])  # int64 (batch, physical page) -> logical page
+
+
+def paged_mask_mod(inner):
+    """PagedAttention.get_mask_mod's shape: a 2-D int64 page table, bools and where(..., False)."""
+    def mask_mod(b, h, q_idx, physical_kv_idx):
+        logical_block = PHYSICAL_TO_LOGICAL[b, physical_kv_idx // PAGE]
+        logical_kv_idx = logical_block * PAGE + physical_kv_idx % PAGE
+        is_valid = (logical_block >= 0) & True & (logical_kv_idx >= 0)
+        return torch.where(is_valid, inner(b, h, q_idx, logical_kv_idx), False)
+
+    return mask_mod
+
+
+MASK_MODS = {  # name -> (mask_mod, block mask heads, query heads = KV heads)
+    "offset-0d": (lambda b, h, q, kv: kv >= q + OFFSET_0D, None, False),
+    "head-dependent-mha": (lambda b, h, q, kv: HEAD_TYPE[h] & (q + 250 >= kv), 8, True),
+    "paged-causal": (paged_mask_mod(lambda b, h, q, kv: q + 250 >= kv), None, False),
+}
+
+
+@pytest.mark.parametrize("name", MASK_MODS)
+def test_flex_decoding_mask_mods_run_our_op_and_match(cpu_accepted, decisions, name):
+    mask_mod, heads, mha = MASK_MODS[name]
+    q, k, v = qkv(q_len=1, kv_len=KV, kv_heads=8 if mha else 2, dtype=torch.bfloat16)
+    block_mask = create_block_mask(mask_mod, 2, heads, 1, KV, device="cpu")
+    taken_and_matching(decisions, q, k, v, block_mask=block_mask, score_mod=alibi_exp2(8))
+
+
+def test_what_the_kernel_cannot_do_is_declined_with_the_reason(decisions, hopper):
+    mask_64 = create_block_mask(noop_mask, 2, 1, 1, KV, BLOCK_SIZE=64, device="cpu")
+    assert decline_reason(traced_problem(decisions, block_mask=mask_64)) == \
+        "block mask: block mask KV block size 64 is not a multiple of the kernel's KV block 128"
+    per_head = create_block_mask(MASK_MODS["head-dependent-mha"][0], 1, 8, 1, KV, device="cpu")
+    assert decline_reason(traced_problem(decisions, block_mask=per_head)) == \
+        "block mask: a block mask per query head (8 heads) with 4 query heads per KV head"
+    plain = traced_problem(decisions)
+    assert decline_reason(dataclasses.replace(plain, head_dim_qk=64, head_dim_v=32)).startswith(
+        "head dims 64/32 (qk/v) are not supported")
+    assert decline_reason(dataclasses.replace(plain, operands_match=False)).startswith("k and v do not match q")
+
+
+def test_batch_broadcast_kv_is_declined_and_still_matches(cpu_accepted, decisions):
+    """K/V of batch 1 for 2 queries (a shared cache, as paged attention has): the kernel's TMA
+    descriptors take no zero batch stride, so the stock kernel runs it."""
+    q, _, _ = qkv(q_len=1, kv_len=KV, dtype=torch.bfloat16)
+    _, k, v = qkv(batch=1, kv_len=KV, dtype=torch.bfloat16)
+    block_mask = create_block_mask(noop_mask, 2, 1, 1, KV, device="cpu")
+    out, code = compiled(flex_attention, q, k, v, block_mask=block_mask, enable_gqa=True)
+    assert decisions[0][1].startswith("k and v do not match q") and OUR_CALL not in code
+    ref = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------- the translation, directly
+
+def graph(fn, *buffers, mask=False):
+    """fn's FX graph over 0-d arguments (score, b, h, q, kv; without score for a mask_mod) and the
+    captured buffers as placeholders, as flex_attention's tracing makes it."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = ([] if mask else [torch.zeros((), dtype=torch.bfloat16)]) + [torch.zeros((), dtype=torch.int32)
+                                                                         for _ in range(4)]
+    with TransformGetItemToIndex():
+        return make_fx(fn)(*args, *buffers)
+
+
+def test_n_d_loads_flatten_row_major_and_wrap_negative_indices():
+    table = torch.arange(24, dtype=torch.int64).view(2, 3, 4)
+    gm = graph(lambda b, h, q, kv, t: t[b, q - 1, kv] > 5, table, mask=True)
+    program = translate.mask_program(gm, (translate.describe(torch.int64, (2, 3, 4)),))
+    steps = sp.loads(program, ("int32",), mask=True)
+    assert ["load", "lt", "mul", "where"] == sorted({s[1] for s in steps} & {"load", "lt", "where", "mul"})
+    idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate((2, 1, 3, 4))]
+    want = table[idx[0].long(), (idx[2] - 1).long(), idx[3].long()] > 5
+    got = sp.reference_mask(program, *idx, (table.flatten().int(),))
+    assert torch.equal(got, want.expand(2, 1, 3, 4))
+
+
+def test_bool_constants_fold_away():
+    gm = graph(lambda b, h, q, kv: torch.ones((), dtype=torch.bool) & (q >= kv) & True, mask=True)
+    assert sp.loads(translate.mask_program(gm), mask=True) == [["ge", "ge", "q", "kv"]]
+    assert translate.mask_program(graph(lambda b, h, q, kv: (q >= 0) | True, mask=True)) == ""
+    never = translate.mask_program(graph(lambda b, h, q, kv: (q >= kv) & False, mask=True))
+    assert sp.loads(never, mask=True)[-1] == ["out", "ne", 0, 0]
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda b, h, q, kv, t: t[b] > 0, "used as a tensor of 1 dims"),
+    (lambda b, h, q, kv, t: t[b, q > 0] > 0, "indexed by a bool"),
+    (lambda b, h, q, kv, t: t[b, 5] > 0, "index 5 is out of range for dim 1"),  # traced on 2 x 8
+    (lambda b, h, q, kv, t: (q.to(torch.float16) > 0), "a cast to torch.float16"),
+    (lambda b, h, q, kv, t: (q + 2 ** 40) > kv, "does not fit int32"),
+])
+def test_untranslatable_reads_raise_with_the_reason(fn, message):
+    with pytest.raises(ValueError, match=message):
+        translate.mask_program(graph(fn, torch.zeros(2, 8), mask=True), (translate.describe(torch.float32, (2, 3)),))
+
+
+def test_buffers_the_kernel_cannot_read_are_described():
+    assert "float64" in translate.describe(torch.float64, (3,)).problem
+    assert "symbolic size past its first dim" in translate.describe(torch.int32, (3, None)).problem
+    assert translate.describe(torch.int32, (None, 4)).problem is None  # dim 0: the kernel knows the length
+    assert "0 elements" in translate.describe(torch.bool, (2, 0)).problem
+    assert "device" in translate.describe(torch.int32, (3,), on_device=False).problem
+    assert translate.describe(torch.bool, ()).kernel_dtype is torch.int32
+
+
+def test_arithmetic_on_two_bools_stays_logical_as_in_torch():
+    gm = graph(lambda s, b, h, q, kv: s + ((q >= kv) + (kv < 3)) * 1.5 + (q > 0) * (kv > 1))
+    program = translate.score_program(gm)
+    score = torch.randn(2, 2, 3, 5)
+    idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+           for d, n in enumerate(score.shape)]
+    b, h, q, kv = idx
+    torch.testing.assert_close(sp.reference(program, score, *idx),
+                               score + ((q >= kv) | (kv < 3)) * 1.5 + ((q > 0) & (kv > 1)))
+    with pytest.raises(ValueError, match="bitwise_xor.Tensor is not supported"):
+        translate.score_program(graph(lambda s, b, h, q, kv: s + ((q >= kv) ^ (kv < 3))))
+
+
+def test_layers_sharing_a_mask_share_its_converted_buffers(cpu_accepted, decisions, mu):
+    """Every layer of a model passes the same 0-d offset and bool padding mask: they are converted
+    (int32, flattened) once per graph, not once per layer."""
+    block_mask = mu.flex_attention_mask(2, 1, KV, q_offset=torch.tensor(250), mask_function=mu.causal_mask_function,
+                                        attention_mask=padded_attention_mask(), device="cpu")
+    q, k, v = qkv(q_len=1, kv_len=KV, dtype=torch.bfloat16)
+
+    def two_layers(q, k, v):
+        x = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return flex_attention(x, k, v, block_mask=block_mask, enable_gqa=True)
+
+    out, code = compiled(two_layers, q, k, v)
+    calls = [line for line in code.splitlines() if OUR_CALL in line]
+    assert len(calls) == 2 and [reason for _, reason in decisions] == [None, None]
+    mask_tensors = [re.findall(r"\[reinterpret_tensor[^\]]*\]", line) for line in calls]
+    assert len(mask_tensors[0]) == 1 and mask_tensors[0] == mask_tensors[1]
+    torch.testing.assert_close(out.float(), two_layers(q.float(), k.float(), v.float()), atol=3e-2, rtol=3e-2)
