@@ -101,19 +101,23 @@ class GroupedTileMap:
 
     @staticmethod
     def create(sEnds, sPrefix, groups, tile_m: int, max_groups: int) -> "GroupedTileMap":
-        """After `write_tables` and a barrier."""
-        return GroupedTileMap(sEnds, sPrefix, groups, sPrefix[groups], tile_m, max_groups)
+        """After `write_tables` and a barrier. Values read from the tables are marked warp-uniform:
+        otherwise ptxas cannot tell that loops bounded by them are, and serializes the WGMMAs
+        inside them (C7519)."""
+        count = cute.arch.make_warp_uniform(sPrefix[groups])
+        return GroupedTileMap(sEnds, sPrefix, groups, count, tile_m, max_groups)
 
     def coord(self, work, cta_in_cluster=(0, 0)) -> TileCoord:
         """The tile of work unit `work`: m and n within its group, batch = group = its group."""
         g = group_of(work, lambda i: self.sPrefix[i], self.groups, self.max_groups, cutlass.min, _select)
+        g = cute.arch.make_warp_uniform(g)
         m, n = tile_in_group(work - self.sPrefix[g], self.sEnds[g + 1] - self.sEnds[g], self.tile_m,
                              cute.ceil_div)
-        return TileCoord(m, n, g, g)
+        return TileCoord(cute.arch.make_warp_uniform(m), cute.arch.make_warp_uniform(n), g, g)
 
     def rows(self, group):
         """[first, end) rows of `group` in the stacked tokens."""
-        return self.sEnds[group], self.sEnds[group + 1]
+        return cute.arch.make_warp_uniform(self.sEnds[group]), cute.arch.make_warp_uniform(self.sEnds[group + 1])
 
 
 @cute.jit
@@ -125,13 +129,17 @@ def write_tables(mOffs: cute.Tensor, sEnds: cute.Tensor, sPrefix: cute.Tensor, t
     if tidx == 0:
         sEnds[0] = Int32(0)
         sPrefix[0] = Int32(0)
-    for g in range(tidx, groups, threads):
-        start = Int32(0)
-        if g > 0:
-            start = mOffs[g - 1]
-        end = mOffs[g]
-        sEnds[g + 1] = end
-        sPrefix[g + 1] = cute.ceil_div(cutlass.max(end - start, 0), tile_m) * tiles_n
+    # the same trip count for every thread (a thread-dependent one would leave ptxas unsure
+    # that the warp groups have converged and serialize the kernel's WGMMAs, C7519)
+    for base in range(0, groups, threads):
+        g = base + tidx
+        if g < groups:
+            start = Int32(0)
+            if g > 0:
+                start = mOffs[g - 1]
+            end = mOffs[g]
+            sEnds[g + 1] = end
+            sPrefix[g + 1] = cute.ceil_div(cutlass.max(end - start, 0), tile_m) * tiles_n
     cute.arch.sync_threads()
     if tidx < 32:
         # lane l sums a chunk of counts, the warp scans the chunk sums, each lane rewrites its
