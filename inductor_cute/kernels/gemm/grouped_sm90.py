@@ -214,6 +214,7 @@ class GroupedHopperGemm(HopperGemm):
 
                 # ---- epilogue, one (64 * tile_wgs x 32) subtile at a time
                 row0, row_end = tiles.rows(tile.group)
+                row_end = cutlass.min(row_end, mD.shape[0])  # offsets past the tokens write nothing there
                 first_row = row0 + tile.m * tm
                 first_col = tile.n * tn
                 whole = first_row + tm <= row_end  # else the group's last rows: predicated stores
