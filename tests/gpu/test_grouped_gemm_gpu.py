@@ -121,6 +121,16 @@ def test_large_moe_shape():
     check(sizes, 7168, 4096)
 
 
+def test_strided_tokens_and_an_unaligned_weight_are_handled():
+    sizes = [40, 0, 200, 9]
+    wide = torch.randn(sum(sizes), 520, device=DEV).bfloat16()
+    a = wide[:, :512]  # rows 1040 bytes apart: TMA-able as is
+    flat = torch.randn(4 * 512 * 256 + 1, device=DEV).bfloat16()
+    b = flat[1:].view(4, 512, 256)  # 2 bytes past an aligned address: copied
+    out = grouped_mm(a, b, offsets(sizes))
+    torch.testing.assert_close(out.float(), reference(a, b, sizes), atol=2e-2, rtol=2e-2)
+
+
 def test_repeated_calls_are_identical():
     sizes = [5, 900, 0, 130]
     a = torch.randn(sum(sizes), 512, device=DEV).bfloat16()
