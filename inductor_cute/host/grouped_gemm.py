@@ -1,0 +1,102 @@
+"""Eager grouped GEMM for MoE (the forward form of `torch._grouped_mm`): input checks, TMA views of
+the operands, one persistent launch over all groups. The group offsets stay on the device: no
+host sync, so a call can be captured in a CUDA graph and replayed with new routing."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import UnsupportedError
+from ..runtime import get_kernel
+from .common import ALIGN_BYTES, check_cuda, sm_count
+
+NAME = "grouped_mm"
+
+
+@functools.lru_cache(maxsize=256)
+def _grouped_kernel(problem, config, num_sms: int):
+    from ..kernels.gemm.grouped_config import spec
+
+    return get_kernel(spec(problem, config, num_sms))
+
+
+def _tma_view(t: torch.Tensor, unit_mode: int) -> torch.Tensor | None:
+    """`t` restrided with `unit_mode` contiguous and every other stride a multiple of 8 elements
+    (16 bytes), or None if its layout cannot be; size-1 modes get a packed stride."""
+    sizes, strides = list(t.shape), list(t.stride())
+    if t.data_ptr() % ALIGN_BYTES or (sizes[unit_mode] > 1 and strides[unit_mode] != 1):
+        return None
+    strides[unit_mode] = 1
+    packed = max(sz * st for sz, st in zip(sizes, strides))
+    for i in range(t.dim()):
+        if i == unit_mode:
+            continue
+        if sizes[i] == 1:
+            strides[i] = -(-packed // 8) * 8
+        elif strides[i] % 8 or strides[i] == 0:
+            return None
+    return t.as_strided(sizes, strides)
+
+
+def _b_operand(b: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The kernel's (N, K, E) view of b (E, K, N) and its major mode: K-major (the transposed view
+    of an (E, N, K) weight) or N-major as given, else a K-major copy."""
+    for mode, major in ((1, "k"), (2, "n")):
+        view = _tma_view(b, mode)
+        if view is not None:
+            return view.permute(2, 1, 0), major
+    packed = b.transpose(1, 2).contiguous().transpose(1, 2)
+    return _tma_view(packed, 1).permute(2, 1, 0), "k"
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None = None, *,
+               config=None) -> torch.Tensor:
+    """out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g] (offs[-1] taken as 0), bf16 with fp32
+    accumulation: a (tokens, K), b (groups, K, N), offs int32 (groups,) cumulative group ends.
+
+    Rows of `out` past offs[-1] are not written (left as they are; uninitialized when `out` is
+    None). Offsets must be non-decreasing and at most `tokens`: they are read on the device only,
+    so they are not checked."""
+    from ..kernels.gemm.grouped_config import GroupedProblem, default_config, unsupported_reason
+
+    check_cuda(NAME, a, b, offs, *([] if out is None else [out]))
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise UnsupportedError(f"{NAME}: dtypes {a.dtype} and {b.dtype} are not supported (use bfloat16)")
+    if a.dim() != 2 or b.dim() != 3:
+        raise UnsupportedError(f"{NAME}: expected a (tokens, K) and b (groups, K, N), got shapes "
+                               f"{tuple(a.shape)} and {tuple(b.shape)}")
+    tokens, k = a.shape
+    groups, kb, n = b.shape
+    if kb != k:
+        raise UnsupportedError(f"{NAME}: a has K={k} but b has K={kb}")
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != groups:
+        raise UnsupportedError(f"{NAME}: offs must be int32 of shape ({groups},), got {offs.dtype} "
+                               f"of shape {tuple(offs.shape)}")
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (tokens, n)):
+        raise UnsupportedError(f"{NAME}: out must be bfloat16 of shape {(tokens, n)}, got {out.dtype} "
+                               f"of shape {tuple(out.shape)}")
+    reason = unsupported_reason(GroupedProblem(), config, n=n, k=k, groups=groups)
+    if reason:
+        raise UnsupportedError(f"{NAME}: {reason}")
+    a_view = _tma_view(a, 1)
+    if a_view is None:
+        a_view = _tma_view(a.contiguous(), 1)
+    if a_view is None:  # a contiguous tensor at an unaligned address
+        a_view = _tma_view(a.clone(memory_format=torch.contiguous_format), 1)
+    b_view, b_major = _b_operand(b)
+    problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major)
+    if out is None:
+        out = torch.empty(tokens, n, device=a.device, dtype=torch.bfloat16)
+    out_view = _tma_view(out, 1)
+    if out_view is None:
+        raise UnsupportedError(f"{NAME}: out must be row-major with 16-byte aligned rows, got strides "
+                               f"{tuple(out.stride())}")
+    if tokens == 0:
+        return out
+    num_sms = sm_count(a.device.index or 0)
+    config = config or default_config(problem, tokens, n, k, groups, num_sms)
+    kernel = _grouped_kernel(problem, config, num_sms)
+    kernel(a_view, b_view, offs.contiguous(), out_view)
+    return out

@@ -1,0 +1,163 @@
+"""Grouped GEMM for MoE on Hopper (the forward form of `torch._grouped_mm`): the problem,
+configurations, limits, candidates and kernel specs. Plain Python, usable without the CuTe DSL.
+
+    out[offs[g-1]:offs[g], :] = a[offs[g-1]:offs[g], :] @ b[g]      (offs[-1] taken as 0)
+
+a (total_tokens, K) row-major, b (E, K, N), offs int32 (E,) cumulative group ends on the device,
+out (total_tokens, N) row-major. Group sizes are read on the device only: one persistent launch,
+no host sync. Same names as config.py (see there): Problem, Config, unsupported_reason,
+candidates, default_config, spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .config import EPI_N, EPI_STAGES, SM_COUNT, SMEM_BUDGET
+
+KERNEL_MODULE = "inductor_cute.kernels.gemm.grouped_sm90"
+INPUT_DTYPES = ("bfloat16",)
+ELEMENT_BYTES = {"bfloat16": 2}
+# The kernel keeps the groups' row ends and tile prefix in shared memory: one Int32 each per group.
+MAX_GROUPS = 512
+MAX_STAGES = 8
+
+
+@dataclass(frozen=True)
+class GroupedProblem:
+    """What a compiled grouped GEMM is specialised on; sizes and the group count stay dynamic."""
+
+    dtype_name: str = "bfloat16"  # a and b
+    out_dtype_name: str = "bfloat16"
+    a_major: str = "k"  # a row-major (tokens, K)
+    b_major: str = "k"  # "k": b[g] is the transposed view of an (N, K) row-major weight; "n": (K, N) row-major
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 4
+    consumer_warpgroups: int = 2  # both share every tile (cooperative), 64 rows each
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} stages {self.stages} wg {self.consumer_warpgroups}"
+
+
+def table_bytes(max_groups: int = MAX_GROUPS) -> int:
+    """Shared memory of the group tables: row ends and tile prefix, (max_groups + 1) Int32 each."""
+    return 2 * 4 * (max_groups + 1)
+
+
+def smem_bytes(cfg: GroupedConfig, ab_bytes: int = 2, out_bytes: int = 2) -> int:
+    ab = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes * cfg.stages
+    epi = 64 * cfg.consumer_warpgroups * EPI_N * out_bytes * EPI_STAGES  # outgoing D subtiles
+    total = 1024 + ab + epi + table_bytes()  # 1 KB for mbarriers
+    return -(-total // 1024) * 1024  # the shared-storage struct is 1 KB aligned
+
+
+def unsupported_reason(problem: GroupedProblem, config: GroupedConfig | None = None, *,
+                       n: int | None = None, k: int | None = None, groups: int | None = None) -> str | None:
+    """Why the grouped GEMM cannot run `problem` (with `config`; at these sizes where given), in
+    one line; None when it can."""
+    p = problem
+    if p.dtype_name not in INPUT_DTYPES or p.out_dtype_name not in INPUT_DTYPES:
+        return f"dtypes {p.dtype_name} -> {p.out_dtype_name} are not supported (use bfloat16)"
+    if p.a_major != "k":
+        return "a must be row-major (tokens, K)"
+    if p.b_major not in ("k", "n"):
+        return "b_major must be 'k' or 'n'"
+    if n is not None and (n < 1 or n % 8):
+        return f"N={n} must be a positive multiple of 8 (16-byte rows for TMA)"
+    if k is not None and (k < 1 or k % 8):
+        return f"K={k} must be a positive multiple of 8 (16-byte rows for TMA)"
+    if groups is not None and not 1 <= groups <= MAX_GROUPS:
+        return f"{groups} groups: between 1 and {MAX_GROUPS} are supported"
+    return None if config is None else _config_reason(config, p)
+
+
+def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
+    if c.consumer_warpgroups not in (1, 2):
+        return "consumer_warpgroups must be 1 or 2"
+    if c.tile_m % (64 * c.consumer_warpgroups) or not 64 <= c.tile_m <= 256:
+        return "tile_m must be a multiple of 64 * consumer_warpgroups, at most 256"
+    if c.tile_n % EPI_N or not EPI_N <= c.tile_n <= 256:
+        return f"tile_n must be a multiple of {EPI_N} in [{EPI_N}, 256]"
+    if c.tile_k % 16 or not 16 <= c.tile_k <= 128:
+        return "tile_k must be a multiple of 16 in [16, 128]"
+    if c.tile_m * c.tile_n // (128 * c.consumer_warpgroups) > 128:
+        return "accumulator exceeds 128 fp32 registers per thread"
+    if c.stages < 2:
+        return "at least 2 pipeline stages"
+    need = smem_bytes(c, ELEMENT_BYTES[p.dtype_name], ELEMENT_BYTES[p.out_dtype_name])
+    if need > SMEM_BUDGET:
+        return f"shared memory {need} B exceeds {SMEM_BUDGET} B"
+    return None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def max_work_units(tokens: int, n: int, groups: int, tile_m: int, tile_n: int) -> int:
+    """An upper bound of the tile count, known without reading the offsets: each group adds at
+    most one partial row of tiles to ceil(tokens / tile_m) full ones."""
+    return _ceil_div(n, tile_n) * (_ceil_div(tokens, tile_m) + groups)
+
+
+def _deepest(cfg: GroupedConfig, p: GroupedProblem) -> GroupedConfig | None:
+    for stages in range(MAX_STAGES, 1, -1):
+        candidate = dataclasses.replace(cfg, stages=stages)
+        if _config_reason(candidate, p) is None:
+            return candidate
+    return None
+
+
+# (tile_m, tile_n, consumer warp groups), largest first
+_SHAPES = ((128, 256, 2), (128, 128, 2), (64, 256, 1), (64, 128, 1))
+
+
+def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None = None, groups: int = 1,
+                   num_sms: int = SM_COUNT) -> GroupedConfig:
+    """Untuned heuristic from the mean group size (the offsets are on the device): 64-row tiles
+    when groups average at most 64 tokens, else the largest tile that still gives a wave."""
+    mean_rows = tokens / max(groups, 1)
+    shapes = [s for s in _SHAPES if s[0] == 64] if mean_rows <= 64 else [s for s in _SHAPES if s[0] == 128]
+    chosen = shapes[-1]
+    for shape in shapes:
+        tiles = _ceil_div(n, shape[1]) * max(groups, 1) * _ceil_div(max(int(mean_rows), 1), shape[0])
+        if tiles >= num_sms:
+            chosen = shape
+            break
+    return _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2]), problem)
+
+
+def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = None, groups: int = 1,
+               num_sms: int = SM_COUNT, exhaustive: bool = False) -> list[GroupedConfig]:
+    """Valid configs: the heuristic default first, then the other tile shapes at their deepest
+    pipelines (and tile_k 128 with `exhaustive`)."""
+    out = [default_config(problem, tokens, n, k, groups, num_sms)]
+    for tm, tn, wg in _SHAPES:
+        for tk in ((64, 128) if exhaustive else (64,)):
+            cfg = _deepest(GroupedConfig(tm, tn, tk, MAX_STAGES, wg), problem)
+            if cfg is not None and cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def spec(problem: GroupedProblem, config: GroupedConfig, num_sms: int = SM_COUNT):
+    """The KernelSpec of one grouped GEMM kernel."""
+    from ...runtime.spec import KernelSpec
+
+    return KernelSpec.make(KERNEL_MODULE, num_sms=num_sms, **problem.as_params(), **config.as_params())
+
+
+Problem, Config = GroupedProblem, GroupedConfig

@@ -1,0 +1,278 @@
+"""Grouped GEMM for MoE on Hopper (sm_90a) in CuTe DSL: the forward form of `torch._grouped_mm`,
+
+    out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g]   for every group g (offs[-1] = 0)
+
+in one persistent launch over all groups, with the group sizes read on the device (no host sync).
+
+Built from the dense GEMM (sm90.py): the same warp-specialized CTA (producer warp streaming A/B
+k-tiles by TMA into a swizzled ring, cooperative consumer warp groups issuing WGMMA, epilogue
+through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`), and the same
+`TileScheduler` loop, over a different tile map:
+  * every CTA first turns `offs` into two shared-memory tables (group row ends, tile prefix) and
+    the `GroupedTileMap` finds each work unit's group by binary search (kernels/common/
+    grouped_tile_map.py). The grid is one wave, sized from an upper bound of the tile count known
+    on the host (ceil(tokens / tile_m) + groups row tiles); surplus CTAs find no work.
+  * A is one TMA descriptor over all tokens: a tile's rows start at the group's first row
+    (`domain_offset`), so a tile that ends past its group reads the next group's rows (or zeros
+    past the last token) into accumulator rows that are never written.
+  * B is one descriptor over (N, K, E); the group is the batch index.
+  * the epilogue stores whole tiles with TMA; a tile that ends past its group's last row (the
+    group's last row of tiles) stores from registers with per-element row/column predicates,
+    since a TMA store clips only at the tensor's edge, not at the group's.
+
+Tensor conventions of the jit function: a (T, K) row-major; b (N, K, E), from torch's b (E, K, N)
+as b.permute(2, 1, 0) (b_major "k": b[g] is the transpose of an (N, K) row-major weight; "n": b[g]
+is (K, N) row-major); offs int32 (E,); d (T, N) row-major. The compiled function (TVM-FFI, env
+stream) is f(a, b, offs, d). Rows of d past offs[E-1] are not written.
+"""
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_fake_tensor
+
+from ..common import barriers
+from ..common.grouped_tile_map import GroupedTileMap, write_tables
+from ..common.tile_scheduler import TileScheduler
+from .config import EPI_STAGES, SM_COUNT, GemmConfig
+from .grouped_config import MAX_GROUPS, GroupedConfig, GroupedProblem, smem_bytes, unsupported_reason
+from .sm90 import CUTE_DTYPES, HopperGemm
+
+
+class GroupedHopperGemm(HopperGemm):
+    """The dense GEMM's CTA over a grouped tile map; cooperative consumers, no cluster."""
+
+    def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT):
+        dense = GemmConfig(config.tile_m, config.tile_n, config.tile_k, 1, 1, config.stages,
+                           config.consumer_warpgroups, True, False)
+        super().__init__(dense, "k", b_major, False, False, None, num_sms=num_sms)
+        self.grouped_cfg = config
+
+    def _shared_storage(self):
+        st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
+        ab_t, d_t = self.ab_dtype, self.d_dtype
+
+        @cute.struct
+        class SharedStorage:
+            ab_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            sA: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(lay_a)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(lay_b)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[d_t, cute.cosize(lay_d)], 1024]
+            sEnds: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
+            sPrefix: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
+
+        return SharedStorage
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mOffs: cute.Tensor, mD: cute.Tensor,
+                 stream: cuda.CUstream):
+        self.ab_dtype, self.d_dtype = mA.element_type, mD.element_type
+        self._setup()
+        tm, tn, tk = self.tile_mnk
+        tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
+                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk))
+        tma_b, gB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
+                                                cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk))
+        tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
+                                                cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
+        # the tile count is known only on the device: launch for an upper bound, capped at a wave
+        work_bound = cute.ceil_div(mD.shape[1], tn) * (cute.ceil_div(mA.shape[0], tm) + mOffs.shape[0])
+        grid_z = TileScheduler.launch_clusters(work_bound, self.max_clusters)
+        self.shared_storage = self._shared_storage()
+        assert self.shared_storage.size_in_bytes() == smem_bytes(
+            self.grouped_cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8)
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mD, mOffs, self.tiled_mma,
+                    self.sA_layout, self.sB_layout, self.sD_layout
+                    ).launch(grid=[1, 1, grid_z], block=[self.threads, 1, 1], cluster=[1, 1, 1],
+                             min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom, tB: cute.Tensor,
+               tma_d: cute.CopyAtom, tD: cute.Tensor, mD: cute.Tensor, mOffs: cute.Tensor,
+               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               sD_layout: cute.ComposedLayout):
+        tm, tn, tk = self.tile_mnk
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_d)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
+        sEnds = storage.sEnds.get_tensor(cute.make_layout(MAX_GROUPS + 1))
+        sPrefix = storage.sPrefix.get_tensor(cute.make_layout(MAX_GROUPS + 1))
+
+        ab_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))) + \
+            cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.tile_wgs),
+            tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+
+        # group tables from the device offsets; the CTA-wide sync after them also publishes the
+        # pipeline barriers' initialisation
+        n_cols = mD.shape[1]
+        write_tables(mOffs, sEnds, sPrefix, cute.ceil_div(n_cols, tn), tm, tidx, self.threads)
+        cute.arch.sync_threads()
+        tiles = GroupedTileMap.create(sEnds, sPrefix, mOffs.shape[0], tm, MAX_GROUPS)
+        scheduler = TileScheduler.create(tiles, (0, 0))
+
+        gB = cute.local_tile(tB, (tn, tk), (None, None, None))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                           cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        k_tiles = cute.size(gB, mode=[3])
+        epi_tiles = (tm // self.epi_tile[0], tn // self.epi_tile[1])
+        epi_order = cute.make_layout(epi_tiles, stride=(epi_tiles[1], 1))  # n fastest, like the acc
+        n_epi = epi_tiles[0] * epi_tiles[1]
+
+        # ================================================================ producer
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
+                work = scheduler.first()
+                while scheduler.valid(work):
+                    tile = scheduler.tile(work)
+                    row0, _ = tiles.rows(tile.group)
+                    # the group's rows from its first; rows past its end are read but never stored
+                    gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (tm, tk), (tile.m, None))
+                    tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                                       cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                    tBgB_t = tBgB[(None, tile.n, None, tile.batch)]
+                    for kt in range(k_tiles):
+                        ab_pipe.producer_acquire(ab_state)
+                        bar = ab_pipe.producer_get_barrier(ab_state)
+                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar)
+                        ab_pipe.producer_commit(ab_state)
+                        ab_state.advance()
+                    work = scheduler.next(work)
+                ab_pipe.producer_tail(ab_state)
+
+        # ================================================================ consumers
+        if wg_idx > 0:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            ctid = tidx - 128  # thread index among the consumer warp groups
+            epi_barrier = pipeline.NamedBarrier(barrier_id=barriers.gemm_epilogue(0), num_threads=self.epi_threads)
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tm, tn))).shape, Float32)
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            c_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
+            tiled_copy_c = cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
+            r2s = cute.make_tiled_copy_S(
+                sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, Float32), tiled_copy_c)
+            thr_r2s = r2s.get_slice(ctid)
+            tRS_sD = thr_r2s.partition_D(sD)
+            tRS_acc = r2s.retile(acc)
+            tRS_cD = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))  # (m, n) of each value
+            tRS_rD = cute.make_rmem_tensor(tRS_cD.shape, Float32)
+            tRS_rOut = cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype)
+            n_vals = cute.size(tRS_rD)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=EPI_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
+            is_store_warp = warp_idx == 4
+
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+            n_stored = Int32(0)  # TMA-stored subtiles: picks the staging buffer
+            work = scheduler.first()
+            while scheduler.valid(work):
+                tile = scheduler.tile(work)
+                # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for kt in range(k_tiles):
+                    ab_pipe.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    warpgroup.commit_group()
+                    read_state.advance()
+                    if kt > 0:
+                        warpgroup.wait_group(1)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                warpgroup.wait_group(0)
+                if k_tiles > 0:
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+
+                # ---- epilogue, one (64 * tile_wgs x 32) subtile at a time
+                row0, row_end = tiles.rows(tile.group)
+                row_end = cutlass.min(row_end, mD.shape[0])  # offsets past the tokens write nothing there
+                first_row = row0 + tile.m * tm
+                first_col = tile.n * tn
+                whole = first_row + tm <= row_end  # else the group's last rows: predicated stores
+                gD_t = cute.zipped_divide(
+                    cute.local_tile(cute.domain_offset((first_row, first_col), tD), (tm, tn), (0, 0)), self.epi_tile)
+                bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
+                for e in cutlass.range_constexpr(n_epi):
+                    e_coord = epi_order.get_hier_coord(e)
+                    for v in cutlass.range_constexpr(n_vals):
+                        tRS_rD[v] = tRS_acc[e * n_vals + v]
+                    tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
+                    if whole:
+                        buf = n_stored % EPI_STAGES
+                        cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)])
+                        # make the generic-proxy smem writes visible to the TMA unit
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        epi_barrier.arrive_and_wait()
+                        if is_store_warp:
+                            cute.copy(tma_d, bsD[(None, buf)], bgD[(None, e_coord)])
+                            store_pipe.producer_commit()
+                            store_pipe.producer_acquire()
+                        epi_barrier.arrive_and_wait()
+                        n_stored += 1
+                    else:
+                        r_base = first_row + e_coord[0] * self.epi_tile[0]
+                        c_base = first_col + e_coord[1] * self.epi_tile[1]
+                        for v in cutlass.range_constexpr(n_vals):
+                            r = r_base + tRS_cD[v][0]
+                            c = c_base + tRS_cD[v][1]
+                            if r < row_end and c < n_cols:
+                                mD[r, c] = tRS_rOut[v]
+                work = scheduler.next(work)
+            store_pipe.producer_tail()
+
+
+# ----------------------------------------------------------------------------- build
+def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
+          num_sms=SM_COUNT):
+    """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
+    problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major)
+    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups)
+    err = unsupported_reason(problem, cfg)
+    if err:
+        raise ValueError(err)
+    ab_t, d_t = CUTE_DTYPES[dtype_name], CUTE_DTYPES[out_dtype_name]
+    # one symbol per extent shared by all tensors, so the FFI checks that they agree
+    T = cute.sym_int()
+    N = cute.sym_int(divisibility=8)
+    K = cute.sym_int(divisibility=8)
+    E = cute.sym_int()
+
+    def ld():
+        return cute.sym_int64(divisibility=8)  # TMA needs 16-byte aligned strides
+
+    a = make_fake_tensor(ab_t, (T, K), stride=(ld(), 1), assumed_align=16)
+    b_stride = (ld(), 1, ld()) if b_major == "k" else (1, ld(), ld())
+    b = make_fake_tensor(ab_t, (N, K, E), stride=b_stride, assumed_align=16)
+    offs = make_fake_tensor(Int32, (E,), stride=(1,), assumed_align=4)
+    d = make_fake_tensor(d_t, (T, N), stride=(ld(), 1), assumed_align=16)
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return GroupedHopperGemm(cfg, b_major, num_sms=num_sms), (a, b, offs, d, stream)

@@ -1,0 +1,156 @@
+"""The grouped GEMM (MoE, torch._grouped_mm forward) on the H200 against an fp32 reference: skewed
+and empty groups, groups smaller than a tile, offsets that are not multiples of the tile, tokens
+past the last offset, both weight layouts, every candidate config, CUDA-graph replay with new
+offsets (the offsets are read on the device only). Outputs are poisoned with NaN first, so an
+unwritten row shows, and a row written outside its group shows as a changed poison row."""
+
+import pytest
+import torch
+
+from inductor_cute import UnsupportedError
+from inductor_cute.host.grouped_gemm import grouped_mm
+from inductor_cute.kernels.gemm.grouped_config import GroupedProblem, candidates
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def offsets(sizes, device=DEV):
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def weights(groups, k, n, layout, seed=0):
+    """b (groups, K, N): "k" = the transposed view of an (groups, N, K) weight, "n" = row-major."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    if layout == "k":
+        return torch.randn(groups, n, k, device=DEV, generator=g).div_(k ** 0.5).bfloat16().transpose(1, 2)
+    return torch.randn(groups, k, n, device=DEV, generator=g).div_(k ** 0.5).bfloat16()
+
+
+def reference(a, b, sizes):
+    out, row = [], 0
+    for g, rows in enumerate(sizes):
+        out.append(a[row:row + rows].float() @ b[g].float())
+        row += rows
+    return torch.cat(out) if out else a.new_zeros(0, b.shape[2], dtype=torch.float32)
+
+
+def check(sizes, k, n, layout="k", tokens=None, config=None, seed=0):
+    covered = sum(sizes)
+    tokens = covered if tokens is None else tokens
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    a = torch.randn(tokens, k, device=DEV, generator=g).bfloat16()
+    b = weights(len(sizes), k, n, layout, seed)
+    out = torch.full((tokens, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+    got = grouped_mm(a, b, offsets(sizes), out=out, config=config)
+    assert got.data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+    ref = reference(a, b, sizes)
+    assert not out[:covered].isnan().any(), "rows of some group were not written"
+    torch.testing.assert_close(out[:covered].float(), ref, atol=2e-2, rtol=2e-2)
+    assert out[covered:].isnan().all(), "rows past the last offset were written"
+    return out
+
+
+SIZES = {
+    "equal": [256] * 8,
+    "skewed": [1, 0, 700, 3, 0, 0, 129, 64],
+    "leading-trailing-empty": [0, 0, 5, 0, 300, 0, 0],
+    "smaller-than-a-tile": [7, 1, 63, 2, 33],
+    "unaligned-offsets": [127, 129, 255, 257, 1, 65],
+    "one-group": [1000],
+    "many-groups": [(i * 37) % 90 for i in range(128)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+@pytest.mark.parametrize("layout", ["k", "n"])
+def test_matches_fp32_reference(name, layout):
+    check(SIZES[name], 512, 384, layout)
+
+
+@pytest.mark.parametrize("n,k", [(8, 8), (40, 24), (1536, 2048), (264, 1000)])
+def test_ragged_n_and_k(n, k):
+    check([3, 130, 0, 77], k, n)
+
+
+def test_tokens_past_the_last_offset_stay_untouched():
+    check([100, 0, 50], 256, 256, tokens=400)
+
+
+@pytest.mark.parametrize("index", range(len(candidates(GroupedProblem(), 2048, 512, 512, groups=16,
+                                                                 exhaustive=True))))
+def test_every_candidate_config(index):
+    config = candidates(GroupedProblem(), 2048, 512, 512, groups=16, exhaustive=True)[index]
+    check([0, 300, 5, 1, 700, 129, 64, 0, 250, 3, 17, 400, 0, 44, 90, 45], 512, 512, config=config)
+
+
+def test_matches_torch_grouped_mm():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not available")
+    sizes = [300, 0, 17, 1200, 64, 128]
+    a = torch.randn(sum(sizes), 1024, device=DEV).bfloat16()
+    b = weights(len(sizes), 1024, 768, "k")
+    offs = offsets(sizes)
+    torch.testing.assert_close(grouped_mm(a, b, offs), torch._grouped_mm(a, b, offs), atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_graph_replays_with_new_offsets():
+    a = torch.randn(1024, 256, device=DEV).bfloat16()
+    b = weights(4, 256, 256, "k")
+    offs = offsets([256, 256, 256, 256])
+    out = torch.empty(1024, 256, device=DEV, dtype=torch.bfloat16)
+    grouped_mm(a, b, offs, out=out)  # compile and load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_mm(a, b, offs, out=out)
+    for sizes in ([1024, 0, 0, 0], [1, 2, 3, 1018], [0, 500, 0, 524]):
+        offs.copy_(offsets(sizes))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), reference(a, b, sizes), atol=2e-2, rtol=2e-2)
+
+
+def test_large_moe_shape():
+    torch.manual_seed(0)
+    sizes = [int(x) for x in torch.distributions.Dirichlet(torch.ones(32)).sample().mul(8192).floor()]
+    sizes[-1] += 8192 - sum(sizes)
+    check(sizes, 7168, 4096)
+
+
+def test_strided_tokens_and_an_unaligned_weight_are_handled():
+    sizes = [40, 0, 200, 9]
+    wide = torch.randn(sum(sizes), 520, device=DEV).bfloat16()
+    a = wide[:, :512]  # rows 1040 bytes apart: TMA-able as is
+    flat = torch.randn(4 * 512 * 256 + 1, device=DEV).bfloat16()
+    b = flat[1:].view(4, 512, 256)  # 2 bytes past an aligned address: copied
+    out = grouped_mm(a, b, offsets(sizes))
+    torch.testing.assert_close(out.float(), reference(a, b, sizes), atol=2e-2, rtol=2e-2)
+
+
+def test_repeated_calls_are_identical():
+    sizes = [5, 900, 0, 130]
+    a = torch.randn(sum(sizes), 512, device=DEV).bfloat16()
+    b, offs = weights(4, 512, 256, "n"), offsets(sizes)
+    first = grouped_mm(a, b, offs)
+    for _ in range(3):
+        assert torch.equal(grouped_mm(a, b, offs), first)
+
+
+def test_inputs_are_checked():
+    a = torch.randn(64, 64, device=DEV).bfloat16()
+    b = weights(2, 64, 64, "k")
+    offs = offsets([32, 32])
+    with pytest.raises(UnsupportedError, match="bfloat16"):
+        grouped_mm(a.half(), b, offs)
+    with pytest.raises(UnsupportedError, match="K=64 but b has K=32"):
+        grouped_mm(a, b[:, :32], offs)
+    with pytest.raises(UnsupportedError, match="int32"):
+        grouped_mm(a, b, offs.long())
+    with pytest.raises(UnsupportedError, match="multiple of 8"):
+        grouped_mm(torch.randn(64, 60, device=DEV).bfloat16(), weights(2, 60, 64, "k"), offs)
+    with pytest.raises(UnsupportedError, match="out must be"):
+        grouped_mm(a, b, offs, out=torch.empty(64, 64, device=DEV, dtype=torch.bfloat16).t())

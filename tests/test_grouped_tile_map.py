@@ -1,0 +1,75 @@
+"""The grouped GEMM's tile map, in plain Python with the kernel's own arithmetic: every output tile
+of every group is visited exactly once, in group order and M-fastest within a group; empty groups
+get no tiles; the host's launch bound is never below the tile count."""
+
+import itertools
+import random
+
+import pytest
+
+from inductor_cute.kernels.common.grouped_tile_map import (group_of, prefix_table, reference_tiles, tile_counts,
+                                                          tile_in_group)
+from inductor_cute.kernels.gemm.grouped_config import MAX_GROUPS, max_work_units
+
+
+def ends_of(sizes):
+    return list(itertools.accumulate(sizes))
+
+
+def brute_force(sizes, n, tile_m, tile_n):
+    """The expected tiles, by enumeration: (group, m, n, first row, row end)."""
+    out, row = [], 0
+    for g, rows in enumerate(sizes):
+        tiles_m = -(-rows // tile_m)
+        for n_tile in range(-(-n // tile_n)):
+            for m in range(tiles_m):
+                out.append((g, m, n_tile, row + m * tile_m, row + rows))
+        row += rows
+    return sorted(out, key=lambda t: (t[0], t[2], t[1]))
+
+
+CASES = {
+    "equal": [256] * 8,
+    "skewed": [1, 0, 700, 3, 0, 0, 129, 64],
+    "leading-and-trailing-empty": [0, 0, 5, 0, 0],
+    "all-smaller-than-a-tile": [7, 1, 63, 2],
+    "one-group": [1000],
+    "unaligned-offsets": [127, 129, 255, 257, 1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("tile_m,tile_n,n", [(128, 256, 1536), (64, 128, 200), (128, 128, 8)])
+def test_every_tile_once_in_group_order(name, tile_m, tile_n, n):
+    sizes = CASES[name]
+    got = reference_tiles(ends_of(sizes), n, tile_m, tile_n, MAX_GROUPS)
+    assert got == brute_force(sizes, n, tile_m, tile_n)
+    assert len(got) <= max_work_units(sum(sizes), n, len(sizes), tile_m, tile_n)
+    # rows of a tile never start past its group's end, and tiles within a group do not overlap
+    assert all(first < end for _, _, _, first, end in got)
+
+
+def test_empty_groups_are_never_found():
+    sizes = [0, 3, 0, 0, 200, 0]
+    prefix = prefix_table(ends_of(sizes), 2, 128)
+    assert prefix == [0, 0, 2, 2, 2, 6, 6]
+    found = [group_of(w, prefix.__getitem__, len(sizes), MAX_GROUPS) for w in range(prefix[-1])]
+    assert found == [1, 1, 4, 4, 4, 4]
+
+
+def test_random_skewed_groups_at_the_group_limit():
+    rng = random.Random(0)
+    sizes = [rng.choice([0, 0, 1, 17, 128, 300, 4000]) for _ in range(MAX_GROUPS)]
+    ends = ends_of(sizes)
+    prefix = prefix_table(ends, 3, 128)
+    for work in range(0, prefix[-1], 7):
+        g = group_of(work, prefix.__getitem__, len(sizes), MAX_GROUPS)
+        assert prefix[g] <= work < prefix[g + 1] and sizes[g] > 0
+
+
+def test_tile_in_group_is_m_fastest():
+    assert [tile_in_group(i, 300, 128) for i in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+
+
+def test_decreasing_offsets_count_as_empty_groups():
+    assert tile_counts([100, 50, 300], 2, 64) == [4, 0, 8]
