@@ -352,7 +352,7 @@ class FlexPrefillSm90:
         thr_r2s = r2s.get_slice(ctid)
         tRS_acc = r2s.retile(acc_o)
         r_o = cute.make_rmem_tensor(thr_r2s.partition_S(cute.make_identity_tensor((M_BLOCK, self.dv))).shape, Float32)
-        for v in cutlass.range_constexpr(cute.size(r_o)):
+        for v in cutlass.range(cute.size(r_o), unroll_full=True):
             r_o[v] = tRS_acc[v]
         r_out = cute.make_rmem_tensor(r_o.shape, self.dtype)
         r_out.store(r_o.load().to(self.dtype))
