@@ -59,7 +59,7 @@ from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfi
                                   from_params, smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
-from .softmax import online_softmax, softmax_finalize, softmax_state
+from .softmax import online_softmax_scores, rescale_rows, softmax_finalize, softmax_state
 from .tile_order import LongestFirst
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -73,8 +73,10 @@ class FlexPrefillSm90:
         self.dtype = CUTE_DTYPES[problem.dtype_name]
         self.dqk, self.dv, self.kvb = problem.head_dim_qk, problem.head_dim_v, config.kv_block
         self.consumer_threads = 128 * CONSUMER_WARPGROUPS
-        # 32 * 128 + 240 * 256 = 64K registers: the whole register file
-        self.producer_regs = 32
+        # The CTA launches with 168 registers per thread (64512 for 384 threads) and setmaxnreg
+        # only moves them between warp groups: 24 * 128 + 240 * 256 = 64512, or the consumers'
+        # increase would wait for registers nobody gives back.
+        self.producer_regs = 24
         self.consumer_regs = 240
         # rows are not packed: a tile's rows are query positions of one head (group 1)
         self.mods = ScoreMods(problem.score_program, problem.score_dtypes, problem.mask_program, problem.mask_dtypes,
@@ -250,6 +252,7 @@ class FlexPrefillSm90:
             r_p = cute.make_rmem_tensor(tScS.shape, self.dtype)
             tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(acc_s.layout))
             row_max, row_sum = softmax_state()
+            correction = cute.make_rmem_tensor((2,), Float32)  # per row half: 2^(m_old - m) for O
             score_tensors, mask_tensors = (mT0, mT1, mT2, mT3), (mM0, mM1, mM2, mM3)
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -270,23 +273,31 @@ class FlexPrefillSm90:
                 self._turn(1 - slot).arrive()
                 warpgroup.wait_group(0)
                 blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
-                self._scores_to_p(acc_s, acc_o, r_p, tScS, row_max, row_sum, scale_log2, scale, b, head, row0, q_len,
-                                  blk, partial, seq_len, score_tensors, mask_tensors)
+                self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
+                             score_tensors, mask_tensors)
+                online_softmax_scores(acc_s, row_max, row_sum, correction)  # O is still 0: no rescale
+                r_p.store(acc_s.load().to(self.dtype))
                 read.advance()
-                # ---- block j: S_j and P_{j-1} V_{j-1} issued together
+                # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
+                # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
                 for j in range(1, n_blocks):
                     self._turn(slot).arrive_and_wait()
                     kv_pipe.consumer_wait(read)
                     self._qk(acc_s, tSrQ, tSrK, read.index)
+                    warpgroup.commit_group()
                     self._pv(acc_o, tOrP, tOrV, release.index)
                     warpgroup.commit_group()
                     self._turn(1 - slot).arrive()
-                    warpgroup.wait_group(0)
+                    warpgroup.wait_group(1)  # S_j
+                    blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                    self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
+                                 score_tensors, mask_tensors)
+                    online_softmax_scores(acc_s, row_max, row_sum, correction)
+                    warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
                     kv_pipe.consumer_release(release)
                     release.advance()
-                    blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
-                    self._scores_to_p(acc_s, acc_o, r_p, tScS, row_max, row_sum, scale_log2, scale, b, head, row0,
-                                      q_len, blk, partial, seq_len, score_tensors, mask_tensors)
+                    rescale_rows(acc_o, correction)
+                    r_p.store(acc_s.load().to(self.dtype))
                     read.advance()
                 # ---- the last block's P V
                 self._turn(slot).arrive_and_wait()
@@ -318,18 +329,14 @@ class FlexPrefillSm90:
             cute.gemm(mma, acc_o, tOrP[(None, None, kb)], tOrV[(None, None, kb, stage)], acc_o)
 
     @cute.jit
-    def _scores_to_p(self, acc_s: cute.Tensor, acc_o: cute.Tensor, r_p: cute.Tensor, tScS: cute.Tensor,
-                     row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32, scale: Float32, b: Int32,
-                     head: Int32, row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32,
-                     score_tensors: tuple, mask_tensors: tuple):
-        """S of KV block `blk` becomes P (in r_p, the P V operand): scaled or score_mod, mask_mod
-        on partial blocks, keys past the end masked, online softmax (rescales O, which must hold
-        every earlier block's P V)."""
+    def _scores(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, scale: Float32, b: Int32,
+                head: Int32, row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32, score_tensors: tuple,
+                mask_tensors: tuple):
+        """S of KV block `blk` in log2 units, masked: scaled or score_mod, mask_mod on partial
+        blocks, keys past the end at -inf."""
         self.mods.apply(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, score_tensors,
                         mask_tensors)
         mask_past_end(acc_s, tScS, self.kvb, blk, seq_len)
-        online_softmax(acc_s, acc_o, row_max, row_sum)
-        r_p.store(acc_s.load().to(self.dtype))
 
     @cute.jit
     def _epilogue(self, acc_o: cute.Tensor, tOcO: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
