@@ -23,6 +23,8 @@ ALIBI = dumps([["slope", "load", "t0", "h"], ["d", "sub", "kv", "q"], ["bias", "
 
 VARIANTS = {
     "d128": FlexPrefillProblem(128, 128, "bfloat16"),
+    "d256": FlexPrefillProblem(256, 256, "bfloat16"),
+    "mla-192-128-causal-block128": FlexPrefillProblem(192, 128, "bfloat16", mask_program=CAUSAL, sparse_block=128),
     "d64-fp16": FlexPrefillProblem(64, 64, "float16"),
     "d128-causal-block128": FlexPrefillProblem(128, 128, "bfloat16", mask_program=CAUSAL, sparse_block=128),
     "d128-softcap": FlexPrefillProblem(128, 128, "bfloat16", score_program=SOFTCAP),
@@ -107,19 +109,20 @@ def test_shared_memory_fits_and_matches_the_kernel_layout():
         assert config_error(cfg, problem) is None
         assert smem_bytes(problem, cfg) <= SMEM_BUDGET
         assert cfg.stages >= 2
-    assert default_config(FlexPrefillProblem(128, 128, "bfloat16")) == FlexPrefillConfig(128, 2)
+    assert default_config(FlexPrefillProblem(128, 128, "bfloat16")) == FlexPrefillConfig(128, 3)
+    assert default_config(FlexPrefillProblem(256, 256, "bfloat16")) == FlexPrefillConfig(64, 2)
     assert default_config(FlexPrefillProblem(64, 64, "bfloat16")).stages == 4
 
 
 def test_unsupported_problems_and_configs_are_named():
     assert "dtype float32" in unsupported_reason(128, 128, "float32")
-    assert "not supported by the prefill kernel yet" in unsupported_reason(256, 256, "bfloat16")
-    assert "not supported by the prefill kernel yet" in unsupported_reason(192, 128, "bfloat16")
+    assert unsupported_reason(256, 256, "bfloat16") is None and unsupported_reason(192, 128, "bfloat16") is None
+    assert "head dims 128/192" in unsupported_reason(128, 192, "bfloat16")  # O is staged in Q's buffer
     assert "head dims 96/96" in unsupported_reason(96, 96, "bfloat16")
     assert unsupported_reason(64, 64, "float16") is None
     p = FlexPrefillProblem(128, 128, "bfloat16")
     assert "stages must be at least 2" in config_error(FlexPrefillConfig(128, 1), p)
-    assert "shared memory" in config_error(FlexPrefillConfig(128, 3), p)
+    assert "shared memory" in config_error(FlexPrefillConfig(128, 4), p)
     assert "kv_block" in config_error(FlexPrefillConfig(24, 2), p)
     assert "not a multiple" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))
     assert "multiple of 128" in config_error(default_config(p), dataclasses.replace(p, sparse_q_block=64))

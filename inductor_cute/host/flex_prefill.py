@@ -106,7 +106,8 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     """Attention forward for prefill: softmax(scale * q k^T) v per query head.
 
     q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv), bf16 or fp16, Hq a multiple of
-    Hkv (query head h reads KV head h // (Hq // Hkv)); head dims 64/64 or 128/128. `scale`
+    Hkv (query head h reads KV head h // (Hq // Hkv)); head dims (qk/v) 64/64, 128/128, 192/128 or
+    256/256. `scale`
     defaults to 1/sqrt(Dqk). With `return_lse`, also returns the fp32 logsumexp (B, Hq, Lq) of the
     scaled scores in natural-log units, as torch's flex_attention returns it; a row with nothing
     to attend gets out 0 and lse -inf.

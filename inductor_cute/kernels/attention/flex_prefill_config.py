@@ -26,14 +26,14 @@ SMEM_BUDGET = SUPPORTED[(9, 0)].smem_per_block
 MAX_STAGES = 4
 
 # (head_dim_qk, head_dim_v) -> kv_block. Per consumer thread S takes kv_block / 2 fp32 registers,
-# P half as many, O head_dim_v / 2.
+# P a quarter (bf16 pairs), O head_dim_v / 2: 160 at 128/128, 176 at 256/256 with 64-key blocks.
+# Dv <= Dqk: O is staged in Q's shared memory.
 HEAD_DIMS = {
     (64, 64): 128,
     (128, 128): 128,
+    (192, 128): 128,  # DeepSeek MLA, not absorbed
+    (256, 256): 64,
 }
-# Head dims the kernel is meant to take next (they need Q/O sharing shared memory, or a
-# smaller KV block): named apart so the message says "not yet", not "never".
-LATER_HEAD_DIMS = ((256, 256), (192, 128))
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,12 @@ def _align(n: int, a: int) -> int:
 
 
 def smem_bytes(problem: FlexPrefillProblem, config: FlexPrefillConfig) -> int:
-    """Shared memory of one CTA: mbarriers (K/V ring and Q), Q, the K/V ring and the O staging
-    tile of the TMA store (each buffer 1 KB aligned)."""
+    """Shared memory of one CTA: mbarriers (K/V ring and Q), Q (whose buffer stages O for the
+    TMA store at the end: Dv <= Dqk) and the K/V ring, each buffer 1 KB aligned."""
     q = M_BLOCK * problem.head_dim_qk * 2
     k = config.stages * config.kv_block * problem.head_dim_qk * 2
     v = config.stages * config.kv_block * problem.head_dim_v * 2
-    o = M_BLOCK * problem.head_dim_v * 2
-    return _align(16 * config.stages + 16, 1024) + _align(q, 1024) + _align(k, 1024) + _align(v, 1024) + o
+    return _align(16 * config.stages + 16, 1024) + _align(q, 1024) + _align(k, 1024) + v
 
 
 def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str) -> str | None:
@@ -88,8 +87,6 @@ def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str) -> st
     supported."""
     if dtype_name not in DTYPES:
         return f"dtype {dtype_name} is not supported (use bfloat16 or float16)"
-    if (head_dim_qk, head_dim_v) in LATER_HEAD_DIMS:
-        return f"head dims {head_dim_qk}/{head_dim_v} (qk/v) are not supported by the prefill kernel yet"
     if (head_dim_qk, head_dim_v) not in HEAD_DIMS:
         dims = ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS)
         return f"head dims {head_dim_qk}/{head_dim_v} (qk/v) are not supported (supported: {dims})"
@@ -149,7 +146,7 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
 
 def default_config(problem: FlexPrefillProblem) -> FlexPrefillConfig:
     """The head dims' KV block and as many stages as shared memory holds, up to MAX_STAGES (a
-    prefill is compute bound: two or three stages cover the TMA latency)."""
+    prefill is compute bound: two or three stages cover the TMA latency; 128/128 gets 3)."""
     config = FlexPrefillConfig(HEAD_DIMS[(problem.head_dim_qk, problem.head_dim_v)], 2)
     while config.stages < MAX_STAGES and smem_bytes(problem, dataclasses.replace(config, stages=config.stages + 1)) \
             <= SMEM_BUDGET:

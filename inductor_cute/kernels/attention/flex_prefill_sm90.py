@@ -10,13 +10,14 @@ threads in three warp groups:
     (PipelineTmaAsync; K and V of a block share a stage and its mbarrier).
   * warp groups 1 and 2, the consumers, own 64 query rows each (one m64 WGMMA row tile). Per KV
     block j a consumer issues S_j = Q K_j^T (SS WGMMA) and O += P_{j-1} V_{j-1} (RS WGMMA: P
-    straight from registers, accumulator.py) back to back, waits, frees stage j - 1, then turns
-    S_j into P_j: score_mod / mask_mod on partial blocks (mask.py), keys past the end masked, the
-    online softmax in fp32 registers with exp2 (softmax.py). The two consumers take turns at
+    straight from registers, accumulator.py) back to back, waits for S_j only and turns it into
+    P_j while P_{j-1} V_{j-1} runs: score_mod / mask_mod on partial blocks (mask.py), keys past
+    the end masked, the online softmax in fp32 registers with exp2 (softmax.py); then it waits for
+    P_{j-1} V_{j-1}, frees stage j - 1 and rescales O. The two consumers also take turns at
     issuing their WGMMAs (named barriers, ping-pong), so one's softmax runs under the other's
     matmuls.
-  * the epilogue normalises O by the row sums, stages it in shared memory (stmatrix) and one
-    thread writes the 128 x Dv tile with a TMA store (rows past the query length are clipped by
+  * the epilogue normalises O by the row sums, stages it in Q's shared memory (stmatrix; Dv <=
+    Dqk) and one thread writes the 128 x Dv tile with a TMA store (rows past the query length are clipped by
     TMA); the logsumexp goes out per row in natural-log units (m + log2 l) * ln 2, as
     flex_attention returns it. Rows with nothing to attend get out 0 and lse -inf.
 
@@ -114,7 +115,6 @@ class FlexPrefillSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sO_layout)], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -130,6 +130,7 @@ class FlexPrefillSm90:
         assert self.shared_storage.size_in_bytes() == smem_bytes(self.problem, self.config)
         check_acc_layout(self.mma_qk, (M_BLOCK, self.kvb))
         check_acc_layout(self.mma_pv, (M_BLOCK, self.dv))
+        assert cute.cosize(self.sO_layout) <= cute.cosize(self.sQ_layout)  # O's staging tile reuses Q's buffer
         # TMA views with the contiguous dim where each operand's MMA wants it: Q, K and O as
         # (L, D, H, B) (K-major), V as (Dv, Lkv, Hkv, B) (MN-major B of O = P V)
         def rows_major(t):
@@ -182,7 +183,7 @@ class FlexPrefillSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # O is staged where Q was
         stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0))) + \
             cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMER_WARPGROUPS)  # one arrive per warp
@@ -351,6 +352,9 @@ class FlexPrefillSm90:
             row = m_block * M_BLOCK + tOcO[0][0] + 8 * h
             if row < q_len and tOcO[0][1] == 0:  # one thread of the row's quad
                 mLse[(b, head, row)] = lse2 * LN2
+        # Q's buffer becomes O's: every consumer must be past its last S = Q K^T
+        consumers = pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS, num_threads=self.consumer_threads)
+        consumers.arrive_and_wait()
         # the accumulator in stmatrix-shaped pieces (a layout-only atom), stored with the store op
         # the row-major staging layout wants
         atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
@@ -366,8 +370,7 @@ class FlexPrefillSm90:
         cute.copy(r2s, r_out, thr_r2s.partition_D(sO))
         # generic-proxy smem writes, read next by the TMA unit
         cute.arch.fence_proxy("async.shared", space="cta")
-        pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS,
-                              num_threads=self.consumer_threads).arrive_and_wait()
+        consumers.arrive_and_wait()
         if warp_idx == 4:
             gO = cute.local_tile(gO_full, (M_BLOCK, self.dv), (None, None, None, None))
             tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
