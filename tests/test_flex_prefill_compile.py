@@ -68,6 +68,18 @@ def test_ptxas_reports_no_spills_and_no_stack(compiled):
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
 
 
+def test_setmaxnreg_only_moves_the_launched_registers(compiled):
+    # 384 threads launch with 168 registers each; the consumers' increase waits for registers the
+    # producer gives back, so the two must balance exactly or the CTA hangs
+    from inductor_cute.kernels.attention.flex_prefill_sm90 import FlexPrefillSm90
+
+    assert "Used 168 registers" in compiled.ptxas_report
+    kernel = FlexPrefillSm90(FlexPrefillProblem(128, 128, "bfloat16"), FlexPrefillConfig(128, 3))
+    assert kernel.producer_regs * 128 + kernel.consumer_regs * 256 == 168 * 384
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{kernel.producer_regs};" in compiled.ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{kernel.consumer_regs};" in compiled.ptx
+
+
 def test_s_from_shared_memory_and_pv_with_p_from_registers(compiled):
     # SS WGMMA (both descriptors) for S = Q K^T, RS WGMMA ({A registers}) for O += P V, each
     # issued at two sites (the first block alone, then S_j with P_{j-1} V_{j-1})
