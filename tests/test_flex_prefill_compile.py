@@ -182,3 +182,87 @@ def test_flex_prefill_refuses_cpu_tensors_and_unsupported_head_dims():
     kv = torch.randn(1, 1, 256, 128, dtype=torch.bfloat16)
     with pytest.raises(UnsupportedError, match="^flex_prefill: tensors must be on a CUDA device, got cpu$"):
         flex_prefill(q, kv, kv)
+
+
+class KernelStandIn:
+    """Records the exported kernel's arguments in place of the compiled prefill kernel."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def host_on_cpu(monkeypatch):
+    """The eager entry on CPU tensors: the device check passes and the kernel is a stand-in."""
+    from inductor_cute.host import flex_prefill as fp
+
+    kernel = KernelStandIn()
+    specs = []
+    monkeypatch.setattr(fp, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(fp, "_flex_prefill_kernel", lambda *params: specs.append(params) or kernel)
+    return fp.flex_prefill, kernel, specs
+
+
+def test_host_passes_the_kernel_its_arguments(host_on_cpu):
+    import math
+
+    import torch
+
+    flex_prefill, kernel, specs = host_on_cpu
+    q, k, v = torch.randn(2, 8, 300, 128), torch.randn(2, 2, 500, 128), torch.randn(2, 2, 500, 128)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    num = torch.ones(1, 1, 3, dtype=torch.int64)
+    idx = torch.zeros(1, 1, 3, 4, dtype=torch.int64)
+    out, lse = flex_prefill(q, k, v, scale=0.5, mask_mod=CAUSAL, kv_num_blocks=num, kv_indices=idx,
+                            return_lse=True)
+    (args,) = kernel.calls
+    assert len(args) == 19 and out.shape == (2, 8, 300, 128) and lse.shape == (2, 8, 300)
+    assert args[3] is out and args[4] is lse
+    assert math.isclose(args[5], 0.5 / math.log(2)) and args[6] == 0.5
+    assert args[7:11] == (None,) * 4 and all(t is None for t in args[15:19])
+    bm = args[11:15]
+    assert all(t.dtype == torch.int32 and t.is_contiguous() for t in bm)
+    assert torch.equal(bm[2], torch.zeros(1, 1, 3, dtype=torch.int32))  # no full blocks: zero counts
+    assert specs == [(128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128)]
+    # strided (B, L, H, D) views go through as they are
+    qt = torch.randn(2, 300, 8, 128).bfloat16().transpose(1, 2)
+    flex_prefill(qt, k, v)
+    assert kernel.calls[-1][0].data_ptr() == qt.data_ptr() and kernel.calls[-1][0].stride() == qt.stride()
+
+
+def test_host_refuses_what_the_kernel_cannot_take(host_on_cpu):
+    import torch
+
+    from inductor_cute import UnsupportedError
+
+    flex_prefill, kernel, _ = host_on_cpu
+    q = torch.randn(1, 4, 300, 128).bfloat16()
+    num = torch.ones(1, 1, 3, dtype=torch.int32)
+    idx = torch.zeros(1, 1, 3, 4, dtype=torch.int32)
+    cases = [
+        (lambda: flex_prefill(q[..., :96], q[..., :96], q[..., :96]), "head dims 96/96"),
+        (lambda: flex_prefill(q, q[:, :3], q[:, :3]), "not a multiple of 3 KV heads"),
+        (lambda: flex_prefill(q, q, q, mask_tensors=(num.flatten(),)), "without a mask_mod"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num), "needs kv_num_blocks and kv_indices"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num[..., :2], kv_indices=idx[:, :, :2]), "do not cover 300"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num, kv_indices=idx, kv_block_size=64), "KV block 128"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num, kv_indices=idx, q_block_size=64), "query block size 64"),
+        (lambda: flex_prefill(q, q, q, mask_mod=SOFTCAP), "mask_mod: "),
+    ]
+    for call, message in cases:
+        with pytest.raises(UnsupportedError, match=message) as e:
+            call()
+        assert "\n" not in str(e.value) and str(e.value).startswith("flex_prefill: ")
+    assert not kernel.calls
+
+
+def test_host_answers_empty_problems_without_the_kernel(host_on_cpu):
+    import torch
+
+    flex_prefill, kernel, _ = host_on_cpu
+    q = torch.randn(1, 2, 5, 64).half()
+    out, lse = flex_prefill(q, q[:, :, :0], q[:, :, :0], return_lse=True)
+    assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all() and not kernel.calls
