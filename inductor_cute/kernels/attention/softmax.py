@@ -70,3 +70,35 @@ def softmax_finalize(row_max: cute.Tensor, row_sum: cute.Tensor, h):
         inv = 1.0 / total
         lse2 = row_max[h] + cute.math.log2(total, fastmath=True)
     return inv, lse2
+
+
+@cute.jit
+def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, correction: cute.Tensor):
+    """`online_softmax` without touching O, for a kernel whose P V WGMMA still accumulates into O:
+    acc_s becomes P, the row sums are rescaled, and correction[h] = 2^(m_old - m) is left for
+    `rescale_rows` once that WGMMA is done."""
+    n_s = cute.size(acc_s)
+    for h in cutlass.range_constexpr(2):
+        m = row_max[h]
+        for v in row_half(n_s, h):
+            m = cute.arch.fmax(m, acc_s[v])
+        m = cute.arch.warp_reduction(m, cute.arch.fmax, threads_in_group=4)
+        base = m
+        if m == NEG_INF:
+            base = Float32(0.0)
+        correction[h] = cute.math.exp2(row_max[h] - base, fastmath=True)
+        row_max[h] = m
+        part = row_sum[h] * correction[h]
+        for v in row_half(n_s, h):
+            p = cute.math.exp2(acc_s[v] - base, fastmath=True)
+            acc_s[v] = p
+            part += p
+        row_sum[h] = part
+
+
+@cute.jit
+def rescale_rows(acc_o: cute.Tensor, correction: cute.Tensor):
+    """acc_o's rows times correction[h] (from `online_softmax_scores`)."""
+    for h in cutlass.range_constexpr(2):
+        for v in row_half(cute.size(acc_o), h):
+            acc_o[v] = acc_o[v] * correction[h]

@@ -13,6 +13,9 @@ GEMM_EPILOGUE = 1  # .. 1 + slot
 GEMM_TURN = 3  # .. 6
 # Attention: all consumer warp groups of a CTA (softmax statistics shared through shared memory).
 ATTENTION_CONSUMERS = 1
+# Attention prefill: two consumer warp groups take turns at the tensor cores (ping-pong): warp
+# group `slot` syncs on id ATTENTION_TURN + slot, the other arrives when it hands the turn over.
+ATTENTION_TURN = 2  # .. 3
 MAX_ID = 15
 
 
@@ -22,3 +25,7 @@ def gemm_epilogue(slot):
 
 def gemm_turn(phase, slot):
     return GEMM_TURN + 2 * phase + slot
+
+
+def attention_turn(slot):
+    return ATTENTION_TURN + slot

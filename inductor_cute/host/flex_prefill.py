@@ -1,0 +1,167 @@
+"""Eager flex attention prefill (forward) with score/mask programs and block masks.
+
+Not yet re-exported by `ops` nor used by the flex lowering: the kernel has not run on a GPU yet
+(tests/gpu/test_flex_prefill_gpu.py is its first check).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import UnsupportedError
+from ..kernels.common.units import LOG2E
+from ..runtime import get_kernel
+from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda
+from .flex import _unit_stride
+
+NAME = "flex_prefill"
+MAX_TILES = 2**31 - 1  # the kernel's 1-D grid
+
+
+@functools.lru_cache(maxsize=256)
+def _flex_prefill_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, score_program: str,
+                         score_dtypes: tuple[str, ...], mask_program: str, mask_dtypes: tuple[str, ...],
+                         sparse_block: int, sparse_q_block: int):
+    from ..kernels.attention.flex_prefill_config import FlexPrefillProblem, spec
+
+    return get_kernel(spec(FlexPrefillProblem(head_dim_qk, head_dim_v, dtype_name, score_program, score_dtypes,
+                                              mask_program, mask_dtypes, sparse_block, sparse_q_block)))
+
+
+def _program_operands(program: str | None, tensors, device, kind: str) -> tuple[str, tuple[str, ...], list]:
+    """(canonical program text or "", captured tensors' dtype names, the kernel's four captured-
+    tensor slots) of a score (`kind` "score") or mask ("mask") program."""
+    from ..kernels.common.programs import score as sp
+
+    if program is None:
+        if tensors:
+            raise UnsupportedError(f"{NAME}: {kind}_tensors were given without a {kind}_mod")
+        return "", (), [None] * sp.MAX_TENSORS
+    if not isinstance(program, str):
+        raise UnsupportedError(f"{NAME}: {kind}_mod must be a {kind} program's text (kernels.score_program)")
+    tensors = list(tensors)
+    if len(tensors) > sp.MAX_TENSORS:
+        raise UnsupportedError(f"{NAME}: at most {sp.MAX_TENSORS} {kind} tensors, got {len(tensors)}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.device != device:
+            raise UnsupportedError(f"{NAME}: {kind} tensor t{i} must be a 1-D tensor on {device}")
+    dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
+    try:
+        text = sp.canonical(program, dtypes, mask=kind == "mask")
+    except ValueError as e:
+        raise UnsupportedError(f"{NAME}: {kind}_mod: {e}") from None
+    return text, dtypes, [_unit_stride(t) for t in tensors] + [None] * (sp.MAX_TENSORS - len(tensors))
+
+
+def _block_mask_operands(block_mask: tuple, batch: int, heads: int, q_len: int, kv_block_size: int,
+                         q_block_size: int, kv_block: int, device) -> list:
+    """The kernel's four block-mask arguments (int32, contiguous; without full blocks, zero counts
+    over kv_indices) from (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)."""
+    from ..kernels.attention.flex_prefill_config import sparse_block_reason
+
+    num, idx, full_num, full_idx = block_mask
+    if num is None or idx is None or (full_num is None) != (full_idx is None):
+        raise UnsupportedError(f"{NAME}: a block mask needs kv_num_blocks and kv_indices, and full_kv_num_blocks "
+                               "and full_kv_indices together or not at all")
+    if full_num is None:
+        full_num, full_idx = torch.zeros_like(num), idx
+    for name, t, dim in (("kv_num_blocks", num, 3), ("kv_indices", idx, 4), ("full_kv_num_blocks", full_num, 3),
+                         ("full_kv_indices", full_idx, 4)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.device != device or \
+                t.dtype not in (torch.int32, torch.int64) or t.shape[:3] != num.shape or 0 in t.shape:
+            raise UnsupportedError(f"{NAME}: {name} must be a non-empty {dim}-D int32 tensor on {device} "
+                                   f"sharing kv_num_blocks' (batch, heads, query blocks) dims")
+    problem = sparse_block_reason(kv_block_size, q_block_size, kv_block)
+    if problem:
+        raise UnsupportedError(f"{NAME}: {problem}")
+    z, h, q_blocks = num.shape
+    if z not in (1, batch) or h not in (1, heads):
+        raise UnsupportedError(f"{NAME}: the block mask has (batch, heads) ({z}, {h}); expected 1 or ({batch}, "
+                               f"{heads}) each")
+    if q_blocks * q_block_size < q_len:
+        raise UnsupportedError(f"{NAME}: the block mask's {q_blocks} query blocks of {q_block_size} do not cover "
+                               f"{q_len} queries")
+    return [t.to(torch.int32).contiguous() for t in (num, idx, full_num, full_idx)]
+
+
+def _operand(t: torch.Tensor) -> torch.Tensor:
+    """`t` (4-D) as TMA needs it: unit last stride, other strides multiples of 8 elements, a
+    16-byte aligned start (modes of extent 1 get a packed stride); else a contiguous copy."""
+    sizes, strides = list(t.shape), list(t.stride())
+    if strides[3] == 1:
+        packed = -(-max(sz * st for sz, st in zip(sizes, strides)) // 8) * 8
+        strides[:3] = [packed if sz == 1 else st for sz, st in zip(sizes[:3], strides[:3])]
+        if t.data_ptr() % ALIGN_BYTES == 0 and all(st % 8 == 0 and st > 0 for st in strides[:3]):
+            return t.as_strided(sizes, strides)
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                 score_mod: str | None = None, score_tensors=(), mask_mod: str | None = None, mask_tensors=(),
+                 kv_num_blocks: torch.Tensor | None = None, kv_indices: torch.Tensor | None = None,
+                 full_kv_num_blocks: torch.Tensor | None = None, full_kv_indices: torch.Tensor | None = None,
+                 kv_block_size: int = 128, q_block_size: int = 128, return_lse: bool = False):
+    """Attention forward for prefill: softmax(scale * q k^T) v per query head.
+
+    q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv), bf16 or fp16, Hq a multiple of
+    Hkv (query head h reads KV head h // (Hq // Hkv)); head dims (qk/v) 64/64, 128/128, 192/128 or
+    256/256. `scale`
+    defaults to 1/sqrt(Dqk). With `return_lse`, also returns the fp32 logsumexp (B, Hq, Lq) of the
+    scaled scores in natural-log units, as torch's flex_attention returns it; a row with nothing
+    to attend gets out 0 and lse -inf.
+    `score_mod` / `mask_mod` are score and mask programs' texts (kernels.score_program) reading
+    `score_tensors` / `mask_tensors` (1-D, on q's device) as t0, t1, ...
+    A BlockMask's tensors (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices; (Z, H,
+    Qb[, C]) as torch builds them, Z in (1, B), H in (1, Hq)) restrict each query block's keys to
+    its blocks; the mask program runs on the partial blocks only (on all keys without block
+    tensors). kv_block_size must be a multiple of 128 and q_block_size of 128. Causal attention is
+    a block mask with a causal mask program.
+    """
+    from ..kernels.attention import flex_prefill_config as fpc
+
+    check_cuda(NAME, q, k, v)
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise UnsupportedError(f"{NAME}: q, k and v must all be bfloat16 or float16, got {q.dtype}, {k.dtype} and "
+                               f"{v.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise UnsupportedError(f"{NAME}: expected 4-D q, k, v (batch, heads, length, dim), got {q.dim()}-D, "
+                               f"{k.dim()}-D and {v.dim()}-D")
+    batch, heads, q_len, dqk = q.shape
+    kv_heads, seq = k.shape[1], k.shape[2]
+    dv = v.shape[3]
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise UnsupportedError(f"{NAME}: batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[3] != dqk or v.shape[1] != kv_heads or v.shape[2] != seq:
+        raise UnsupportedError(f"{NAME}: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
+                               "match")
+    if kv_heads == 0 or heads % kv_heads:
+        raise UnsupportedError(f"{NAME}: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    problem = fpc.unsupported_reason(dqk, dv, DTYPE_NAMES[q.dtype])
+    if problem:
+        raise UnsupportedError(f"{NAME}: {problem}")
+    if fpc.m_blocks(q_len) * heads * batch > MAX_TILES:
+        raise UnsupportedError(f"{NAME}: {fpc.m_blocks(q_len) * heads * batch} tiles exceed the grid limit")
+    program, score_dtypes, score_slots = _program_operands(score_mod, score_tensors, q.device, "score")
+    mask_program, mask_dtypes, mask_slots = _program_operands(mask_mod, mask_tensors, q.device, "mask")
+    kv_block = fpc.HEAD_DIMS[(dqk, dv)]
+    block_mask = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    sparse_block, sparse_q_block, block_slots = 0, fpc.M_BLOCK, [None] * 4
+    if any(t is not None for t in block_mask):
+        block_slots = _block_mask_operands(block_mask, batch, heads, q_len, kv_block_size, q_block_size, kv_block,
+                                           q.device)
+        sparse_block, sparse_q_block = kv_block_size, q_block_size
+
+    out = torch.empty(batch, heads, q_len, dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)
+    if out.numel() == 0 or seq == 0:  # nothing to attend to: flex_attention's empty rows
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
+    kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program, mask_dtypes,
+                                  sparse_block, sparse_q_block)
+    scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
+    kernel(_operand(q), _operand(k), _operand(v), out, lse, scale * LOG2E, scale, *score_slots, *block_slots,
+           *mask_slots)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,194 @@
+"""Attention prefill forward (FlexAttention prefill) on Hopper: the problem, the compile-time
+configuration and its limits. Plain Python, usable without the CuTe DSL.
+
+One CTA owns M_BLOCK = 128 query rows of one (batch, query head): two consumer warp groups of 64
+rows each take turns at the tensor cores (ping-pong), one producer warp streams Q once and K/V
+blocks through a `stages`-deep TMA ring. The GQA ratio stays a run-time value (query head h reads
+KV head h // (Hq // Hkv)), so one compiled kernel serves every ratio.
+
+The family's protocol, as for flex decode: a FlexPrefillProblem says what is computed, a
+FlexPrefillConfig how; `unsupported_reason` names a problem the kernel cannot take,
+`default_config` picks a configuration, `config_error` checks one, and `spec` makes the
+KernelSpec (`from_params` reads it back in the kernel module's build).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ...runtime.arch import SUPPORTED
+
+DTYPES = ("bfloat16", "float16")
+M_BLOCK = 128  # query rows per CTA: two consumer warp groups of one m64 WGMMA each
+CONSUMER_WARPGROUPS = 2
+SMEM_BUDGET = SUPPORTED[(9, 0)].smem_per_block
+MAX_STAGES = 4
+
+# (head_dim_qk, head_dim_v) -> kv_block. Per consumer thread S takes kv_block / 2 fp32 registers,
+# P a quarter (bf16 pairs), O head_dim_v / 2: 160 at 128/128, 176 at 256/256 with 64-key blocks.
+# Dv <= Dqk: O is staged in Q's shared memory.
+HEAD_DIMS = {
+    (64, 64): 128,
+    (128, 128): 128,
+    (192, 128): 128,  # DeepSeek MLA, not absorbed
+    (256, 256): 64,
+}
+
+
+@dataclass(frozen=True)
+class FlexPrefillProblem:
+    """What a compiled prefill kernel computes; batch, heads, lengths and the GQA ratio stay dynamic."""
+
+    head_dim_qk: int
+    head_dim_v: int
+    dtype_name: str
+    score_program: str = ""  # a score program's text (the score_mod, programs/score.py); "" for none
+    score_dtypes: tuple[str, ...] = ()  # dtype names of the program's captured tensors t0, t1, ...
+    mask_program: str = ""  # a mask program's text (the mask_mod); "" for none
+    mask_dtypes: tuple[str, ...] = ()  # dtype names of the mask program's captured tensors
+    sparse_block: int = 0  # a BlockMask's KV block size (a multiple of kv_block); 0: no block mask
+    sparse_q_block: int = 128  # the BlockMask's query block size (a multiple of M_BLOCK)
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FlexPrefillConfig:
+    """How the prefill kernel runs a problem: its tuning knobs."""
+
+    kv_block: int  # keys per pipeline stage (S = Q K^T is M_BLOCK x kv_block)
+    stages: int  # depth of the K/V TMA ring
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + CONSUMER_WARPGROUPS)  # one producer warp group + consumers
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def smem_bytes(problem: FlexPrefillProblem, config: FlexPrefillConfig) -> int:
+    """Shared memory of one CTA: mbarriers (K/V ring and Q), Q (whose buffer stages O for the
+    TMA store at the end: Dv <= Dqk) and the K/V ring, each buffer 1 KB aligned."""
+    q = M_BLOCK * problem.head_dim_qk * 2
+    k = config.stages * config.kv_block * problem.head_dim_qk * 2
+    v = config.stages * config.kv_block * problem.head_dim_v * 2
+    return _align(16 * config.stages + 16, 1024) + _align(q, 1024) + _align(k, 1024) + v
+
+
+def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str) -> str | None:
+    """Why a problem of these sizes has no prefill kernel, in one line for the user; None when
+    supported."""
+    if dtype_name not in DTYPES:
+        return f"dtype {dtype_name} is not supported (use bfloat16 or float16)"
+    if (head_dim_qk, head_dim_v) not in HEAD_DIMS:
+        dims = ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS)
+        return f"head dims {head_dim_qk}/{head_dim_v} (qk/v) are not supported (supported: {dims})"
+    return None
+
+
+def sparse_block_reason(kv_block_size: int, q_block_size: int, kv_block: int) -> str | None:
+    """Why the kernel cannot walk a BlockMask of these block sizes; None when it can. A CTA's
+    M_BLOCK rows must lie in one mask query block, and a mask KV block must be whole stages."""
+    if kv_block_size <= 0 or kv_block_size % kv_block:
+        return f"block mask KV block size {kv_block_size} is not a multiple of the kernel's KV block {kv_block}"
+    if q_block_size <= 0 or q_block_size % M_BLOCK:
+        return f"block mask query block size {q_block_size} is not a multiple of the kernel's {M_BLOCK} query rows"
+    return None
+
+
+def problem_error(p: FlexPrefillProblem) -> str | None:
+    """Why a problem cannot be compiled (sizes, or programs not in canonical form); None if it can."""
+    problem = unsupported_reason(p.head_dim_qk, p.head_dim_v, p.dtype_name)
+    if problem:
+        return problem
+    if p.sparse_block < 0:
+        return f"block mask KV block size {p.sparse_block} is negative"
+    if p.sparse_q_block <= 0 or p.sparse_q_block % M_BLOCK:
+        return f"block mask query block size {p.sparse_q_block} is not a multiple of {M_BLOCK}"
+    from ..common.programs.score import canonical
+
+    for kind, text, dtypes in (("score", p.score_program, p.score_dtypes),
+                               ("mask", p.mask_program, p.mask_dtypes)):
+        if not (text or dtypes):
+            continue
+        try:
+            if canonical(text, dtypes, mask=kind == "mask") != text:
+                return f"{kind}_program must be in canonical form (score_program.canonical)"
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str | None:
+    """Why `config` cannot compile `problem` (the problem's own errors first); None when it can."""
+    error = problem_error(problem)
+    if error:
+        return error
+    if config.kv_block % 16 or not 16 <= config.kv_block <= 256:
+        return f"kv_block {config.kv_block} must be a multiple of 16 in 16..256 (WGMMA N and K)"
+    if config.stages < 2:
+        # the consumers hold stage j - 1 (V for P V) while S of stage j is computed
+        return "stages must be at least 2"
+    if smem_bytes(problem, config) > SMEM_BUDGET:
+        return f"{smem_bytes(problem, config)} bytes of shared memory exceed the {SMEM_BUDGET} available"
+    if problem.sparse_block % config.kv_block:
+        return (f"block mask KV block size {problem.sparse_block} is not a multiple of the kernel's KV block "
+                f"{config.kv_block}")
+    return None
+
+
+def default_config(problem: FlexPrefillProblem) -> FlexPrefillConfig:
+    """The head dims' KV block and as many stages as shared memory holds, up to MAX_STAGES (a
+    prefill is compute bound: two or three stages cover the TMA latency; 128/128 gets 3)."""
+    config = FlexPrefillConfig(HEAD_DIMS[(problem.head_dim_qk, problem.head_dim_v)], 2)
+    while config.stages < MAX_STAGES and smem_bytes(problem, dataclasses.replace(config, stages=config.stages + 1)) \
+            <= SMEM_BUDGET:
+        config = dataclasses.replace(config, stages=config.stages + 1)
+    return config
+
+
+def m_blocks(q_len: int) -> int:
+    return -(-q_len // M_BLOCK)
+
+
+def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim_qk: int, head_dim_v: int,
+                    causal: bool = False) -> float:
+    """Matmul flops of a forward pass (2 per multiply-add, S = Q K^T and O = P V); causal halves them."""
+    flops = 2.0 * batch * heads * q_len * kv_len * (head_dim_qk + head_dim_v)
+    return flops / 2 if causal else flops
+
+
+KERNEL_MODULE = "inductor_cute.kernels.attention.flex_prefill_sm90"
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(FlexPrefillProblem))
+
+
+def spec(problem: FlexPrefillProblem, config: FlexPrefillConfig | None = None):
+    """The KernelSpec of the prefill kernel: `config`, or the default one; programs in canonical
+    form (programs/score.py canonical)."""
+    from ...runtime.spec import KernelSpec
+
+    error = problem_error(problem)
+    if error:
+        raise ValueError(error)
+    config = config or default_config(problem)
+    error = config_error(config, problem)
+    if error:
+        raise ValueError(error)
+    return KernelSpec.make(KERNEL_MODULE, **problem.as_params(), **config.as_params())
+
+
+def from_params(params: dict) -> tuple[FlexPrefillProblem, FlexPrefillConfig]:
+    """The (problem, config) of a spec's parameters: the inverse of `spec`."""
+    problem = {k: v for k, v in params.items() if k in _PROBLEM_FIELDS}
+    for k in ("score_dtypes", "mask_dtypes"):
+        if k in problem:
+            problem[k] = tuple(problem[k])
+    config = {k: v for k, v in params.items() if k not in _PROBLEM_FIELDS}
+    return FlexPrefillProblem(**problem), FlexPrefillConfig(**config)

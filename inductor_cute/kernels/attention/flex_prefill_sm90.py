@@ -1,0 +1,418 @@
+"""Attention prefill forward for Hopper (sm_90a) in CuTe DSL: the FlexAttention prefill path.
+
+    out[b, h, i] = softmax(scale * q[b, h, i] . k[b, h // G]^T) v[b, h // G]     (G = Hq // Hkv)
+
+One CTA per (128 query rows, query head, batch), numbered longest-first (tile_order.py). 384
+threads in three warp groups:
+
+  * warp group 0, the producer, gives registers back (setmaxnreg) and one warp issues TMA loads:
+    the CTA's Q tile once, then (K, V) of each KV block into a `stages`-deep ring
+    (PipelineTmaAsync; K and V of a block share a stage and its mbarrier).
+  * warp groups 1 and 2, the consumers, own 64 query rows each (one m64 WGMMA row tile). Per KV
+    block j a consumer issues S_j = Q K_j^T (SS WGMMA) and O += P_{j-1} V_{j-1} (RS WGMMA: P
+    straight from registers, accumulator.py) back to back, waits for S_j only and turns it into
+    P_j while P_{j-1} V_{j-1} runs: score_mod / mask_mod on partial blocks (mask.py), keys past
+    the end masked, the online softmax in fp32 registers with exp2 (softmax.py); then it waits for
+    P_{j-1} V_{j-1}, frees stage j - 1 and rescales O. The two consumers also take turns at
+    issuing their WGMMAs (named barriers, ping-pong), so one's softmax runs under the other's
+    matmuls.
+  * the epilogue normalises O by the row sums, stages it in Q's shared memory (stmatrix; Dv <=
+    Dqk) and one thread writes the 128 x Dv tile with a TMA store (rows past the query length are clipped by
+    TMA); the logsumexp goes out per row in natural-log units (m + log2 l) * ln 2, as
+    flex_attention returns it. Rows with nothing to attend get out 0 and lse -inf.
+
+A block mask (sparse_block > 0; block_sparse.py): the CTA walks kv_indices[z, hm, r,
+:kv_num_blocks] then full_kv_indices[z, hm, r, :full_kv_num_blocks] (z = b % Z, hm = h % H, r the
+mask query block of the CTA's rows), each mask block cut into sparse_block / kv_block kernel
+blocks; the mask program runs on partial blocks only. Without a block mask every KV block is
+walked and is partial. Causal attention is a block mask (with a mask program for the diagonal).
+
+Tensor conventions (torch order, last dim contiguous, 16-byte aligned, other strides multiples
+of 8 elements):
+    q (B, Hq, Lq, Dqk)   k (B, Hkv, Lkv, Dqk)   v (B, Hkv, Lkv, Dv)
+    out (B, Hq, Lq, Dv) in q's dtype and lse (B, Hq, Lq) fp32, both contiguous
+    t0..t3, m0..m3: the score and mask programs' captured tensors (contiguous 1-D), None past
+    their count; kv_num_blocks, full_kv_num_blocks (Z, H, Qb) and kv_indices, full_kv_indices
+    (Z, H, Qb, C), int32: the block mask (None without one)
+Exported entry: kernel(q, k, v, out, lse, scale_log2, scale, t0, t1, t2, t3, kv_num_blocks,
+kv_indices, full_kv_num_blocks, full_kv_indices, m0, m1, m2, m3); scale_log2 = scale * log2(e) is
+used without a score program, scale with one.
+"""
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common import barriers
+from ..common.programs.score import MAX_TENSORS
+from ..common.units import LN2
+from .accumulator import acc_as_operand_a, check_acc_layout, row_half
+from .block_sparse import BlockSparse
+from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfig, FlexPrefillProblem, config_error,
+                                  from_params, smem_bytes)
+from .mask import ScoreMods, mask_past_end
+from .pack_gqa import PackGQA
+from .softmax import online_softmax_scores, rescale_rows, softmax_finalize, softmax_state
+from .tile_order import LongestFirst
+
+CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+SCORE_TENSOR_DTYPES = {"float32": Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+                       "int32": Int32}
+
+
+class FlexPrefillSm90:
+    def __init__(self, problem: FlexPrefillProblem, config: FlexPrefillConfig):
+        self.problem, self.config = problem, config
+        self.dtype = CUTE_DTYPES[problem.dtype_name]
+        self.dqk, self.dv, self.kvb = problem.head_dim_qk, problem.head_dim_v, config.kv_block
+        self.consumer_threads = 128 * CONSUMER_WARPGROUPS
+        # The CTA launches with 168 registers per thread (64512 for 384 threads) and setmaxnreg
+        # only moves them between warp groups: 24 * 128 + 240 * 256 = 64512, or the consumers'
+        # increase would wait for registers nobody gives back.
+        self.producer_regs = 24
+        self.consumer_regs = 240
+        # rows are not packed: a tile's rows are query positions of one head (group 1)
+        self.mods = ScoreMods(problem.score_program, problem.score_dtypes, problem.mask_program, problem.mask_dtypes,
+                              self.kvb, PackGQA(1))
+        self.blocks = BlockSparse(problem.sparse_block, self.kvb)
+
+    # Each consumer warp group owns 64 of the 128 rows. _qk and _pv make their own MMA objects:
+    # setting the accumulate flag on one the kernel holds would make it a value carried through
+    # the main loop, which the DSL cannot thread out of the loop's nested regions.
+    def _make_mma_qk(self):
+        k_major = cute.nvgpu.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, k_major, k_major, Float32,
+                                                 (CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.kvb))
+
+    def _make_mma_pv(self):
+        # P is the A operand straight from registers; V is MN-major
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+                                                 cute.nvgpu.OperandMajorMode.MN, Float32, (CONSUMER_WARPGROUPS, 1, 1),
+                                                 tiler_mn=(64, self.dv), a_source=warpgroup.OperandSource.RMEM)
+
+    def _setup(self):
+        dt, st = self.dtype, self.config.stages
+        self.mma_qk, self.mma_pv = self._make_mma_qk(), self._make_mma_pv()
+        self.sQ_layout = cute.slice_(sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (M_BLOCK, self.kvb, self.dqk), dt, 1), (None, None, 0))
+        self.sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (M_BLOCK, self.kvb, self.dqk), dt, st)
+        self.sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (M_BLOCK, self.dv, self.kvb), dt, st)
+        self.sO_layout = cute.slice_(sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (M_BLOCK, self.dv), 1),
+                                     (None, None, 0))
+
+        @cute.struct
+        class SharedStorage:
+            kv_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            q_bars: cute.struct.MemRange[cutlass.Int64, 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor,
+                 scale_log2: Float32, scale: Float32, mT0: Optional[cute.Tensor], mT1: Optional[cute.Tensor],
+                 mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor], mKvNum: Optional[cute.Tensor],
+                 mKvIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor], mFullIdx: Optional[cute.Tensor],
+                 mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor], mM2: Optional[cute.Tensor],
+                 mM3: Optional[cute.Tensor], stream: cuda.CUstream):
+        self._setup()
+        # config_error budgets with smem_bytes
+        assert self.shared_storage.size_in_bytes() == smem_bytes(self.problem, self.config)
+        check_acc_layout(self.mma_qk, (M_BLOCK, self.kvb))
+        check_acc_layout(self.mma_pv, (M_BLOCK, self.dv))
+        assert cute.cosize(self.sO_layout) <= cute.cosize(self.sQ_layout)  # O's staging tile reuses Q's buffer
+        # TMA views with the contiguous dim where each operand's MMA wants it: Q, K and O as
+        # (L, D, H, B) (K-major), V as (Dv, Lkv, Hkv, B) (MN-major B of O = P V)
+        def rows_major(t):
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+
+        mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 2, 1, 0]))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, gQ = cpasync.make_tiled_tma_atom(g2s, rows_major(mQ), self.sQ_layout, (M_BLOCK, self.dqk))
+        tma_k, gK = cpasync.make_tiled_tma_atom(g2s, rows_major(mK), cute.slice_(self.sK_layout, (None, None, 0)),
+                                                (self.kvb, self.dqk))
+        tma_v, gV = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.slice_(self.sV_layout, (None, None, 0)),
+                                                (self.dv, self.kvb))
+        tma_o, gO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), rows_major(mOut), self.sO_layout,
+                                                (M_BLOCK, self.dv))
+        tiles = LongestFirst(cute.ceil_div(mQ.shape[2], M_BLOCK), mQ.shape[1], mQ.shape[0])
+        self.kernel(tma_q, gQ, tma_k, gK, tma_v, gV, tma_o, gO, mLse, scale_log2, scale, mT0, mT1, mT2, mT3,
+                    mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.mma_qk, self.mma_pv,
+                    self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout
+                    ).launch(grid=[tiles.count(), 1, 1], block=[self.config.threads, 1, 1], min_blocks_per_mp=1,
+                             stream=stream)
+
+    @staticmethod
+    def _turn(slot) -> pipeline.NamedBarrier:
+        """Consumer `slot`'s turn at the tensor cores: it syncs on it, the other arrives to hand over."""
+        return pipeline.NamedBarrier(barrier_id=barriers.attention_turn(slot), num_threads=256)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, gQ_full: cute.Tensor, tma_k: cute.CopyAtom, gK_full: cute.Tensor,
+               tma_v: cute.CopyAtom, gV_full: cute.Tensor, tma_o: cute.CopyAtom, gO_full: cute.Tensor,
+               mLse: cute.Tensor, scale_log2: Float32, scale: Float32, mT0: Optional[cute.Tensor],
+               mT1: Optional[cute.Tensor], mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor],
+               mKvNum: Optional[cute.Tensor], mKvIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor],
+               mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor],
+               mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sO_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_idx, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        q_len, heads, batch = gQ_full.shape[0], gQ_full.shape[2], gQ_full.shape[3]
+        seq_len, kv_heads = gK_full.shape[0], gK_full.shape[2]
+        m_block, head, b = LongestFirst(cute.ceil_div(q_len, M_BLOCK), heads, batch).coord(tile_idx)
+        hkv = head // (heads // kv_heads)
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # O is staged where Q was
+        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0))) + \
+            cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMER_WARPGROUPS)  # one arrive per warp
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.kv_bars.data_ptr(), num_stages=self.config.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        q_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_bars.data_ptr(), num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
+            tx_count=cute.size_in_bytes(self.dtype, sQ_layout), cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+
+        # The CTA's KV blocks: the whole sequence, or the block mask's partial then full blocks of
+        # the mask query block that holds the CTA's rows.
+        n_blocks = cute.ceil_div(seq_len, self.kvb)
+        n_partial = Int32(0)
+        zm, hm, r = b, head, m_block * M_BLOCK // self.problem.sparse_q_block
+        if const_expr(self.blocks.enabled):
+            zm, hm = self.blocks.mask_row(mKvNum, b, head)
+            n_partial, n_blocks = self.blocks.count(mKvNum, mFullNum, zm, hm, r)
+        cute.arch.sync_threads()
+
+        # ================================================================ producer
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                gQ = cute.local_tile(gQ_full, (M_BLOCK, self.dqk), (None, None, None, None))
+                gK = cute.local_tile(gK_full, (self.kvb, self.dqk), (None, None, None, None))
+                gV = cute.local_tile(gV_full, (self.dv, self.kvb), (None, None, None, None))
+                tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                   cute.group_modes(gQ, 0, 2))
+                tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                   cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                   cute.group_modes(gV, 0, 2))
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                q_pipe.producer_acquire(q_state)
+                cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.stages)
+                for j in range(n_blocks):
+                    blk, _ = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                    kv_pipe.producer_acquire(state)
+                    bar = kv_pipe.producer_get_barrier(state)
+                    cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b)], tKsK[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b)], tVsV[(None, state.index)], tma_bar_ptr=bar)
+                    kv_pipe.producer_commit(state)
+                    state.advance()
+
+        # ================================================================ consumers
+        if wg_idx > 0:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            slot = wg_idx - 1
+            ctid = tidx - 128  # thread index among the consumers: slot s owns rows 64 s .. 64 s + 63
+            row0 = m_block * M_BLOCK
+            thr_qk = mma_qk.get_slice(ctid)
+            thr_pv = mma_pv.get_slice(ctid)
+            tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+            tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
+            tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sV))
+            tScS = thr_qk.partition_C(cute.make_identity_tensor((M_BLOCK, self.kvb)))
+            tOcO = thr_pv.partition_C(cute.make_identity_tensor((M_BLOCK, self.dv)))
+            acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
+            acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
+            acc_o.fill(0.0)
+            r_p = cute.make_rmem_tensor(tScS.shape, self.dtype)
+            tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(acc_s.layout))
+            row_max, row_sum = softmax_state()
+            correction = cute.make_rmem_tensor((2,), Float32)  # per row half: 2^(m_old - m) for O
+            score_tensors, mask_tensors = (mT0, mT1, mT2, mT3), (mM0, mM1, mM2, mM3)
+
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_pipe.consumer_wait(q_state)
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
+            # Turns: n_blocks + 1 per consumer (S_0; S_j with P_{j-1} V_{j-1}; P_last V_last), slot 0
+            # first. Slot 1 opens slot 0's first turn and hands over only turns slot 0 still
+            # takes, so no arrive is left pending when the CTA exits.
+            if n_blocks > 0:
+                if slot == 1:
+                    self._turn(0).arrive()
+                # ---- block 0: S_0 alone
+                self._turn(slot).arrive_and_wait()
+                kv_pipe.consumer_wait(read)
+                self._qk(acc_s, tSrQ, tSrK, read.index)
+                warpgroup.commit_group()
+                self._turn(1 - slot).arrive()
+                warpgroup.wait_group(0)
+                blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
+                             score_tensors, mask_tensors)
+                online_softmax_scores(acc_s, row_max, row_sum, correction)  # O is still 0: no rescale
+                r_p.store(acc_s.load().to(self.dtype))
+                read.advance()
+                # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
+                # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
+                for j in range(1, n_blocks):
+                    self._turn(slot).arrive_and_wait()
+                    kv_pipe.consumer_wait(read)
+                    self._qk(acc_s, tSrQ, tSrK, read.index)
+                    warpgroup.commit_group()
+                    self._pv(acc_o, tOrP, tOrV, release.index)
+                    warpgroup.commit_group()
+                    self._turn(1 - slot).arrive()
+                    warpgroup.wait_group(1)  # S_j
+                    blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                    self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
+                                 score_tensors, mask_tensors)
+                    online_softmax_scores(acc_s, row_max, row_sum, correction)
+                    warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
+                    kv_pipe.consumer_release(release)
+                    release.advance()
+                    rescale_rows(acc_o, correction)
+                    r_p.store(acc_s.load().to(self.dtype))
+                    read.advance()
+                # ---- the last block's P V
+                self._turn(slot).arrive_and_wait()
+                self._pv(acc_o, tOrP, tOrV, release.index)
+                warpgroup.commit_group()
+                if slot == 0:
+                    self._turn(1).arrive()
+                warpgroup.wait_group(0)
+                kv_pipe.consumer_release(release)
+            self._epilogue(acc_o, tOcO, row_max, row_sum, mma_pv, sO, tma_o, gO_full, mLse, ctid, warp_idx,
+                           m_block, head, b, q_len)
+
+    # _qk and _pv are traced inline (not @cute.jit): the MMA's accumulate flag they set must stay
+    # a value of the caller's loop body
+    def _qk(self, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: Int32):
+        """Issue S = Q K^T of the K block in ring stage `stage` (not committed)."""
+        mma = self._make_mma_qk()
+        warpgroup.fence()
+        for kb in range(cute.size(tSrQ, mode=[2])):  # unrolled at trace time
+            mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(mma, acc_s, tSrQ[(None, None, kb)], tSrK[(None, None, kb, stage)], acc_s)
+
+    def _pv(self, acc_o: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
+        """Issue O += P V of the V block in ring stage `stage`, P from registers (not committed)."""
+        mma = self._make_mma_pv()
+        warpgroup.fence()
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        for kb in range(cute.size(tOrP, mode=[2])):
+            cute.gemm(mma, acc_o, tOrP[(None, None, kb)], tOrV[(None, None, kb, stage)], acc_o)
+
+    @cute.jit
+    def _scores(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, scale: Float32, b: Int32,
+                head: Int32, row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32, score_tensors: tuple,
+                mask_tensors: tuple):
+        """S of KV block `blk` in log2 units, masked: scaled or score_mod, mask_mod on partial
+        blocks, keys past the end at -inf."""
+        self.mods.apply(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, score_tensors,
+                        mask_tensors)
+        mask_past_end(acc_s, tScS, self.kvb, blk, seq_len)
+
+    @cute.jit
+    def _epilogue(self, acc_o: cute.Tensor, tOcO: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                  mma_pv: cute.TiledMma, sO: cute.Tensor, tma_o: cute.CopyAtom, gO_full: cute.Tensor,
+                  mLse: cute.Tensor, ctid: Int32, warp_idx: Int32, m_block: Int32, head: Int32, b: Int32,
+                  q_len: Int32):
+        """O / l to shared memory and out with one TMA store; lse = (m + log2 l) * ln 2 per real row."""
+        for h in cutlass.range_constexpr(2):
+            inv, lse2 = softmax_finalize(row_max, row_sum, h)
+            for v in row_half(cute.size(acc_o), h):
+                acc_o[v] = acc_o[v] * inv
+            row = m_block * M_BLOCK + tOcO[0][0] + 8 * h
+            if row < q_len and tOcO[0][1] == 0:  # one thread of the row's quad
+                mLse[(b, head, row)] = lse2 * LN2
+        # Q's buffer becomes O's: every consumer must be past its last S = Q K^T
+        consumers = pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS, num_threads=self.consumer_threads)
+        consumers.arrive_and_wait()
+        # the accumulator in stmatrix-shaped pieces (a layout-only atom), stored with the store op
+        # the row-major staging layout wants
+        atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
+        r2s = cute.make_tiled_copy_S(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                     cute.make_tiled_copy_C_atom(atom, mma_pv))
+        thr_r2s = r2s.get_slice(ctid)
+        tRS_acc = r2s.retile(acc_o)
+        r_o = cute.make_rmem_tensor(thr_r2s.partition_S(cute.make_identity_tensor((M_BLOCK, self.dv))).shape, Float32)
+        for v in cutlass.range(cute.size(r_o), unroll_full=True):
+            r_o[v] = tRS_acc[v]
+        r_out = cute.make_rmem_tensor(r_o.shape, self.dtype)
+        r_out.store(r_o.load().to(self.dtype))
+        cute.copy(r2s, r_out, thr_r2s.partition_D(sO))
+        # generic-proxy smem writes, read next by the TMA unit
+        cute.arch.fence_proxy("async.shared", space="cta")
+        consumers.arrive_and_wait()
+        if warp_idx == 4:
+            gO = cute.local_tile(gO_full, (M_BLOCK, self.dv), (None, None, None, None))
+            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+            cute.copy(tma_o, tOsO, tOgO[(None, m_block, 0, head, b)])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the TMA unit read it
+
+
+def build(**params):
+    """(jit function, fake arguments) for cute.compile from a spec's parameters (flex_prefill_config.spec);
+    see the module docstring for conventions."""
+    problem, config = from_params(params)
+    err = config_error(config, problem)
+    if err:
+        raise ValueError(err)
+    dqk, dv = problem.head_dim_qk, problem.head_dim_v
+    dt = CUTE_DTYPES[problem.dtype_name]
+    # One symbol per extent shared by every tensor, so the FFI checks that they agree.
+    B, Hq, Hkv, Lq, Lkv = (cute.sym_int() for _ in range(5))
+
+    def strides():
+        return (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+
+    q = make_fake_tensor(dt, (B, Hq, Lq, dqk), stride=strides(), assumed_align=16)
+    k = make_fake_tensor(dt, (B, Hkv, Lkv, dqk), stride=strides(), assumed_align=16)
+    v = make_fake_tensor(dt, (B, Hkv, Lkv, dv), stride=strides(), assumed_align=16)
+    out = make_fake_compact_tensor(dt, (B, Hq, Lq, dv), stride_order=(3, 2, 1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(Float32, (B, Hq, Lq), stride_order=(2, 1, 0))
+
+    def captured(dtypes):
+        return ([make_fake_compact_tensor(SCORE_TENSOR_DTYPES[d], (cute.sym_int(),)) for d in dtypes]
+                + [None] * (MAX_TENSORS - len(dtypes)))
+
+    block_mask = [None] * 4
+    if problem.sparse_block:
+        Z, H, Qb, C, Cf = (cute.sym_int() for _ in range(5))
+        block_mask = [make_fake_compact_tensor(Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
+                      make_fake_compact_tensor(Int32, (Z, H, Qb, C), stride_order=(3, 2, 1, 0)),
+                      make_fake_compact_tensor(Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
+                      make_fake_compact_tensor(Int32, (Z, H, Qb, Cf), stride_order=(3, 2, 1, 0))]
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return FlexPrefillSm90(problem, config), (q, k, v, out, lse, Float32(1.0), Float32(1.0),
+                                              *captured(problem.score_dtypes), *block_mask,
+                                              *captured(problem.mask_dtypes), stream)

@@ -1,0 +1,203 @@
+"""The prefill forward kernel on a Hopper GPU against an fp32 math reference: head dims, query and
+key lengths that are not multiples of the blocks, GQA ratios, causal attention through a BlockMask
+(torch's create_block_mask) with a mask program, score programs, logsumexp in natural-log units.
+The allocator is poisoned with NaN first, so an output element the kernel never writes shows.
+
+Written before the kernel ever ran on a GPU: a failure here is the kernel's first bug report."""
+
+import math
+
+import pytest
+import torch
+
+from inductor_cute import UnsupportedError
+from inductor_cute.host.flex_prefill import flex_prefill
+from inductor_cute.kernels.common.programs import score as sp
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LSE_TOL = 2e-3
+CAUSAL = sp.dumps([["o", "ge", "q", "kv"]])
+SOFTCAP = sp.dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
+DOCUMENT = sp.dumps([["qd", "load", "t0", "q"], ["kd", "load", "t0", "kv"], ["o", "eq", "qd", "kd"]])
+NOTHING_IN_BATCH_1 = sp.dumps([["z", "eq", "b", 0], ["k", "lt", "kv", 1000], ["o", "and", "z", "k"]])
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill a freed block of the caching allocator with NaN so that the next torch.empty calls
+    (our output and lse) are likely to start from NaN, not zeros."""
+    junk = torch.full((nbytes // 4 + 1,), float("nan"), device="cuda", dtype=torch.float32)
+    del junk
+
+
+def reference(q, k, v, scale=None, score_mod=None, score_tensors=(), keep=None):
+    """fp32 softmax(scale q k^T) v with GQA expansion, the score program applied to the scaled
+    scores, over the keys `keep` (B, Hq, Lq, Lkv) holds; rows with no key give out 0, lse -inf."""
+    b, hq, lq, dqk = q.shape
+    hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(dqk) if scale is None else scale
+    kk = k.float().repeat_interleave(hq // hkv, dim=1)
+    vv = v.float().repeat_interleave(hq // hkv, dim=1)
+    s = (q.float() @ kk.transpose(-1, -2)) * scale
+    if score_mod is not None:
+        idx = [torch.arange(n, device=q.device, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+               for d, n in enumerate(s.shape)]
+        s = sp.reference(score_mod, s, *idx, score_tensors)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return p @ vv, lse
+
+
+def check(q, k, v, scale=None, score_mod=None, score_tensors=(), keep=None, **kwargs):
+    ref_out, ref_lse = reference(q, k, v, scale, score_mod, score_tensors, keep)
+    poison_allocator(8 * ref_out.numel() + (1 << 20))
+    out, lse = flex_prefill(q, k, v, scale=scale, score_mod=score_mod, score_tensors=score_tensors, return_lse=True,
+                            **kwargs)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert not out.isnan().any(), "unwritten (poisoned) or NaN elements in the output"
+    assert not lse.isnan().any(), "unwritten (poisoned) or NaN elements in the lse"
+    err = (out.float() - ref_out).abs().max().item()
+    assert err < TOL[q.dtype] * max(1.0, ref_out.abs().max().item()), f"out max error {err:.2e}"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] < 0).all(), "-inf lse rows differ"
+    assert (out[empty] == 0).all(), "rows with nothing to attend must be 0"
+    if (~empty).any():
+        lse_err = (lse - ref_lse)[~empty].abs().max().item()
+        assert lse_err < LSE_TOL * max(1.0, ref_lse[~empty].abs().max().item()), f"lse max error {lse_err:.2e}"
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (100, 77), (128, 128), (129, 300), (1000, 1000), (255, 2049)])
+def test_head_dims_and_lengths_off_the_blocks(dqk, dv, q_len, kv_len):
+    check(rand(2, 4, q_len, dqk), rand(2, 4, kv_len, dqk), rand(2, 4, kv_len, dv))
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gqa_ratios(group):
+    hkv = 2
+    check(rand(2, hkv * group, 700, 128), rand(2, hkv, 900, 128), rand(2, hkv, 900, 128))
+
+
+def test_many_tiles_and_a_long_sequence():
+    check(rand(1, 16, 4096, 128), rand(1, 2, 4096, 128), rand(1, 2, 4096, 128))
+
+
+def test_fp16_and_custom_scales():
+    check(rand(2, 8, 300, 128, dtype=torch.float16), rand(2, 8, 500, 128, dtype=torch.float16),
+          rand(2, 8, 500, 128, dtype=torch.float16), scale=0.3)
+    check(rand(2, 8, 300, 64), rand(2, 2, 300, 64), rand(2, 2, 300, 64), scale=-0.1)
+
+
+def test_strided_views_as_models_hold_them():
+    # (B, L, H, D) projections viewed as (B, H, L, D)
+    q = rand(2, 333, 8, 128).transpose(1, 2)
+    k, v = rand(2, 333, 2, 128).transpose(1, 2), rand(2, 333, 2, 128).transpose(1, 2)
+    check(q, k, v)
+
+
+def block_mask_of(mask_mod, batch, heads, q_len, kv_len, block):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(mask_mod, batch, heads, q_len, kv_len, device="cuda", BLOCK_SIZE=block)
+    return (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+def check_block_mask(q, k, v, mask_mod, program, tensors=(), block=128, mask_heads=None, **kwargs):
+    batch, heads, q_len = q.shape[:3]
+    kv_len = k.shape[2]
+    blocks = block_mask_of(mask_mod, batch, mask_heads, q_len, kv_len, block)
+    shape = (batch, heads, q_len, kv_len)
+    keep = sp.reference_keep(shape, program, tensors, blocks, block, block, device="cuda")
+    idx = [torch.arange(n, device="cuda").view([-1 if i == d else 1 for i in range(4)]) for d, n in enumerate(shape)]
+    assert torch.equal(keep, mask_mod(*idx).expand(shape)), "program and mask_mod differ"
+    check(q, k, v, keep=keep, mask_mod=program, mask_tensors=tensors, kv_num_blocks=blocks[0], kv_indices=blocks[1],
+          full_kv_num_blocks=blocks[2], full_kv_indices=blocks[3], kv_block_size=block, q_block_size=block, **kwargs)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("length", [128, 1000, 2048])
+def test_causal_through_a_block_mask(group, length):
+    hkv = 2
+    check_block_mask(rand(2, hkv * group, length, 128), rand(2, hkv, length, 128), rand(2, hkv, length, 128),
+                     lambda b, h, m, n: m >= n, CAUSAL)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+def test_causal_with_256_blocks_and_a_per_head_mask(dqk, dv):
+    # 256/256 runs 64-key blocks: four kernel blocks per mask block
+    check_block_mask(rand(2, 4, 777, dqk), rand(2, 4, 777, dqk), rand(2, 4, 777, dv), lambda b, h, m, n: m >= n,
+                     CAUSAL, block=256, mask_heads=4)
+
+
+def test_document_mask_with_a_captured_tensor():
+    doc = (torch.arange(1500, device="cuda") // 300).to(torch.int32)
+    check_block_mask(rand(1, 8, 1500, 128), rand(1, 2, 1500, 128), rand(1, 2, 1500, 128),
+                     lambda b, h, m, n: doc[m] == doc[n], DOCUMENT, (doc,))
+
+
+def test_rows_with_nothing_to_attend():
+    # batch 1 keeps no key at all: its rows are out 0, lse -inf
+    check_block_mask(rand(2, 4, 300, 128), rand(2, 4, 1200, 128), rand(2, 4, 1200, 128),
+                     lambda b, h, m, n: (b == 0) & (n < 1000), NOTHING_IN_BATCH_1)
+
+
+def test_mask_program_without_a_block_mask():
+    q, k, v = rand(1, 4, 500, 128), rand(1, 4, 600, 128), rand(1, 4, 600, 128)
+    keep = sp.reference_keep((1, 4, 500, 600), CAUSAL, device="cuda")
+    check(q, k, v, keep=keep, mask_mod=CAUSAL)
+
+
+def test_softcap_score_mod_with_causal_blocks():
+    check_block_mask(rand(2, 8, 640, 128) * 4, rand(2, 2, 640, 128), rand(2, 2, 640, 128),
+                     lambda b, h, m, n: m >= n, CAUSAL, score_mod=SOFTCAP)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_torch_flex_attention_including_lse_units(causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = rand(2, 16, 1024, 128), rand(2, 4, 1024, 128), rand(2, 4, 1024, 128)
+    kwargs, bm = {}, None
+    if causal:
+        bm = create_block_mask(lambda b, h, m, n: m >= n, None, None, 1024, 1024, device="cuda")
+        kwargs = dict(mask_mod=CAUSAL, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                      full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
+    ref_out, ref_lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    out, lse = flex_prefill(q, k, v, return_lse=True, **kwargs)
+    assert (out.float() - ref_out.float()).abs().max().item() < 2e-2
+    assert (lse - ref_lse.float()).abs().max().item() < LSE_TOL * ref_lse.abs().max().item()
+
+
+def test_empty_inputs():
+    out, lse = flex_prefill(rand(1, 2, 5, 128), rand(1, 2, 0, 128), rand(1, 2, 0, 128), return_lse=True)
+    assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all()
+    assert flex_prefill(rand(1, 2, 0, 128), rand(1, 2, 7, 128), rand(1, 2, 7, 128)).shape == (1, 2, 0, 128)
+
+
+def test_unsupported_inputs_are_refused_in_one_line():
+    q = rand(1, 4, 256, 128)
+    cases = [
+        (lambda: flex_prefill(rand(1, 4, 256, 96), rand(1, 4, 256, 96), rand(1, 4, 256, 96)), "not supported"),
+        (lambda: flex_prefill(q.float(), q.float(), q.float()), "bfloat16 or float16"),
+        (lambda: flex_prefill(q, rand(1, 3, 256, 128), rand(1, 3, 256, 128)), "not a multiple"),
+        (lambda: flex_prefill(q, q, q, mask_tensors=(q,)), "without a mask_mod"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=torch.ones(1, 1, 2, device="cuda", dtype=torch.int32)),
+         "needs kv_num_blocks and kv_indices"),
+    ]
+    for call, message in cases:
+        with pytest.raises(UnsupportedError, match=message) as e:
+            call()
+        assert "\n" not in str(e.value) and str(e.value).startswith("flex_prefill: ")

@@ -1,0 +1,268 @@
+"""The prefill forward kernel compiled for sm_90a on the CPU: head dims, dtypes, score programs,
+mask programs and block masks, checked in PTX and in ptxas's resource report; the configuration
+limits, the tile order and the eager entry's input checks."""
+
+import dataclasses
+import re
+
+import pytest
+
+from inductor_cute.kernels.attention.flex_prefill_config import (HEAD_DIMS, M_BLOCK, SMEM_BUDGET, FlexPrefillConfig,
+                                                                 FlexPrefillProblem, attention_flops, config_error,
+                                                                 default_config, from_params, smem_bytes, spec,
+                                                                 sparse_block_reason, unsupported_reason)
+from inductor_cute.kernels.attention.tile_order import LongestFirst
+from inductor_cute.kernels.common.programs.score import dumps
+from inductor_cute.runtime.compiler import compile_spec
+
+SOFTCAP = dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
+CAUSAL = dumps([["o", "ge", "q", "kv"]])
+DOCUMENT = dumps([["qd", "load", "t0", "q"], ["kd", "load", "t0", "kv"], ["o", "eq", "qd", "kd"]])
+ALIBI = dumps([["slope", "load", "t0", "h"], ["d", "sub", "kv", "q"], ["bias", "mul", "slope", "d"],
+               ["o", "add", "score", "bias"]])
+
+VARIANTS = {
+    "d128": FlexPrefillProblem(128, 128, "bfloat16"),
+    "d256": FlexPrefillProblem(256, 256, "bfloat16"),
+    "mla-192-128-causal-block128": FlexPrefillProblem(192, 128, "bfloat16", mask_program=CAUSAL, sparse_block=128),
+    "d64-fp16": FlexPrefillProblem(64, 64, "float16"),
+    "d128-causal-block128": FlexPrefillProblem(128, 128, "bfloat16", mask_program=CAUSAL, sparse_block=128),
+    "d128-softcap": FlexPrefillProblem(128, 128, "bfloat16", score_program=SOFTCAP),
+    "d64-document-block256-alibi-q256": FlexPrefillProblem(
+        64, 64, "bfloat16", score_program=ALIBI, score_dtypes=("float32",), mask_program=DOCUMENT,
+        mask_dtypes=("int32",), sparse_block=256, sparse_q_block=256),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_all():
+    return {}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def compiled(request, compiled_all):
+    obj = compile_spec(spec(VARIANTS[request.param]), "sm_90a", keep_ptx=True)
+    compiled_all[request.param] = obj
+    return obj
+
+
+def test_uses_tma_wgmma_stmatrix_and_exp2(compiled):
+    ptx = compiled.ptx
+    assert re.search(r"^\.target sm_90a\b", ptx, re.M)
+    assert "wgmma.mma_async" in ptx
+    # TMA loads of Q, K, V into shared memory on mbarriers, and the TMA store of O
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.tile\.mbarrier", ptx)
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
+    assert "stmatrix" in ptx  # O staged in shared memory for the store
+    assert "ex2.approx" in ptx and "lg2.approx" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert len(re.findall(r"^\.visible \.entry ", ptx, re.M)) == 1
+
+
+def test_ptxas_reports_no_spills_and_no_stack(compiled):
+    report = compiled.ptxas_report
+    assert report and report.count("Used") == 1
+    assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report)
+    assert not re.search(r"[1-9]\d* bytes spill", report)
+    assert "setmaxnreg' ignored" not in report.replace("''", "'")
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+
+
+def test_setmaxnreg_only_moves_the_launched_registers(compiled):
+    # 384 threads launch with 168 registers each; the consumers' increase waits for registers the
+    # producer gives back, so the two must balance exactly or the CTA hangs
+    from inductor_cute.kernels.attention.flex_prefill_sm90 import FlexPrefillSm90
+
+    assert "Used 168 registers" in compiled.ptxas_report
+    kernel = FlexPrefillSm90(FlexPrefillProblem(128, 128, "bfloat16"), FlexPrefillConfig(128, 3))
+    assert kernel.producer_regs * 128 + kernel.consumer_regs * 256 == 168 * 384
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{kernel.producer_regs};" in compiled.ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{kernel.consumer_regs};" in compiled.ptx
+
+
+def test_s_from_shared_memory_and_pv_with_p_from_registers(compiled):
+    # SS WGMMA (both descriptors) for S = Q K^T, RS WGMMA ({A registers}) for O += P V, each
+    # issued at two sites (the first block alone, then S_j with P_{j-1} V_{j-1})
+    lines = [line for line in compiled.ptx.splitlines() if "wgmma.mma_async" in line]
+    ss = [line for line in lines if line.count("{") == 1]
+    rs = [line for line in lines if line.count("{") == 2]
+    assert ss and rs and len(ss) + len(rs) == len(lines)
+
+
+def test_consumers_take_turns_on_named_barriers(compiled):
+    # ping-pong: each consumer syncs on its own turn barrier (256 threads) and arrives on the other's
+    ptx = compiled.ptx
+    assert re.search(r"bar\.sync\s+%r\d+, 256", ptx)
+    assert re.search(r"bar\.arrive\s+(%r\d+|[23]), 256", ptx)
+
+
+def test_block_masks_and_programs_reach_the_kernel(compiled_all):
+    needed = ("d128", "d128-causal-block128", "d128-softcap")
+    if not all(n in compiled_all for n in needed):
+        pytest.skip("needs the module's compiled variants (run the whole file)")
+    plain, causal, softcap = (compiled_all[n].ptx for n in needed)
+    # the block list (counts, indices) is read from global memory; the mask program compares each
+    # element's query and key positions (64 per thread and tile)
+    assert causal.count("ld.global") > plain.count("ld.global")
+
+    def compares(ptx):
+        return len(re.findall(r"setp\.(?:ge|lt|le|gt)\.s32", ptx))
+
+    assert compares(causal) >= compares(plain) + 64
+    # score / 30 multiplies by fp32(1/30), once per element of a 64 x 128 tile per thread (64)
+    assert "div.rn.f32" not in softcap and softcap.count("0f3D088889") >= 64
+
+
+def test_shared_memory_fits_and_matches_the_kernel_layout():
+    # the kernel asserts at trace time that its shared storage is smem_bytes: compiling checks it
+    for dims in HEAD_DIMS:
+        problem = FlexPrefillProblem(*dims, "bfloat16")
+        cfg = default_config(problem)
+        assert config_error(cfg, problem) is None
+        assert smem_bytes(problem, cfg) <= SMEM_BUDGET
+        assert cfg.stages >= 2
+    assert default_config(FlexPrefillProblem(128, 128, "bfloat16")) == FlexPrefillConfig(128, 3)
+    assert default_config(FlexPrefillProblem(256, 256, "bfloat16")) == FlexPrefillConfig(64, 2)
+    assert default_config(FlexPrefillProblem(64, 64, "bfloat16")).stages == 4
+
+
+def test_unsupported_problems_and_configs_are_named():
+    assert "dtype float32" in unsupported_reason(128, 128, "float32")
+    assert unsupported_reason(256, 256, "bfloat16") is None and unsupported_reason(192, 128, "bfloat16") is None
+    assert "head dims 128/192" in unsupported_reason(128, 192, "bfloat16")  # O is staged in Q's buffer
+    assert "head dims 96/96" in unsupported_reason(96, 96, "bfloat16")
+    assert unsupported_reason(64, 64, "float16") is None
+    p = FlexPrefillProblem(128, 128, "bfloat16")
+    assert "stages must be at least 2" in config_error(FlexPrefillConfig(128, 1), p)
+    assert "shared memory" in config_error(FlexPrefillConfig(128, 4), p)
+    assert "kv_block" in config_error(FlexPrefillConfig(24, 2), p)
+    assert "not a multiple" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))
+    assert "multiple of 128" in config_error(default_config(p), dataclasses.replace(p, sparse_q_block=64))
+    assert "canonical" in config_error(default_config(p), dataclasses.replace(p, score_program=SOFTCAP + " "))
+    assert "unknown argument 'score'" in config_error(default_config(p), dataclasses.replace(p, mask_program=SOFTCAP))
+    assert "end in a bool" in config_error(default_config(p), dataclasses.replace(
+        p, mask_program=dumps([["o", "add", "kv", 1]])))
+    with pytest.raises(ValueError, match="not supported"):
+        spec(FlexPrefillProblem(96, 96, "bfloat16"))
+    assert sparse_block_reason(128, 128, 128) is None and sparse_block_reason(256, 512, 128) is None
+    assert "KV block" in sparse_block_reason(64, 128, 128)
+    assert "query block" in sparse_block_reason(128, 64, 128)
+
+
+def test_spec_spells_problem_and_config_and_reads_back():
+    problem = FlexPrefillProblem(128, 128, "bfloat16", SOFTCAP, (), DOCUMENT, ("int32",), 256, 128)
+    s = spec(problem)
+    assert set(s.kwargs) == set(problem.as_params()) | {"kv_block", "stages"}
+    assert from_params(s.kwargs) == (problem, default_config(problem))
+
+
+def test_tiles_run_longest_first_and_cover_the_grid():
+    tiles = LongestFirst(5, 3, 2)
+    coords = [tiles.coord(t) for t in range(tiles.count())]
+    assert len(set(coords)) == tiles.count() == 30
+    assert sorted(coords) == sorted((m, h, b) for m in range(5) for h in range(3) for b in range(2))
+    m_blocks = [c[0] for c in coords]
+    assert m_blocks == sorted(m_blocks, reverse=True)  # causal: the last query blocks have the most keys
+    assert coords[:6] == [(4, h, b) for b in range(2) for h in range(3)]
+
+
+def test_flops_floor_of_a_causal_prefill():
+    # B1 H16 S8192 d128 causal: 2 * 8192^2 * 16 * 256 / 2 flops
+    assert attention_flops(1, 16, 8192, 8192, 128, 128, causal=True) == 8192 ** 2 * 16 * 256
+    assert M_BLOCK == 128
+
+
+def test_flex_prefill_refuses_cpu_tensors_and_unsupported_head_dims():
+    import torch
+
+    from inductor_cute import UnsupportedError
+    from inductor_cute.host.flex_prefill import flex_prefill
+
+    q = torch.randn(1, 8, 256, 128, dtype=torch.bfloat16)
+    kv = torch.randn(1, 1, 256, 128, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedError, match="^flex_prefill: tensors must be on a CUDA device, got cpu$"):
+        flex_prefill(q, kv, kv)
+
+
+class KernelStandIn:
+    """Records the exported kernel's arguments in place of the compiled prefill kernel."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def host_on_cpu(monkeypatch):
+    """The eager entry on CPU tensors: the device check passes and the kernel is a stand-in."""
+    from inductor_cute.host import flex_prefill as fp
+
+    kernel = KernelStandIn()
+    specs = []
+    monkeypatch.setattr(fp, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(fp, "_flex_prefill_kernel", lambda *params: specs.append(params) or kernel)
+    return fp.flex_prefill, kernel, specs
+
+
+def test_host_passes_the_kernel_its_arguments(host_on_cpu):
+    import math
+
+    import torch
+
+    flex_prefill, kernel, specs = host_on_cpu
+    q, k, v = torch.randn(2, 8, 300, 128), torch.randn(2, 2, 500, 128), torch.randn(2, 2, 500, 128)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    num = torch.ones(1, 1, 3, dtype=torch.int64)
+    idx = torch.zeros(1, 1, 3, 4, dtype=torch.int64)
+    out, lse = flex_prefill(q, k, v, scale=0.5, mask_mod=CAUSAL, kv_num_blocks=num, kv_indices=idx,
+                            return_lse=True)
+    (args,) = kernel.calls
+    assert len(args) == 19 and out.shape == (2, 8, 300, 128) and lse.shape == (2, 8, 300)
+    assert args[3] is out and args[4] is lse
+    assert math.isclose(args[5], 0.5 / math.log(2)) and args[6] == 0.5
+    assert args[7:11] == (None,) * 4 and all(t is None for t in args[15:19])
+    bm = args[11:15]
+    assert all(t.dtype == torch.int32 and t.is_contiguous() for t in bm)
+    assert torch.equal(bm[2], torch.zeros(1, 1, 3, dtype=torch.int32))  # no full blocks: zero counts
+    assert specs == [(128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128)]
+    # strided (B, L, H, D) views go through as they are
+    qt = torch.randn(2, 300, 8, 128).bfloat16().transpose(1, 2)
+    flex_prefill(qt, k, v)
+    assert kernel.calls[-1][0].data_ptr() == qt.data_ptr() and kernel.calls[-1][0].stride() == qt.stride()
+
+
+def test_host_refuses_what_the_kernel_cannot_take(host_on_cpu):
+    import torch
+
+    from inductor_cute import UnsupportedError
+
+    flex_prefill, kernel, _ = host_on_cpu
+    q = torch.randn(1, 4, 300, 128).bfloat16()
+    num = torch.ones(1, 1, 3, dtype=torch.int32)
+    idx = torch.zeros(1, 1, 3, 4, dtype=torch.int32)
+    cases = [
+        (lambda: flex_prefill(q[..., :96], q[..., :96], q[..., :96]), "head dims 96/96"),
+        (lambda: flex_prefill(q, q[:, :3], q[:, :3]), "not a multiple of 3 KV heads"),
+        (lambda: flex_prefill(q, q, q, mask_tensors=(num.flatten(),)), "without a mask_mod"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num), "needs kv_num_blocks and kv_indices"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num[..., :2], kv_indices=idx[:, :, :2]), "do not cover 300"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num, kv_indices=idx, kv_block_size=64), "KV block 128"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num, kv_indices=idx, q_block_size=64), "query block size 64"),
+        (lambda: flex_prefill(q, q, q, mask_mod=SOFTCAP), "mask_mod: "),
+    ]
+    for call, message in cases:
+        with pytest.raises(UnsupportedError, match=message) as e:
+            call()
+        assert "\n" not in str(e.value) and str(e.value).startswith("flex_prefill: ")
+    assert not kernel.calls
+
+
+def test_host_answers_empty_problems_without_the_kernel(host_on_cpu):
+    import torch
+
+    flex_prefill, kernel, _ = host_on_cpu
+    q = torch.randn(1, 2, 5, 64).half()
+    out, lse = flex_prefill(q, q[:, :, :0], q[:, :, :0], return_lse=True)
+    assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all() and not kernel.calls
