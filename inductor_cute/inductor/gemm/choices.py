@@ -133,9 +133,10 @@ def _dynamic_m(kernel_inputs) -> bool:
 
 
 def gemm_choices(kernel_inputs, op_name) -> list:
-    """One bound choice per candidate config that compiled, and for a dynamic M one more whose
-    config is a table of M buckets (buckets.py) when all of its configs compiled; [] when we cannot
-    serve this GEMM."""
+    """One bound choice per candidate config that compiled; for a dynamic M instead one choice
+    whose config is a table of M buckets (buckets.py), when all of its configs compiled: a single
+    config tuned at the hint M would tie with the table's bucket there and, if it won, serve every
+    other M. [] when we cannot serve this GEMM."""
     reason = unsupported_reason(kernel_inputs, op_name)
     m, n, k = kernel_inputs.mnk_hinted()
     if reason:
@@ -150,20 +151,18 @@ def gemm_choices(kernel_inputs, op_name) -> list:
     problem, batch = problem_for(kernel_inputs, op_name)
     num_sms = torch.cuda.get_device_properties(kernel_inputs.device()).multi_processor_count
     exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
-    configs = _gemv_candidates(kernel_inputs, problem, num_sms)
-    configs += gemm_config.candidates(problem, m, n, k, batch, num_sms, exhaustive)
-    table = buckets.bucket_configs(problem, n, k, batch, num_sms) if _dynamic_m(kernel_inputs) else ()
-    extra = [cfg for _, cfg in table if cfg not in configs]
-    ready = precompile_choices(problem, configs + list(dict.fromkeys(extra)), num_sms)
+    table, configs = (), []
+    if _dynamic_m(kernel_inputs):
+        table = buckets.bucket_configs(problem, n, k, batch, num_sms)
+    else:
+        configs = _gemv_candidates(kernel_inputs, problem, num_sms)
+        configs += gemm_config.candidates(problem, m, n, k, batch, num_sms, exhaustive)
+    ready = precompile_choices(problem, configs or list(dict.fromkeys(cfg for _, cfg in table)), num_sms)
     scalars = {}
     if op_name in ("addmm", "baddbmm"):
         scalars = {"alpha": float(kernel_inputs.get_scalar("alpha")), "beta": float(kernel_inputs.get_scalar("beta"))}
     layout = kernel_inputs.output_layout(flexible=False)
     choice, choices = gemm_choice(), []
-    for cfg, spec_key in ready:
-        if cfg in configs:
-            choices.append(choice.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=cfg.describe(),
-                                       problem=problem, num_sms=num_sms, op=op_name, config=as_tuple(cfg), **scalars))
     if table:
         keys = dict(ready)
         missing = [cfg.describe() for _, cfg in table if cfg not in keys]
@@ -174,7 +173,10 @@ def gemm_choices(kernel_inputs, op_name) -> list:
             choices.append(choice.bind(kernel_inputs.nodes(), layout, spec_key=table_spec_key(table, keys),
                                        description=buckets.describe(table), problem=problem, num_sms=num_sms,
                                        op=op_name, config=buckets.as_table_tuple(table), **scalars))
-    log.info("inductor-cute offers %d of %d configs for %s %dx%dx%d (batch %d)%s",
-             len(choices), len(configs) + bool(table), op_name, m, n, k, batch,
-             f", M dynamic: {len(table)} buckets" if table else "")
+    for cfg, spec_key in ready if not table else ():
+        choices.append(choice.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=cfg.describe(),
+                                   problem=problem, num_sms=num_sms, op=op_name, config=as_tuple(cfg), **scalars))
+    log.info("inductor-cute offers %d of %d choices for %s %dx%dx%d (batch %d)%s",
+             len(choices), len(configs) or 1, op_name, m, n, k, batch,
+             f", M dynamic: one table of {len(table)} buckets" if table else "")
     return choices
