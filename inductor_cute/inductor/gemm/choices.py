@@ -128,8 +128,15 @@ def _gemv_candidates(kernel_inputs, problem, num_sms: int) -> list:
     return gemv_config.candidates(problem, m, n, k, 1, num_sms)
 
 
+def _dynamic_m(kernel_inputs) -> bool:
+    return _static(kernel_inputs.mnk_symbolic()[0]) is None
+
+
 def gemm_choices(kernel_inputs, op_name) -> list:
-    """One bound choice per candidate config that compiled; [] when we cannot serve this GEMM."""
+    """One bound choice per candidate config that compiled; for a dynamic M instead one choice
+    whose config is a table of M buckets (buckets.py), when all of its configs compiled: a single
+    config tuned at the hint M would tie with the table's bucket there and, if it won, serve every
+    other M. [] when we cannot serve this GEMM."""
     reason = unsupported_reason(kernel_inputs, op_name)
     m, n, k = kernel_inputs.mnk_hinted()
     if reason:
@@ -137,23 +144,39 @@ def gemm_choices(kernel_inputs, op_name) -> list:
         return []
     from ...kernels.gemm import config as gemm_config
     from ...kernels.gemm.family import as_tuple
+    from . import buckets
     from .extern import gemm_choice
-    from .specs import problem_for, precompile_choices
+    from .specs import problem_for, precompile_choices, table_spec_key
 
     problem, batch = problem_for(kernel_inputs, op_name)
     num_sms = torch.cuda.get_device_properties(kernel_inputs.device()).multi_processor_count
     exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
-    configs = _gemv_candidates(kernel_inputs, problem, num_sms)
-    configs += gemm_config.candidates(problem, m, n, k, batch, num_sms, exhaustive)
-    ready = precompile_choices(problem, configs, num_sms)
+    table, configs = (), []
+    if _dynamic_m(kernel_inputs):
+        table = buckets.bucket_configs(problem, n, k, batch, num_sms)
+    else:
+        configs = _gemv_candidates(kernel_inputs, problem, num_sms)
+        configs += gemm_config.candidates(problem, m, n, k, batch, num_sms, exhaustive)
+    ready = precompile_choices(problem, configs or list(dict.fromkeys(cfg for _, cfg in table)), num_sms)
     scalars = {}
     if op_name in ("addmm", "baddbmm"):
         scalars = {"alpha": float(kernel_inputs.get_scalar("alpha")), "beta": float(kernel_inputs.get_scalar("beta"))}
     layout = kernel_inputs.output_layout(flexible=False)
     choice, choices = gemm_choice(), []
-    for cfg, spec_key in ready:
+    if table:
+        keys = dict(ready)
+        missing = [cfg.describe() for _, cfg in table if cfg not in keys]
+        if missing:
+            log.warning("inductor-cute offers no M-bucket table for %s: %s did not compile", op_name,
+                        ", ".join(missing))
+        else:
+            choices.append(choice.bind(kernel_inputs.nodes(), layout, spec_key=table_spec_key(table, keys),
+                                       description=buckets.describe(table), problem=problem, num_sms=num_sms,
+                                       op=op_name, config=buckets.as_table_tuple(table), **scalars))
+    for cfg, spec_key in ready if not table else ():
         choices.append(choice.bind(kernel_inputs.nodes(), layout, spec_key=spec_key, description=cfg.describe(),
                                    problem=problem, num_sms=num_sms, op=op_name, config=as_tuple(cfg), **scalars))
-    log.info("inductor-cute offers %d of %d configs for %s %dx%dx%d (batch %d)",
-             len(choices), len(configs), op_name, m, n, k, batch)
+    log.info("inductor-cute offers %d of %d choices for %s %dx%dx%d (batch %d)%s",
+             len(choices), len(configs) or 1, op_name, m, n, k, batch,
+             f", M dynamic: one table of {len(table)} buckets" if table else "")
     return choices

@@ -24,6 +24,7 @@ import torch
 
 from ...host import gemm as host_gemm
 from ...kernels.gemm.family import from_tuple
+from .buckets import MBuckets, is_table, table_of
 
 MODULE = __name__  # what generated output code imports
 BATCHED = {"bmm", "baddbmm"}
@@ -47,7 +48,8 @@ def input_role(sizes, strides, n: int, beta: float) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _config(params: tuple):
-    return from_tuple(params)
+    """One config, or the MBuckets of a table (buckets.py) to pick from by the call's M."""
+    return table_of(params) if is_table(params) else from_tuple(params)
 
 
 def layout_key(sources: tuple) -> tuple:
@@ -70,8 +72,10 @@ def layout_key(sources: tuple) -> tuple:
 
 class GemmLauncher:
     """out = alpha * a @ b (+ beta * inp for addmm/baddbmm) with one GemmConfig or GemvConfig
-    (`config` as kernels.gemm.family.as_tuple makes it); with a fused `epilogue` program,
-    out = program(a @ b, row, full) instead.
+    (`config` as kernels.gemm.family.as_tuple makes it), or with the one of an M-bucket table
+    (`config` as buckets.as_table_tuple makes it) whose range holds the call's M, picked once per
+    layout on the checked path; with a fused `epilogue` program, out = program(a @ b, row, full)
+    instead.
 
     Output code calls the bound `launch` with its tensors positionally: (a, b, out), (inp, a, b,
     out) for addmm/baddbmm, (a, b, out, row, full) with an epilogue (None for an operand it does
@@ -126,8 +130,11 @@ class GemmLauncher:
         else:
             a, b = inputs
             origins = (0, 1, i_out, None, None)
+        config = _config(self.config)
+        if isinstance(config, MBuckets):
+            config = config.pick(out.shape[-2])
         launch = host_gemm.run_checked("bmm" if self.op in BATCHED else "mm", a, b, bias=bias, c=c, alpha=alpha,
-                                       beta=beta, out=out, config=_config(self.config), epilogue=self.epilogue,
+                                       beta=beta, out=out, config=config, epilogue=self.epilogue,
                                        sources=sources, origins=origins)
         if key is not None:
             if len(self._plans) >= PLANS_PER_LAUNCHER:

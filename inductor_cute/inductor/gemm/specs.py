@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 
@@ -64,3 +65,9 @@ def precompile_choices(problem: GemmProblem, configs: list[GemmConfig | GemvConf
     log.info("inductor-cute precompile: %d configs (%d compiled, %d cached, %d failed) in %.1f s", len(specs),
              counts["compiled"], counts["cached"], counts["failed"], time.perf_counter() - start)
     return ready
+
+
+def table_spec_key(table, keys: dict) -> str:
+    """One key for an M-bucket table (buckets.py): its bounds and every bucket's spec key, hashed."""
+    text = "|".join(f"{bound}:{keys[cfg]}" for bound, cfg in table)
+    return "m_buckets-" + hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -25,7 +25,7 @@ from torch._inductor.virtualized import V
 from ...errors import CompileError, first_line
 from ...host.common import DTYPE_NAMES
 from ...kernels.gemm import family
-from ...kernels.gemm.family import from_tuple
+from .buckets import configs_of
 from .epilogue import Operand, translate
 from .codegen import define_launcher
 
@@ -85,7 +85,8 @@ class CuteGemmScheduling(BaseScheduling):
                 log.debug("inductor-cute does not fuse %s: %s is used elsewhere", node2.get_name(), buf)
                 return False
         problem = template.fused_problem(epi)
-        error = family.unsupported_reason(problem, from_tuple(template.kwargs["config"]))
+        error = next(filter(None, (family.unsupported_reason(problem, cfg)
+                                   for cfg in configs_of(template.kwargs["config"]))), None)
         if error:
             log.debug("inductor-cute does not fuse %s: %s", node2.get_name(), error)
             return False
@@ -109,10 +110,12 @@ class CuteGemmScheduling(BaseScheduling):
                 if self.scheduler.can_buffer_be_removed_through_fusion(buf, names):
                     V.graph.removed_buffers.add(buf)
             problem = template.fused_problem(epi)
-            (result,) = precompile([family.spec(problem, from_tuple(kw["config"]), template.num_sms)])
-            if result.status == "failed":  # past the point where Inductor could pick another kernel
-                raise CompileError(f"inductor-cute: the fused GEMM for {template.get_name()} failed to compile: "
-                                   f"{result.error}")
+            # every config the launcher may pick (an M-bucket table has several)
+            results = precompile([family.spec(problem, cfg, template.num_sms) for cfg in configs_of(kw["config"])])
+            for result in results:
+                if result.status == "failed":  # past the point where Inductor could pick another kernel
+                    raise CompileError(f"inductor-cute: the fused GEMM for {template.get_name()} failed to compile: "
+                                       f"{result.error}")
             out = epi.out
             mats = template.inputs[-2:]
             size = template.get_size()
