@@ -26,6 +26,7 @@ from torch._inductor import ir
 from torch._inductor.virtualized import V
 
 from ...kernels.common.units import LOG2E
+from . import runtime as _runtime
 from .translate import (Captured, describe, is_full, is_identity_score_mod,  # noqa: F401 (re-exported)
                         is_noop_mask_mod, mask_program, score_program)
 
@@ -48,14 +49,10 @@ def flex_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                    full_kv_num_blocks: torch.Tensor | None, full_kv_indices: torch.Tensor | None,
                    kv_block_size: int, q_block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.flex_decode for compiled graphs: (out, lse), lse in natural-log units; score_mod and
-    mask_mod are programs' texts, "" for none; the block-mask tensors are None without one."""
-    from ... import ops
-
-    return ops.flex_decode(q, _streamable(k), _streamable(v), scale=scale, return_lse=True,
-                           score_mod=score_mod or None, score_tensors=tuple(score_tensors),
-                           mask_mod=mask_mod or None, mask_tensors=tuple(mask_tensors), kv_num_blocks=kv_num_blocks,
-                           kv_indices=kv_indices, full_kv_num_blocks=full_kv_num_blocks,
-                           full_kv_indices=full_kv_indices, kv_block_size=kv_block_size, q_block_size=q_block_size)
+    mask_mod are programs' texts, "" for none; the block-mask tensors are None without one. Runs
+    through runtime.py's launchers: checked once per layout, then a remembered launch."""
+    return _runtime.flex_decode(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks,
+                                kv_indices, full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size)
 
 
 @flex_decode_op.register_fake
