@@ -62,8 +62,8 @@ def cases(device: str) -> dict:
         "softcap": (q, k, v, scale, SOFTCAP, [], "", [], None, None, None, None, 0, 0),
         "alibi (1 tensor)": (q, k, v, scale, ALIBI, [torch.rand(32, device=device)], "", [], None, None, None,
                              None, 0, 0),
-        "window + block mask": (q, k, v, scale, "", [], WINDOW, [], num, idx[..., :1], full_num, idx[..., 1:],
-                                128, 128),
+        "window + block mask": (q, k, v, scale, "", [], WINDOW, [], num, idx[..., :1].contiguous(), full_num,
+                                idx[..., 1:].contiguous(), 128, 128),
     }
 
 
@@ -99,7 +99,7 @@ def cpu_rows() -> None:
     host_flex.check_cuda = lambda *tensors: None  # CPU tensors stand in for CUDA ones
     host_flex.sm_count = lambda index: 132
     host_flex.get_kernel = lambda spec: (lambda *args: None)  # the launch itself costs nothing here
-    lowering.flex_decode_op.register_kernel("cpu")(runtime.flex_decode)  # (e) on CPU tensors
+    lowering.register_kernel("cpu", lowering.flex_decode_op)  # (e) on CPU tensors
     print(f"Python host cost per call, us (CPU tensors, no-op kernel; torch {torch.__version__})")
     names = list(layers(next(iter(cases("cpu").values()))))
     print(f"{'case':22} " + " ".join(f"{n:>24}" for n in names))

@@ -304,8 +304,9 @@ def _launch_of(kernel, args: tuple, origins: tuple, sources: tuple) -> FlexDecod
             continue
         i, convert = origin
         source = sources[i]
-        if arg is source:
-            operands.append((position, i, None, None, None))
+        if arg is source or (isinstance(source, torch.Tensor) and _in_place(arg, source)
+                             and arg.shape == source.shape and arg.stride() == source.stride()):
+            operands.append((position, i, None, None, None))  # the source itself is that view
         elif isinstance(source, torch.Tensor) and _in_place(arg, source):
             operands.append((position, i, tuple(arg.shape), tuple(arg.stride()), None))
         elif convert is not None:
