@@ -10,7 +10,8 @@ CUDA's caching allocator): (a) the checked path (ops.flex_decode: every check, p
 canonicalisation, block-mask conversion, planning, the kernel lookup), what every compiled call
 paid before launchers; (b) runtime.flex_decode, what the custom op's body now runs (launcher
 lookup, layout key, remembered launch); (c) one call site's launcher; (d) its remembered launch
-alone; (e) the custom op called as output code calls it (the dispatcher's cost on top of (b)).
+alone; (e) the op called as output code calls it (the dispatcher's cost on top of (b)); (f) what
+output code's call cost before: (a) behind a torch.library.custom_op (--cpu only).
 Each number is the best of many short runs: the machine's other load only ever adds time.
 """
 
@@ -95,18 +96,34 @@ def layers(args) -> dict:
     }
 
 
+def before_op():
+    """The op as it was: torch.library.custom_op running the checked path each call (on CPU)."""
+    @torch.library.custom_op("inductor_cute_bench::flex_decode_before", mutates_args=(), device_types="cpu")
+    def before(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, score_mod: str,
+               score_tensors: list[torch.Tensor], mask_mod: str, mask_tensors: list[torch.Tensor],
+               kv_num_blocks: torch.Tensor | None, kv_indices: torch.Tensor | None,
+               full_kv_num_blocks: torch.Tensor | None, full_kv_indices: torch.Tensor | None,
+               kv_block_size: int, q_block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return checked_call((q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks,
+                             kv_indices, full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size))()
+
+    return torch.ops.inductor_cute_bench.flex_decode_before.default
+
+
 def cpu_rows() -> None:
     host_flex.check_cuda = lambda *tensors: None  # CPU tensors stand in for CUDA ones
     host_flex.sm_count = lambda index: 132
     host_flex.get_kernel = lambda spec: (lambda *args: None)  # the launch itself costs nothing here
     lowering.register_kernel("cpu", lowering.flex_decode_op)  # (e) on CPU tensors
     print(f"Python host cost per call, us (CPU tensors, no-op kernel; torch {torch.__version__})")
-    names = list(layers(next(iter(cases("cpu").values()))))
-    print(f"{'case':22} " + " ".join(f"{n:>24}" for n in names))
+    before = before_op()
+    names = [*layers(next(iter(cases("cpu").values()))), "(f) before: custom_op"]
+    print(f"{'case':20} " + " ".join(f"{n:>{len(n) + 1}}" for n in names))
     with torch.no_grad():
         for name, args in cases("cpu").items():
-            row = [best_us(call, calls=50 if "checked" in n else 200) for n, call in layers(args).items()]
-            print(f"{name:22} " + " ".join(f"{v:24.1f}" for v in row))
+            calls = {**layers(args), names[-1]: lambda: before(*args)}
+            row = [best_us(call, calls=50 if n[1] in "af" else 200) for n, call in calls.items()]
+            print(f"{name:20} " + " ".join(f"{v:{len(n) + 1}.1f}" for v, n in zip(row, names)))
 
 
 def gpu_rows() -> None:

@@ -343,3 +343,17 @@ def test_only_what_the_checked_path_copies_is_converted_each_call(name, converte
     run(launcher, make())
     launch, = launcher._plans.values()
     assert {op[4].__name__ for op in launch.operands if op[4] is not None} == converted
+
+
+def test_the_op_keeps_the_schema_output_code_calls():
+    """Output code in Inductor's FX cache calls the op positionally: its schema must not change
+    (it is the one torch.library.custom_op inferred when the op was defined with it)."""
+    from inductor_cute.inductor.flex import lowering
+
+    schema = str(torch.ops.inductor_cute.flex_decode.default._schema)
+    assert schema == (
+        "inductor_cute::flex_decode(Tensor q, Tensor k, Tensor v, float scale, str score_mod, Tensor[] score_tensors, "
+        "str mask_mod, Tensor[] mask_tensors, Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "
+        "Tensor? full_kv_indices, SymInt kv_block_size, SymInt q_block_size) -> (Tensor, Tensor)")
+    assert torch.Tag.pt2_compliant_tag in torch.ops.inductor_cute.flex_decode.default.tags
+    assert lowering.SCHEMA in schema
