@@ -1,4 +1,5 @@
-"""Eager flex attention decoding (split-KV) with score/mask programs and block masks."""
+"""Eager flex attention decoding (split-KV) with score/mask programs and block masks, and the
+remembered launch (FlexDecodeLaunch) that repeats a checked call for compiled graphs."""
 
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def _checked(q, k, v, scale, kv_len, num_splits, score_mod, score_tensors, mask_
              kv_block_size, q_block_size, copy_kv: bool = False):
     """flex_decode's checks, planning and launch: (out, lse, launched), launched (kernel, kernel
     arguments, origins) or None when nothing was launched (an empty output). origins[j] is
-    (index in _sources(...), the conversion applied to it) for the j-th tensor input argument of
+    (index in `sources(...)`, the conversion applied to it) for the j-th tensor input argument of
     the kernel (q, k, v, kv_len, score slots, block slots, mask slots), None for an absent one.
     `copy_kv`: copy k or v whose layout the kernel cannot stream instead of refusing it."""
     from ..kernels.attention import flex_decode_config as fdc
