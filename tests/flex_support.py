@@ -81,7 +81,7 @@ def _stand_in(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, 
 
 @functools.cache
 def register_stand_in():  # once per session; only CPU calls of our op reach it
-    flex.flex_decode_op.register_kernel("cpu")(_stand_in)
+    flex.register_kernel("cpu", _stand_in)
 
 
 @pytest.fixture

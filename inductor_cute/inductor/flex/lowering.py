@@ -26,6 +26,7 @@ from torch._inductor import ir
 from torch._inductor.virtualized import V
 
 from ...kernels.common.units import LOG2E
+from . import runtime as _runtime
 from .translate import (Captured, describe, is_full, is_identity_score_mod,  # noqa: F401 (re-exported)
                         is_noop_mask_mod, mask_program, score_program)
 
@@ -41,24 +42,37 @@ _NEUTRAL_OPTIONS = frozenset({"PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE
 
 # ---------------------------------------------------------------------------- the custom op
 
-@torch.library.custom_op("inductor_cute::flex_decode", mutates_args=(), device_types="cuda")
-def flex_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, score_mod: str,
-                   score_tensors: list[torch.Tensor], mask_mod: str, mask_tensors: list[torch.Tensor],
-                   kv_num_blocks: torch.Tensor | None, kv_indices: torch.Tensor | None,
-                   full_kv_num_blocks: torch.Tensor | None, full_kv_indices: torch.Tensor | None,
-                   kv_block_size: int, q_block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+# Defined on a plain Library rather than with torch.library.custom_op: a call then costs one Python
+# kernel behind the C++ dispatcher, not custom_op's Python autograd, redispatch and aliasing checks
+# (about half its host cost per call, measured by benchmarks/flex_host_overhead.py). Same name and
+# schema as before: output code in Inductor's FX cache calls it unchanged.
+SCHEMA = ("flex_decode(Tensor q, Tensor k, Tensor v, float scale, str score_mod, Tensor[] score_tensors, "
+          "str mask_mod, Tensor[] mask_tensors, Tensor? kv_num_blocks, Tensor? kv_indices, "
+          "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, SymInt kv_block_size, SymInt q_block_size) "
+          "-> (Tensor, Tensor)")
+_LIBRARY = torch.library.Library("inductor_cute", "FRAGMENT")  # owns the registrations while imported
+_LIBRARY.define(SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def flex_decode_op(q, k, v, scale: float, score_mod: str, score_tensors: list, mask_mod: str, mask_tensors: list,
+                   kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, kv_block_size: int,
+                   q_block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.flex_decode for compiled graphs: (out, lse), lse in natural-log units; score_mod and
-    mask_mod are programs' texts, "" for none; the block-mask tensors are None without one."""
-    from ... import ops
-
-    return ops.flex_decode(q, _streamable(k), _streamable(v), scale=scale, return_lse=True,
-                           score_mod=score_mod or None, score_tensors=tuple(score_tensors),
-                           mask_mod=mask_mod or None, mask_tensors=tuple(mask_tensors), kv_num_blocks=kv_num_blocks,
-                           kv_indices=kv_indices, full_kv_num_blocks=full_kv_num_blocks,
-                           full_kv_indices=full_kv_indices, kv_block_size=kv_block_size, q_block_size=q_block_size)
+    mask_mod are programs' texts, "" for none; the block-mask tensors are None without one. Runs
+    through runtime.py's launchers: checked once per layout, then a remembered launch."""
+    return _runtime.flex_decode(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks,
+                                kv_indices, full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size)
 
 
-@flex_decode_op.register_fake
+def register_kernel(device_type: str, fn) -> None:
+    """Run `fn` (flex_decode_op's signature) for the op's calls on `device_type` ("cpu" for tests)."""
+    _LIBRARY.impl("flex_decode", fn, torch._C._dispatch_key_for_device(device_type))
+
+
+register_kernel("cuda", flex_decode_op)
+
+
+@torch.library.register_fake("inductor_cute::flex_decode", lib=_LIBRARY)
 def _flex_decode_fake(q, k, v, scale, *programs_and_block_mask):
     batch, heads, q_len, _ = q.shape
     return q.new_empty(batch, heads, q_len, v.shape[-1]), q.new_empty(batch, heads, q_len, dtype=torch.float32)

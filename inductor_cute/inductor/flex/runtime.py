@@ -1,0 +1,97 @@
+"""What a torch.compile'd graph's flex decode call runs on Inductor's buffers.
+
+The custom op `torch.ops.inductor_cute.flex_decode` (lowering.py) calls `flex_decode` here. The
+values static per call site (scale, the programs' texts, block sizes) pick one FlexDecodeLauncher;
+its first call with tensors of a layout goes through every check of ops.flex_decode (program
+canonicalisation, block-mask conversions, operand restriding, the split count, the kernel
+lookup); later calls with that layout repeat the launch it remembered (host.flex.FlexDecodeLaunch):
+a layout key, the operand views, fresh partials and outputs from the caching allocator, the
+kernel call. Another layout (a dynamic size, another stride or alignment) takes the checked path
+again. Launchers hold no tensor and are built from plain values: a graph loaded from Inductor's
+FX cache builds them in a fresh process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...host import flex as host_flex
+
+MODULE = __name__
+PLANS_PER_LAUNCHER = 64  # layouts one launcher remembers (dynamic sizes); then it starts over
+
+
+def layout_key(sources: tuple, n_score: int) -> tuple:
+    """What a remembered launch depends on: each source's shape, strides, dtype and 16-byte
+    alignment, how many of them are the score_mod's, and q's device (the checked path refused
+    tensors on another)."""
+    return (n_score, sources[0].device,
+            *[None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in sources])
+
+
+class FlexDecodeLauncher:
+    """One call site's flex decode: ops.flex_decode(q, k, v, scale=, score_mod=, mask_mod=, block
+    sizes=) returning (out, lse), with k/v views the kernel cannot stream copied (a graph may
+    slice them) rather than refused."""
+
+    __slots__ = ("scale", "score_mod", "mask_mod", "kv_block_size", "q_block_size", "_plans")
+
+    def __init__(self, scale: float, score_mod: str = "", mask_mod: str = "", kv_block_size: int = 0,
+                 q_block_size: int = 0) -> None:
+        self.scale, self.score_mod, self.mask_mod = scale, score_mod, mask_mod
+        self.kv_block_size, self.q_block_size = kv_block_size, q_block_size
+        self._plans: dict[tuple, host_flex.FlexDecodeLaunch | None] = {}  # None: checked path each call
+
+    def __repr__(self) -> str:
+        return f"FlexDecodeLauncher(scale={self.scale!r}, score_mod={self.score_mod!r}, " \
+               f"mask_mod={self.mask_mod!r}, kv_block_size={self.kv_block_size!r}, " \
+               f"q_block_size={self.q_block_size!r})"
+
+    def launch(self, q, k, v, score_tensors, mask_tensors, kv_num_blocks, kv_indices, full_kv_num_blocks,
+               full_kv_indices) -> tuple[torch.Tensor, torch.Tensor]:
+        sources = (q, k, v, None, *score_tensors, *mask_tensors, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                   full_kv_indices)
+        key = layout_key(sources, len(score_tensors))
+        launch = self._plans.get(key)
+        if launch is not None:
+            return launch(sources)
+        return self.checked(sources, len(score_tensors), key)
+
+    def checked(self, sources: tuple, n_score: int, key: tuple | None = None):
+        """(out, lse) of the call on `sources` (host_flex.sources' order, kv_len None) through every
+        check; remembers the launch that repeats it under `key`."""
+        q, k, v, _, *rest = sources
+        score_tensors, mask_tensors, block_mask = rest[:n_score], rest[n_score:-4], rest[-4:]
+        out, lse, launch = host_flex.run_checked(
+            q, k, v, scale=self.scale, score_mod=self.score_mod or None, score_tensors=score_tensors,
+            mask_mod=self.mask_mod or None, mask_tensors=mask_tensors, block_mask=block_mask,
+            kv_block_size=self.kv_block_size, q_block_size=self.q_block_size, copy_kv=True)
+        if key is not None:
+            if len(self._plans) >= PLANS_PER_LAUNCHER:
+                self._plans.clear()
+            self._plans[key] = launch
+        return out, lse
+
+
+_LAUNCHERS: dict[tuple, FlexDecodeLauncher] = {}
+
+
+def launcher(scale: float, score_mod: str, mask_mod: str, kv_block_size: int, q_block_size: int
+             ) -> FlexDecodeLauncher:
+    """The shared launcher for these static values (one per distinct call site's values)."""
+    key = (scale, score_mod, mask_mod, kv_block_size, q_block_size)
+    found = _LAUNCHERS.get(key)
+    if found is None:
+        found = _LAUNCHERS.setdefault(key, FlexDecodeLauncher(*key))
+    return found
+
+
+def flex_decode(q, k, v, scale: float, score_mod: str, score_tensors, mask_mod: str, mask_tensors, kv_num_blocks,
+                kv_indices, full_kv_num_blocks, full_kv_indices, kv_block_size: int, q_block_size: int):
+    """The custom op's arguments (its schema's order) -> (out, lse)."""
+    key = (scale, score_mod, mask_mod, kv_block_size, q_block_size)
+    found = _LAUNCHERS.get(key)
+    if found is None:
+        found = launcher(*key)
+    return found.launch(q, k, v, score_tensors, mask_tensors, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                        full_kv_indices)
