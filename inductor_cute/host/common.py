@@ -39,3 +39,23 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def tma_view(t: torch.Tensor, unit_mode: int) -> torch.Tensor | None:
+    """`t` (any rank) restrided for TMA with `unit_mode` contiguous, or None if its layout cannot be.
+
+    TMA needs a unit-stride mode, every other stride a multiple of 16 bytes and a 16-byte aligned
+    base. Modes of extent 1 have no meaningful stride, so they get a packed one."""
+    sizes, strides = list(t.shape), list(t.stride())
+    if t.data_ptr() % ALIGN_BYTES or (sizes[unit_mode] > 1 and strides[unit_mode] != 1):
+        return None
+    strides[unit_mode] = 1
+    packed = max(sz * st for sz, st in zip(sizes, strides))
+    for i in range(t.dim()):
+        if i == unit_mode:
+            continue
+        if sizes[i] == 1:
+            strides[i] = -(-packed // 8) * 8
+        elif strides[i] % 8 or strides[i] == 0:
+            return None
+    return t.as_strided(sizes, strides)

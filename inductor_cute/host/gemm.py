@@ -10,6 +10,7 @@ import torch
 from ..errors import UnsupportedError
 from ..runtime import get_kernel
 from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count
+from .common import tma_view as _tma_view
 
 try:  # what Inductor's output code calls reinterpret_tensor: a view in C++, a third of as_strided's host time
     from torch._C._dynamo.guards import _reinterpret_tensor as _alias
@@ -18,26 +19,6 @@ except ImportError:  # pragma: no cover
         return t.as_strided(sizes, strides, t.storage_offset() + offset_increment)
 
 _GEMM_INPUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _tma_view(t: torch.Tensor, unit_mode: int) -> torch.Tensor | None:
-    """`t` (3-D) restrided for TMA with `unit_mode` contiguous, or None if its layout cannot be.
-
-    TMA needs a unit-stride mode, every other stride a multiple of 16 bytes and a 16-byte aligned
-    base. Modes of extent 1 have no meaningful stride, so they get a packed one."""
-    sizes, strides = list(t.shape), list(t.stride())
-    if t.data_ptr() % ALIGN_BYTES or (sizes[unit_mode] > 1 and strides[unit_mode] != 1):
-        return None
-    strides[unit_mode] = 1
-    packed = max(sz * st for sz, st in zip(sizes, strides))
-    for i in range(3):
-        if i == unit_mode:
-            continue
-        if sizes[i] == 1:
-            strides[i] = -(-packed // 8) * 8
-        elif strides[i] % 8 or strides[i] == 0:
-            return None
-    return t.as_strided(sizes, strides)
 
 
 def _operand(t: torch.Tensor, modes: tuple[int, ...]) -> tuple[torch.Tensor | None, int]:

@@ -10,7 +10,8 @@ import torch
 
 from ..errors import UnsupportedError
 from ..runtime import get_kernel
-from .common import ALIGN_BYTES, check_cuda, sm_count
+from .common import check_cuda, sm_count
+from .common import tma_view as _tma_view
 
 NAME = "grouped_mm"
 
@@ -20,24 +21,6 @@ def _grouped_kernel(problem, config, num_sms: int):
     from ..kernels.gemm.grouped_config import spec
 
     return get_kernel(spec(problem, config, num_sms))
-
-
-def _tma_view(t: torch.Tensor, unit_mode: int) -> torch.Tensor | None:
-    """`t` restrided with `unit_mode` contiguous and every other stride a multiple of 8 elements
-    (16 bytes), or None if its layout cannot be; size-1 modes get a packed stride."""
-    sizes, strides = list(t.shape), list(t.stride())
-    if t.data_ptr() % ALIGN_BYTES or (sizes[unit_mode] > 1 and strides[unit_mode] != 1):
-        return None
-    strides[unit_mode] = 1
-    packed = max(sz * st for sz, st in zip(sizes, strides))
-    for i in range(t.dim()):
-        if i == unit_mode:
-            continue
-        if sizes[i] == 1:
-            strides[i] = -(-packed // 8) * 8
-        elif strides[i] % 8 or strides[i] == 0:
-            return None
-    return t.as_strided(sizes, strides)
 
 
 def _b_operand(b: torch.Tensor) -> tuple[torch.Tensor, str]:
