@@ -113,18 +113,9 @@ def problem_error(p: FlexDecodeProblem) -> str | None:
         return problem
     if p.sparse_block < 0:
         return f"block mask KV block size {p.sparse_block} is negative"
-    from ..common.programs.score import canonical
+    from ..common.programs.score import programs_error
 
-    for kind, text, dtypes in (("score", p.score_program, p.score_dtypes),
-                               ("mask", p.mask_program, p.mask_dtypes)):
-        if not (text or dtypes):
-            continue
-        try:
-            if canonical(text, dtypes, mask=kind == "mask") != text:
-                return f"{kind}_program must be in canonical form (score_program.canonical)"
-        except ValueError as e:
-            return str(e)
-    return None
+    return programs_error(p.score_program, p.score_dtypes, p.mask_program, p.mask_dtypes)
 
 
 def config_error(config: FlexDecodeConfig, problem: FlexDecodeProblem) -> str | None:

@@ -112,18 +112,9 @@ def problem_error(p: FlexPrefillProblem) -> str | None:
         return f"block mask KV block size {p.sparse_block} is negative"
     if p.sparse_q_block <= 0 or p.sparse_q_block % M_BLOCK:
         return f"block mask query block size {p.sparse_q_block} is not a multiple of {M_BLOCK}"
-    from ..common.programs.score import canonical
+    from ..common.programs.score import programs_error
 
-    for kind, text, dtypes in (("score", p.score_program, p.score_dtypes),
-                               ("mask", p.mask_program, p.mask_dtypes)):
-        if not (text or dtypes):
-            continue
-        try:
-            if canonical(text, dtypes, mask=kind == "mask") != text:
-                return f"{kind}_program must be in canonical form (score_program.canonical)"
-        except ValueError as e:
-            return str(e)
-    return None
+    return programs_error(p.score_program, p.score_dtypes, p.mask_program, p.mask_dtypes)
 
 
 def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str | None:

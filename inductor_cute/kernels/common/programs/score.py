@@ -178,3 +178,17 @@ def reference_keep(shape, mask_text: str = "", mask_tensors=(), block_mask=None,
 
     full = listed(full_num, full_ind) if full_num is not None else torch.zeros_like(keep)
     return full | (listed(num, ind) & keep)
+
+
+def programs_error(score_program: str, score_dtypes, mask_program: str, mask_dtypes) -> str | None:
+    """Why a kernel's score and mask programs cannot be compiled (not canonical, or invalid); None
+    if they can. Kernel problems (decode, prefill) check their programs here."""
+    for kind, text, dtypes in (("score", score_program, score_dtypes), ("mask", mask_program, mask_dtypes)):
+        if not (text or dtypes):
+            continue
+        try:
+            if canonical(text, dtypes, mask=kind == "mask") != text:
+                return f"{kind}_program must be in canonical form (score_program.canonical)"
+        except ValueError as e:
+            return str(e)
+    return None
