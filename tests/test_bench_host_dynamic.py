@@ -22,10 +22,12 @@ def test_gemm_dynamic_cases_name_their_rows_and_share_one_dynamic_compile():
 
 
 def test_gemm_dynamic_block_is_linear_gelu_linear_plus_residual():
-    x, w1, b1, w2, b2 = (torch.randn(*s, dtype=torch.float64) for s in ((3, 8), (5, 8), (5,), (8, 5), (8,)))
-    h = x @ w1.t() + b1
+    block = gemm_dynamic.Block(8, 5, device="cpu", dtype=torch.float64)
+    assert all(isinstance(p, torch.nn.Parameter) for p in (block.up, block.up_bias, block.down, block.down_bias))
+    x = torch.randn(3, 8, dtype=torch.float64)
+    h = x @ block.up.t() + block.up_bias
     h = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h ** 3)))
-    torch.testing.assert_close(gemm_dynamic.block(x, w1, b1, w2, b2), x + h @ w2.t() + b2)
+    torch.testing.assert_close(block(x), x + h @ block.down.t() + block.down_bias)
 
 
 def test_host_cases_cover_mm_rows_gemv_and_flex_variants():

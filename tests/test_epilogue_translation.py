@@ -5,6 +5,7 @@ pointwise buffers are translated against the GEMM buffer, and the program is eva
 torch ops on operand views rebuilt from the translation's strides and offsets, the way the
 generated call hands them to the kernel, against the function itself."""
 
+import dataclasses
 import re
 
 import pytest
@@ -235,7 +236,7 @@ def test_a_translated_program_compiles_into_the_gemm():
 _CONFIG = (128, 128, 64, 1, 1, 6, 2, True, False)  # what the H200 picked for these shapes
 
 
-def _our_addmm(inp, mat1, mat2, *, beta=1, alpha=1, node="template"):
+def _our_addmm(inp, mat1, mat2, *, beta=1, alpha=1, node="template", config=_CONFIG):
     """Our chosen addmm: the template node (fusion on) or the plain extern node (fusion off)."""
     from torch._inductor import lowering
 
@@ -245,7 +246,7 @@ def _our_addmm(inp, mat1, mat2, *, beta=1, alpha=1, node="template"):
     (m, _), (_, n) = mat1.get_size(), mat2.get_size()
     inputs = [ir.ExternKernel.realize_input(t) for t in (lowering.expand(inp, [m, n]), mat1, mat2)]
     layout = ir.FixedLayout(mat1.get_device(), mat1.get_dtype(), [m, n], [n, 1])
-    kwargs = {"op": "addmm", "config": _CONFIG, "alpha": float(alpha), "beta": float(beta)}
+    kwargs = {"op": "addmm", "config": config, "alpha": float(alpha), "beta": float(beta)}
     if node == "extern":
         return ir.TensorBox.create(CuteGemmOut(layout=layout, inputs=inputs, kwargs=kwargs,
                                                python_kernel_name=f"{RUNTIME}.gemm"))
@@ -254,7 +255,7 @@ def _our_addmm(inp, mat1, mat2, *, beta=1, alpha=1, node="template"):
                                                       num_sms=132))
 
 
-def scheduled(fn, shapes, dynamic=(), codegen=False, node="template"):
+def scheduled(fn, shapes, dynamic=(), codegen=False, node="template", config=_CONFIG):
     """The scheduler's nodes (lists of the operation names fused into each) for fn on bf16 CUDA
     tensors of `shapes`; sizes listed in `dynamic` become one symbolic size each; `node` is what
     our chosen addmm becomes (see _our_addmm). With `codegen`, also the output code (the fused
@@ -280,7 +281,7 @@ def scheduled(fn, shapes, dynamic=(), codegen=False, node="template"):
     addmm = torch.ops.aten.addmm.default
     scheduling = hook("cuda_scheduling")
     saved, installed_before = lowering.lowerings[addmm], scheduling.installed()
-    lowering.lowerings[addmm] = functools.partial(_our_addmm, node=node)
+    lowering.lowerings[addmm] = functools.partial(_our_addmm, node=node, config=config)
     scheduling.install()
     try:
         with inductor_config.patch(benchmark_epilogue_fusion=False, cuda_backend="triton"), \
@@ -342,6 +343,23 @@ def test_the_fused_call_on_3d_activations_writes_its_output_as_the_gemm_shape():
     assert re.fullmatch(r"reinterpret_tensor\(x_1, .*\), reinterpret_tensor\(w_1, .*\), "
                         r"reinterpret_tensor\(buf1, \(2\*s\d+, 2048\), \(2048, 1\), 0\), "
                         r"reinterpret_tensor\(b_1, .*\), reinterpret_tensor\(r_1, .*\)", calls[0][1]), calls[0][1]
+
+
+def test_a_fused_epilogue_drops_the_stages_its_c_tile_needs():
+    """The H200 picked 128x192x64 with 5 stages for the GPU test's addmm: 200 KB of stages leave no
+    room for the residual's C tile, so the fused launch runs the same tile with 4 stages."""
+    from inductor_cute.kernels.gemm.config import GemmConfig, GemmProblem, unsupported_reason
+
+    deep = GemmConfig(128, 192, 64, 1, 1, 5, 2, True, False)
+    fused = GemmProblem("bfloat16", "bfloat16", "k", "k", has_bias=True, has_c=True, epilogue="program")
+    assert unsupported_reason(fused, deep) is not None  # what made the GPU test's fusion fail before
+    shapes = [(2048, 1024), (2048,), (1000, 1024), (1000, 2048)]
+    config = tuple(deep.as_params().values())
+    nodes, code = scheduled(LINEAR["silu*2+residual"], shapes, codegen=True, config=config)
+    (definition,) = our_launchers(code)[0].values()
+    assert nodes == [["op0", "op1"]]
+    fitted = tuple(dataclasses.replace(deep, stages=4).as_params().values())
+    assert definition.startswith(f"inductor_cute.inductor.gemm.runtime.GemmLauncher(op='mm', config={fitted!r}, ")
 
 
 @pytest.mark.parametrize("node", ["template", "extern"])

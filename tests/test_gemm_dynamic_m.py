@@ -196,14 +196,9 @@ def test_output_code_of_a_fused_gemm_defines_its_launcher_with_the_table():
 
     table = buckets.as_table_tuple(buckets.bucket_configs(GemmProblem("bfloat16", "bfloat16", "k", "k", True),
                                                           2048, 1024, num_sms=132))
-    saved = lowering_tests._CONFIG
-    lowering_tests._CONFIG = table  # what our chosen addmm carries
-    try:
-        shapes = [(2048, 1024), (2048,), (300, 1024), (300, 2048)]
-        nodes, code = lowering_tests.scheduled(lowering_tests.LINEAR["gelu_tanh+residual"], shapes, (300,),
-                                               codegen=True)
-    finally:
-        lowering_tests._CONFIG = saved
+    shapes = [(2048, 1024), (2048,), (300, 1024), (300, 2048)]
+    nodes, code = lowering_tests.scheduled(lowering_tests.LINEAR["gelu_tanh+residual"], shapes, (300,),
+                                           codegen=True, config=table)  # what our chosen addmm carries
     definitions, calls = lowering_tests.our_launchers(code)
     assert nodes == [["op0", "op1"]]  # every bucket's config takes the epilogue
     (definition,) = definitions.values()

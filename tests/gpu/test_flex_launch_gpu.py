@@ -5,6 +5,8 @@ call so that partials and outputs the kernel leaves unwritten show; a changed la
 length, batch, stride, dtype) takes the checked path again; a remembered launch gives bit for bit
 what ops.flex_decode gives. CPU tests of the same path: tests/test_flex_launch.py."""
 
+import functools
+import logging
 import math
 
 import pytest
@@ -70,12 +72,19 @@ def assert_matches(out, lse, ref, ref_lse, dtype):
 SLOPES = torch.exp2(-torch.arange(1, 33, dtype=torch.float32))
 
 
+@functools.cache
+def slopes_on_gpu() -> torch.Tensor:
+    """ALiBi slopes as a model holds them: on the GPU, captured by the score_mod (a `.cuda()`
+    inside the score_mod would be a device copy no flex lowering can compile, stock included)."""
+    return SLOPES.cuda()
+
+
 def softcap(score, b, h, m, n):
     return 30 * torch.tanh(score / 30)
 
 
 def alibi(score, b, h, m, n):
-    return score + SLOPES.cuda()[h] * (n - m)
+    return score + slopes_on_gpu()[h] * (n - m)
 
 
 def sliding(b, h, m, n):
@@ -110,13 +119,14 @@ def test_compiled_calls_repeat_the_remembered_launch_and_match(name, dtype, chec
     assert len(launcher._plans) == 1 and None not in launcher._plans.values()
 
 
-def test_layout_changes_take_the_checked_path_and_match(checked_runs):
+def test_layout_changes_take_the_checked_path_and_match(checked_runs, caplog):
     """A KV cache (batch, max_len, heads, dim) sliced to the current length (dynamic), another
     batch, a contiguous cache, fp16: each new layout checked once, every call matching."""
     cache = rand(4, 4096, 8, 128), rand(4, 4096, 8, 128)
     compiled = torch.compile(flex_attention, dynamic=True)
     steps = [(4, 1000, "view"), (4, 1000, "view"), (4, 1537, "view"), (4, 1000, "view"), (2, 1537, "view"),
              (4, 1537, "contiguous"), (4, 1537, "contiguous")]
+    caplog.set_level(logging.DEBUG, logger="inductor_cute.inductor.flex.lowering")
     with inductor_cute.enable(flex_decode=True):
         for batch, kv_len, kind in steps:
             k, v = (c[:batch, :kv_len].transpose(1, 2) for c in cache)
@@ -126,7 +136,10 @@ def test_layout_changes_take_the_checked_path_and_match(checked_runs):
             poison_free_memory()
             out, lse = compiled(q, k, v, enable_gqa=True, return_lse=True)
             assert_matches(out, lse, *reference(q, k, v), torch.bfloat16)
-    assert len(checked_runs) == 4  # (4, 1000), (4, 1537), (2, 1537) views, then the contiguous cache
+    declined = [r.getMessage() for r in caplog.records if "stock lowering" in r.getMessage()]
+    assert not declined
+    # (4, 1000), (4, 1537), (2, 1537) views, then the contiguous cache
+    assert len(checked_runs) == 4, [r.getMessage() for r in caplog.records if "inductor-cute" in r.getMessage()]
     (launcher,) = runtime._LAUNCHERS.values()
     assert len(launcher._plans) == 4
 

@@ -32,16 +32,32 @@ def case_name(m: int) -> str:
     return f"mlp {HIDDEN}x{INTERMEDIATE} dynamic M={m}"
 
 
+class Block(torch.nn.Module):
+    """The MLP as a model holds it: weights are parameters, so a dynamic=True compile keeps their
+    shapes static (dynamo's force_parameter_static_shapes) and only the rows vary. Weights passed
+    as graph inputs would be dynamic too, and no GEMM kernel of ours (nor a tuned Triton one)
+    serves a symbolic K or N."""
+
+    def __init__(self, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE, device="cuda",
+                 dtype=torch.bfloat16) -> None:
+        super().__init__()
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def weight(*shape, scale):
+            values = torch.randn(*shape, device=device, dtype=dtype, generator=g) * scale
+            return torch.nn.Parameter(values, requires_grad=False)
+
+        self.up, self.up_bias = weight(intermediate, hidden, scale=hidden ** -0.5), weight(intermediate, scale=0.1)
+        self.down, self.down_bias = weight(hidden, intermediate, scale=intermediate ** -0.5), weight(hidden, scale=0.1)
+
+    def forward(self, x):
+        hidden = F.gelu(F.linear(x, self.up, self.up_bias), approximate="tanh")
+        return x + F.linear(hidden, self.down, self.down_bias)
+
+
 @functools.cache
-def _weights():
-    g = torch.Generator(device="cuda").manual_seed(0)
-    kw = dict(device="cuda", dtype=torch.bfloat16, generator=g)
-    return (torch.randn(INTERMEDIATE, HIDDEN, **kw) * HIDDEN ** -0.5, torch.randn(INTERMEDIATE, **kw) * 0.1,
-            torch.randn(HIDDEN, INTERMEDIATE, **kw) * INTERMEDIATE ** -0.5, torch.randn(HIDDEN, **kw) * 0.1)
-
-
-def block(x, w1, b1, w2, b2):
-    return x + F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+def _block() -> Block:
+    return Block()
 
 
 def _inputs(m: int) -> torch.Tensor:
@@ -50,7 +66,7 @@ def _inputs(m: int) -> torch.Tensor:
 
 
 def compile_for(ours: bool, dynamic: bool, rows: tuple[int, ...]):
-    """`block` compiled in its own config and cold caches, called at each of `rows` inside it (so
+    """The MLP compiled in its own config and cold caches, called at each of `rows` inside it (so
     later calls at those sizes do not recompile); returns (compiled fn, compile seconds)."""
     import time
 
@@ -62,13 +78,13 @@ def compile_for(ours: bool, dynamic: bool, rows: tuple[int, ...]):
     backends = OUR_BACKENDS if ours else STOCK_BACKENDS
     options = {**list_mode_options("max-autotune-no-cudagraphs"), "max_autotune_gemm_backends": backends}
     enabled = inductor_cute.enable() if ours else contextlib.nullcontext()
-    # every runner's graphs are cache entries of `block`'s code: more than dynamo's default 8
+    # every runner's graphs are cache entries of the MLP's forward: more than dynamo's default 8
     many = torch._dynamo.config.patch(cache_size_limit=64, accumulated_cache_size_limit=1024)
     with enabled, many, config.patch(max_autotune_gemm_backends=backends, **COLD), _fresh_cache(), torch.no_grad():
-        compiled = torch.compile(block, options=options, dynamic=dynamic)
+        compiled = torch.compile(_block(), options=options, dynamic=dynamic)
         start = time.perf_counter()
         for m in rows:
-            compiled(_inputs(m), *_weights())
+            compiled(_inputs(m))
         torch.cuda.synchronize()
         return compiled, time.perf_counter() - start
 
@@ -81,25 +97,24 @@ def _dynamic(ours: bool, rows: tuple[int, ...]):
 
 def _case(m: int, rows: tuple[int, ...]) -> Case:
     x = _inputs(m)
-    weights = _weights()
     flops = 2 * m * HIDDEN * INTERMEDIATE * 2
     n_bytes = 2 * (2 * HIDDEN * INTERMEDIATE + 2 * m * HIDDEN + INTERMEDIATE + HIDDEN)
     runners, notes = {}, []
     for backend, ours in (("inductor_cute", True), ("triton", False)):
         fn, seconds = _dynamic(ours, rows)
-        runners[backend] = functools.partial(_call, fn, x, weights)
+        runners[backend] = functools.partial(_call, fn, x)
         notes.append(f"{backend} dynamic compile (all sizes) {seconds:.0f} s")
     static, seconds = compile_for(False, dynamic=False, rows=(m,))
-    runners["aten"] = functools.partial(_call, static, x, weights)
+    runners["aten"] = functools.partial(_call, static, x)
     notes.append(f"aten (stock static) compile {seconds:.0f} s")
     return Case(name=case_name(m), params={"M": m, "hidden": HIDDEN, "intermediate": INTERMEDIATE,
                                            "dtype": "bfloat16"},
                 flops=flops, bytes=n_bytes, matmul=True, runners=runners, notes=notes, atol=5e-2, rtol=5e-2)
 
 
-def _call(fn, x, weights):
+def _call(fn, x):
     with torch.no_grad():
-        return fn(x, *weights)
+        return fn(x)
 
 
 def cases(quick: bool):

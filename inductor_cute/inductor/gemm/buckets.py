@@ -81,6 +81,15 @@ def configs_of(values: tuple) -> list[GemmConfig | GemvConfig]:
     return list(table_of(values).configs) if is_table(values) else [family.from_tuple(values)]
 
 
+def with_configs(values: tuple, configs: list) -> tuple:
+    """`values` (one config's tuple or a table's) with its configs replaced by `configs`, in
+    configs_of's order."""
+    if not is_table(values):
+        (config,) = configs
+        return family.as_tuple(config)
+    return (TABLE_TAG, *((bound, family.as_tuple(cfg)) for (bound, _), cfg in zip(values[1:], configs, strict=True)))
+
+
 @functools.lru_cache(maxsize=None)
 def table_of(values: tuple) -> MBuckets:
     return MBuckets.from_tuple(values)

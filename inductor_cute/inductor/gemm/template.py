@@ -25,7 +25,7 @@ from torch._inductor.virtualized import V
 from ...errors import CompileError, first_line
 from ...host.common import DTYPE_NAMES
 from ...kernels.gemm import family
-from .buckets import configs_of
+from .buckets import configs_of, with_configs
 from .epilogue import Operand, translate
 from .codegen import define_launcher
 
@@ -85,10 +85,10 @@ class CuteGemmScheduling(BaseScheduling):
                 log.debug("inductor-cute does not fuse %s: %s is used elsewhere", node2.get_name(), buf)
                 return False
         problem = template.fused_problem(epi)
-        error = next(filter(None, (family.unsupported_reason(problem, cfg)
-                                   for cfg in configs_of(template.kwargs["config"]))), None)
-        if error:
-            log.debug("inductor-cute does not fuse %s: %s", node2.get_name(), error)
+        unfit = [cfg for cfg in configs_of(template.kwargs["config"]) if family.fitted_config(problem, cfg) is None]
+        if unfit:
+            log.debug("inductor-cute does not fuse %s: %s", node2.get_name(),
+                      family.unsupported_reason(problem, unfit[0]))
             return False
         log.debug("inductor-cute fuses %s into %s", node2.get_name(), template.get_name())
         return True
@@ -110,8 +110,9 @@ class CuteGemmScheduling(BaseScheduling):
                 if self.scheduler.can_buffer_be_removed_through_fusion(buf, names):
                     V.graph.removed_buffers.add(buf)
             problem = template.fused_problem(epi)
-            # every config the launcher may pick (an M-bucket table has several)
-            results = precompile([family.spec(problem, cfg, template.num_sms) for cfg in configs_of(kw["config"])])
+            # every config the launcher may pick (an M-bucket table has several), fitted to the epilogue
+            configs = [family.fitted_config(problem, cfg) for cfg in configs_of(kw["config"])]
+            results = precompile([family.spec(problem, cfg, template.num_sms) for cfg in configs])
             for result in results:
                 if result.status == "failed":  # past the point where Inductor could pick another kernel
                     raise CompileError(f"inductor-cute: the fused GEMM for {template.get_name()} failed to compile: "
@@ -124,8 +125,8 @@ class CuteGemmScheduling(BaseScheduling):
                 out_ref = (f"reinterpret_tensor({out_ref}, {wrapper.codegen_shape_tuple(size)}, "
                            f"{wrapper.codegen_shape_tuple(template.get_layout().stride)}, "
                            f"{wrapper.codegen_sizevar(out.get_layout().offset)})")
-            launcher = define_launcher(wrapper, op="bmm" if len(size) == 3 else "mm", config=kw["config"],
-                                       epilogue=epi.program)
+            launcher = define_launcher(wrapper, op="bmm" if len(size) == 3 else "mm",
+                                       config=with_configs(kw["config"], configs), epilogue=epi.program)
             args = [*(m.codegen_reference() for m in mats), out_ref, _operand_arg(epi.row, size),
                     _operand_arg(epi.full, size)]
             log.info("inductor-cute fused %d epilogue node(s) into %s", len(epilogue_nodes), template.get_name())

@@ -4,6 +4,8 @@ Offers the config modules' names (see config.py) for either kernel. DSL-free."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import config as gemm_config
 from . import gemv_config
 from .config import SM_COUNT, GemmConfig, GemmProblem
@@ -34,6 +36,21 @@ def default_config(problem: GemmProblem, m: int, n: int, k: int, batch: int = 1,
         if gemv_config.unsupported_reason(problem, gemv, m=m, k=k) is None:  # a K past 64 full A slices cannot
             return gemv
     return gemm_config.default_config(problem, m, n, k, batch, num_sms)
+
+
+def fitted_config(problem: GemmProblem, config: GemmConfig | GemvConfig) -> GemmConfig | GemvConfig | None:
+    """`config` itself when it can run `problem`, else the same tile with the fewest pipeline
+    stages dropped that make it fit (an epilogue's C tile takes shared memory the autotuned config
+    gave to stages; one stage less costs far less than the output's round trip through memory);
+    None when no such variant runs it."""
+    if unsupported_reason(problem, config) is None:
+        return config
+    if isinstance(config, GemmConfig):
+        for stages in range(config.stages - 1, 1, -1):
+            candidate = dataclasses.replace(config, stages=stages)
+            if unsupported_reason(problem, candidate) is None:
+                return candidate
+    return None
 
 
 def spec(problem: GemmProblem, config: GemmConfig | GemvConfig, num_sms: int = SM_COUNT):

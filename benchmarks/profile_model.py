@@ -1,0 +1,96 @@
+"""Where a model step's device time goes, stock torch.compile vs enabled: the `models` suite's model
+and step, each compiled once, then torch.profiler over back-to-back steps; per runner the kernels
+by total device time, the device time and wall time per step, and the output code.
+
+    python3 benchmarks/profile_model.py [--model llama3-8b] [--layers 4] [--phase decode]
+        [--batch 8] [--tokens 8192] [--mode default] [--steps 20] [--out DIR]
+
+--mode default skips autotuning (fast to compile; our GEMMs take part only in max-autotune modes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+
+
+def profile(step, forward, steps: int):
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    for _ in range(3):
+        step(forward)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(forward)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps * 1e6
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(forward)
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    return wall, kernels
+
+
+def report(name: str, wall: float, kernels: dict, steps: int) -> str:
+    total = sum(sum(v) for v in kernels.values()) / steps
+    lines = [f"== {name}: wall {wall:.1f} us/step, device {total:.1f} us/step",
+             f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  kernel"]
+    for kname, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
+        per_step = sum(times) / steps
+        lines.append(f"{per_step:9.1f} {len(times) / steps:10.1f} {sum(times) / len(times):8.1f}  {kname[:110]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import inductor_cute
+    from inductor_cute.bench.suites import models
+    from inductor_cute.bench.suites.gemm_compiled import COLD, _fresh_cache, capture
+    from torch._inductor import config
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--phase", default="decode")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--mode", default="default")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    model = models.build_model(models.MODELS[args.model], args.layers)
+    step = (models.DecodeStep if args.phase == "decode" else models.PrefillStep)(model, args.batch, args.tokens)
+    text = [f"{args.model} {args.phase} B{args.batch} tokens {args.tokens}, {args.layers} layers, mode {args.mode}"]
+    for name, ours in (("stock", False), ("enabled", True)):
+        codes: list[str] = []
+        torch._dynamo.reset()
+        enabled = inductor_cute.enable() if ours else contextlib.nullcontext()
+        with enabled, config.patch(**COLD), _fresh_cache(), capture(codes, []), torch.no_grad():
+            forward = torch.compile(model.forward, mode=args.mode, dynamic=False)
+            start = time.perf_counter()
+            step(forward)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - start
+            wall, kernels = profile(step, forward, args.steps)
+        with open(os.path.join(args.out, f"profile-{name}-code.py"), "w") as f:
+            f.write("\n\n# ---- next graph ----\n\n".join(codes))
+        text.append(f"(compile {compile_s:.1f} s, our call sites {models.our_kernel_calls(chr(10).join(codes))})")
+        text.append(report(name, wall, kernels, args.steps))
+    out = "\n\n".join(text)
+    print(out)
+    with open(os.path.join(args.out, "profile.txt"), "w") as f:
+        f.write(out + "\n")
+
+
+if __name__ == "__main__":
+    main()
