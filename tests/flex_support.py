@@ -16,10 +16,11 @@ import inductor_cute
 from inductor_cute.host import flex as host_flex
 from inductor_cute.inductor.flex import lowering as flex
 from inductor_cute.inductor.flex.lowering import decline_reason  # the real one: `decisions` patches the module's
+from inductor_cute.inductor.flex.runtime import FlexDecodeLauncher
 from inductor_cute.kernels.common.programs import score as sp
 
 HOP = torch.ops.higher_order.flex_attention
-OUR_CALL = "torch.ops.inductor_cute.flex_decode.default"
+OUR_CALL = "inductor_cute.inductor.flex.runtime.FlexDecodeLauncher("  # a call site's definition
 
 
 def compiled(fn, *args, dynamic=None, **kwargs):
@@ -84,11 +85,18 @@ def register_stand_in():  # once per session; only CPU calls of our op reach it
     flex.register_kernel("cpu", _stand_in)
 
 
+def _through_the_op(self, *args):
+    return torch.ops.inductor_cute.flex_decode.default(*args)
+
+
 @pytest.fixture
 def cpu_accepted(monkeypatch):
-    """The lowering treats the CPU as a Hopper GPU and the op runs `_stand_in` there."""
+    """The lowering treats the CPU as a Hopper GPU, and output code's launchers call the op, which
+    runs `_stand_in` there."""
     register_stand_in()
     monkeypatch.setattr(flex, "_device_reason", lambda device: None)
+    monkeypatch.setattr(FlexDecodeLauncher, "call", _through_the_op)
+    monkeypatch.setattr(FlexDecodeLauncher, "call_static", _through_the_op)
 
 
 def traced_problem(decisions, **kwargs) -> flex.FlexProblem:

@@ -67,6 +67,7 @@ def test_case_names_and_the_suite_is_registered():
 def test_our_kernel_calls_counts_gemm_and_flex_call_sites():
     code = ("icute_gemm_0 = inductor_cute.inductor.gemm.runtime.GemmLauncher(op='mm', config=(8,)).launch\n"
             "icute_gemm_0(a, b, buf1)\n"
-            "buf2 = torch.ops.inductor_cute.flex_decode.default(q, k, v)\n"
+            "icute_flex_1 = inductor_cute.inductor.flex.runtime.FlexDecodeLauncher(scale=0.1).call_static\n"
+            "buf2 = icute_flex_1(q, k, v)\n"
             "buf3 = extern_kernels.mm(a, b)\n")
     assert M.our_kernel_calls(code) == 2

@@ -357,3 +357,31 @@ def test_the_op_keeps_the_schema_output_code_calls():
         "Tensor? full_kv_indices, SymInt kv_block_size, SymInt q_block_size) -> (Tensor, Tensor)")
     assert torch.Tag.pt2_compliant_tag in torch.ops.inductor_cute.flex_decode.default.tags
     assert lowering.SCHEMA in schema
+
+
+def test_a_static_call_site_repeats_its_first_aligned_launch_without_a_key(cpu_flex_kernels, checked_runs,
+                                                                            monkeypatch):
+    q, k, v = qkv()
+    launcher = FlexDecodeLauncher(0.125, ALIBI)
+    t = torch.rand(8)
+    args = lambda q: (q, k, v, 0.125, ALIBI, [t], "", [], *NO_BLOCKS, 0, 0)  # noqa: E731 (the op's order)
+    out, lse = launcher.call_static(*args(q))
+    first = cpu_flex_kernels.args
+    keys = []
+    monkeypatch.setattr(runtime, "layout_key", lambda *a: keys.append(a) or ("key",))
+    for _ in range(3):
+        q2 = like(q)
+        launcher.call_static(*args(q2))
+        assert cpu_flex_kernels.args[0].data_ptr() == q2.data_ptr() and cpu_flex_kernels.args[8:] == first[8:]
+    assert len(checked_runs) == 1 and not keys  # no layout key once the static launch is known
+    skewed = torch.empty(q.numel() + 1, dtype=BF16)[1:].view(q.shape).copy_(q)  # misaligned: the keyed path
+    launcher.call_static(*args(skewed))
+    assert keys and len(checked_runs) == 2 and cpu_flex_kernels.args[0].data_ptr() % 16 == 0
+
+
+def test_output_code_calls_a_launcher_per_call_site(cpu_flex_kernels):
+    launcher = FlexDecodeLauncher(0.125)
+    q, k, v = qkv()
+    out, lse = launcher.call(q, k, v, 0.125, "", [], "", [], *NO_BLOCKS, 0, 0)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and len(launcher._plans) == 1
+    assert not runtime._LAUNCHERS  # the header's own launcher, not the op's shared ones

@@ -40,29 +40,27 @@ def _gemm_kernel(problem, config, num_sms: int):
     return get_kernel(family.spec(problem, config, num_sms))
 
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> zeroed GEMV arrival counters
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # see _gemv_workspace
 
 
 def _gemv_workspace(device, sizes: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMV's split-K partials (fresh from torch's caching allocator) and arrival counters.
-
-    The kernel's last CTA on each N block sets its counter back to zero, so one zeroed buffer per
-    stream serves every later call on that stream (calls on one stream never overlap): no memset
-    launch per call. During CUDA-graph capture the counters are a fresh zeroed buffer instead,
-    recorded into the graph with its memset, so no graph shares a buffer with eager calls or with
-    another graph. Without a split the kernel touches neither."""
+    """The GEMV's split-K partials and arrival counters, allocated once per (device, stream) and
+    sizes, so that a call allocates nothing: calls on one stream never overlap, the partials are
+    written before they are read within one launch, and the kernel's last CTA on each N block sets
+    its counter back to zero (zeroed once here: no memset per call). Without a split the kernel
+    touches neither, so any stream may share them. During CUDA-graph capture both are fresh
+    (counters zeroed, that memset recorded into the graph): no graph shares a buffer with eager
+    calls or with another graph."""
     n_partials, n_counters, split = sizes
-    partials = torch.empty(n_partials, device=device, dtype=torch.float32)
-    if not split:
-        return partials, torch.empty(n_counters, device=device, dtype=torch.int32)
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return partials, torch.zeros(n_counters, device=device, dtype=torch.int32)
-    stream = torch.cuda.current_stream(device)
-    key = (stream.device_index, stream.cuda_stream)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < n_counters:
-        counters = _COUNTERS[key] = torch.zeros(max(n_counters, 4096), device=device, dtype=torch.int32)
-    return partials, counters[:n_counters]
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
+        return (torch.empty(n_partials, device=device, dtype=torch.float32),
+                torch.zeros(n_counters, device=device, dtype=torch.int32))
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index) if split else None, sizes)
+    found = _WORKSPACES.get(key)
+    if found is None:
+        found = _WORKSPACES[key] = (torch.empty(n_partials, device=device, dtype=torch.float32),
+                                    torch.zeros(n_counters, device=device, dtype=torch.int32))
+    return found
 
 
 def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue=""):

@@ -68,7 +68,7 @@ def _flex_case(variant: str) -> Case:
 
     ours = _compiled(attend, (q, k, v), True)
     stock = _compiled(attend, (q, k, v), False)
-    flex_calls = ours.code.count("torch.ops.inductor_cute.flex_decode.default(")
+    flex_calls = ours.code.count("inductor_cute.inductor.flex.runtime.FlexDecodeLauncher(")
     runners = {"inductor_cute": ours.run, "triton": stock.run, "aten": lambda: attend(q, k, v)}
     return Case(name=f"flex decode {variant} B{b} Hq{hq} Hkv{hkv} d{d} KV{kv}",
                 params={"B": b, "Hq": hq, "Hkv": hkv, "D": d, "KV": kv, "variant": variant},

@@ -199,7 +199,7 @@ def wall_us(fns: dict, calls: int = 10, rounds: int = 5, warmup: int = 3) -> dic
 def our_kernel_calls(code: str) -> int:
     """Call sites of our kernels in Inductor's output code."""
     return (code.count("inductor_cute.inductor.gemm.runtime.GemmLauncher(")  # one definition per GEMM call site
-            + code.count("torch.ops.inductor_cute.flex_decode.default("))
+            + code.count("inductor_cute.inductor.flex.runtime.FlexDecodeLauncher("))
 
 
 def _compile(step, mode: str, ours: bool):

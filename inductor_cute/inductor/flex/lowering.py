@@ -278,10 +278,24 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
 # ------------------------------------------------------------------------------- the lowering
 
 class _FlexDecodeCall(ir.FallbackKernel):
-    """The custom-op call, whose output code first imports the module that registers the op."""
+    """The custom op in the graph (its schema gives Inductor the outputs' layouts); in output code
+    a call of a FlexDecodeLauncher defined for this call site in the module's header (built from
+    plain values, so a graph served from the FX cache works in a fresh process), with the op's
+    arguments: Python calling Python, without the dispatcher's cost per call."""
 
     def codegen(self, wrapper) -> None:
-        wrapper.add_import_once(f"import {__name__}")
+        from ..gemm.codegen import is_static, layout_exprs
+
+        wrapper.add_import_once(f"import {_runtime.MODULE}")
+        args, _ = self.unflatten_args(self.inputs, self.constant_args)
+        scale, score_mod, mask_mod, kv_block, q_block = args[3], args[4], args[6], args[12], args[13]
+        static = is_static(kv_block, q_block, *(e for node in self.inputs for e in layout_exprs(node)))
+        name = f"icute_flex_{wrapper.next_kernel_suffix()}"
+        method = "call_static" if static else "call"
+        wrapper.define_kernel(name, f"{_runtime.MODULE}.FlexDecodeLauncher(scale={float(scale)!r}, "
+                                    f"score_mod={score_mod!r}, mask_mod={mask_mod!r}, kv_block_size={int(kv_block)}, "
+                                    f"q_block_size={int(q_block)}).{method}", gpu=False)
+        self.python_kernel_name = name
         super().codegen(wrapper)
 
 

@@ -34,13 +34,14 @@ class FlexDecodeLauncher:
     sizes=) returning (out, lse), with k/v views the kernel cannot stream copied (a graph may
     slice them) rather than refused."""
 
-    __slots__ = ("scale", "score_mod", "mask_mod", "kv_block_size", "q_block_size", "_plans")
+    __slots__ = ("scale", "score_mod", "mask_mod", "kv_block_size", "q_block_size", "_plans", "_static")
 
     def __init__(self, scale: float, score_mod: str = "", mask_mod: str = "", kv_block_size: int = 0,
                  q_block_size: int = 0) -> None:
         self.scale, self.score_mod, self.mask_mod = scale, score_mod, mask_mod
         self.kv_block_size, self.q_block_size = kv_block_size, q_block_size
         self._plans: dict[tuple, host_flex.FlexDecodeLaunch | None] = {}  # None: checked path each call
+        self._static: host_flex.FlexDecodeLaunch | None = None
 
     def __repr__(self) -> str:
         return f"FlexDecodeLauncher(scale={self.scale!r}, score_mod={self.score_mod!r}, " \
@@ -56,6 +57,36 @@ class FlexDecodeLauncher:
         if launch is not None:
             return launch(sources)
         return self.checked(sources, len(score_tensors), key)
+
+    def call(self, q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks, kv_indices,
+             full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size) -> tuple[torch.Tensor, torch.Tensor]:
+        """The custom op's arguments (what output code passes, in the schema's order); the static
+        ones are this launcher's own."""
+        return self.launch(q, k, v, score_tensors, mask_tensors, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                           full_kv_indices)
+
+    def call_static(self, q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks,
+                    kv_indices, full_kv_num_blocks, full_kv_indices, kv_block_size,
+                    q_block_size) -> tuple[torch.Tensor, torch.Tensor]:
+        """`call` for a call site whose tensors all have static layouts (lowering.py decides): the
+        launch remembered from the first 16-byte aligned call serves every later aligned one
+        without a layout key (as GemmLauncher.launch_static, whose docstring says why)."""
+        sources = (q, k, v, None, *score_tensors, *mask_tensors, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                   full_kv_indices)
+        aligned = not any(t is not None and t.data_ptr() & 15 for t in sources)
+        launch = self._static
+        if launch is not None and aligned:
+            return launch(sources)
+        key = layout_key(sources, len(score_tensors))
+        launch = self._plans.get(key)
+        if launch is None:
+            out, lse = self.checked(sources, len(score_tensors), key)
+            launch = self._plans[key]
+        else:
+            out, lse = launch(sources)
+        if aligned:
+            self._static = launch  # None where the checked path copied an operand: checked each call
+        return out, lse
 
     def checked(self, sources: tuple, n_score: int, key: tuple | None = None):
         """(out, lse) of the call on `sources` (host_flex.sources' order, kv_len None) through every

@@ -13,7 +13,7 @@ from ...errors import first_line
 from ..hooks import ExternKernel
 from ..settings import active_settings
 from . import runtime
-from .codegen import define_launcher
+from .codegen import define_launcher, is_static, layout_exprs
 
 log = logging.getLogger(__name__)
 RUNTIME = runtime.MODULE
@@ -23,9 +23,11 @@ class CuteGemmOut(ir.ExternKernelOut):
     """The chosen GEMM in the graph, unfused: `icute_gemm_<n>(*inputs, out)`."""
 
     def codegen(self, wrapper) -> None:
-        launcher = define_launcher(wrapper, **self.kwargs)
+        out_node = self.output_view or self
+        static = is_static(*(e for node in (*self.inputs, out_node) for e in layout_exprs(node)))
+        launcher = define_launcher(wrapper, static=static, **self.kwargs)
         self.codegen_comment(wrapper)
-        out = (self.output_view or self).codegen_reference()
+        out = out_node.codegen_reference()
         wrapper.writeline(f"{launcher}({', '.join([*self.codegen_args(), out])})")
 
 

@@ -27,7 +27,7 @@ from ...host.common import DTYPE_NAMES
 from ...kernels.gemm import family
 from .buckets import configs_of, with_configs
 from .epilogue import Operand, translate
-from .codegen import define_launcher
+from .codegen import define_launcher, is_static, layout_exprs
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +125,18 @@ class CuteGemmScheduling(BaseScheduling):
                 out_ref = (f"reinterpret_tensor({out_ref}, {wrapper.codegen_shape_tuple(size)}, "
                            f"{wrapper.codegen_shape_tuple(template.get_layout().stride)}, "
                            f"{wrapper.codegen_sizevar(out.get_layout().offset)})")
+            operands = [op for op in (epi.row, epi.full) if op is not None]
+            static = is_static(*(e for node in (*mats, template, out) for e in layout_exprs(node)),
+                               *(e for op in operands for e in (*op.strides, op.offset)))
             launcher = define_launcher(wrapper, op="bmm" if len(size) == 3 else "mm",
-                                       config=with_configs(kw["config"], configs), epilogue=epi.program)
+                                       config=with_configs(kw["config"], configs), epilogue=epi.program,
+                                       static=static)
             args = [*(m.codegen_reference() for m in mats), out_ref, _operand_arg(epi.row, size),
                     _operand_arg(epi.full, size)]
             log.info("inductor-cute fused %d epilogue node(s) into %s", len(epilogue_nodes), template.get_name())
         else:
-            launcher = define_launcher(wrapper, **kw)
+            static = is_static(*(e for node in (*template.inputs, template) for e in layout_exprs(node)))
+            launcher = define_launcher(wrapper, static=static, **kw)
             args = [*(inp.codegen_reference() for inp in template.inputs), template.codegen_reference()]
         call = f"{launcher}({', '.join(args)})"
         for node in (template_node, *epilogue_nodes):
