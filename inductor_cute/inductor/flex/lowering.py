@@ -112,6 +112,7 @@ class FlexProblem:
     scale: Any
     kernel_options: dict
     inference: bool
+    size_guards: tuple = ()  # (a, b) dynamic sizes equal at the hints, not provably: guarded when taken
 
     @functools.cached_property
     def translated(self) -> tuple[tuple[str, str] | None, str | None]:
@@ -254,8 +255,12 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
              mask_buffers=()) -> FlexProblem:
     sizevars = V.graph.sizevars
     (bq, hq, lq, dqk), (bk, hk, lk, dk), (bv, hv, lv, dv) = (x.get_size() for x in (query, key, value))
-    same = sizevars.statically_known_equals
-    operands_match = all(same(a, b) for a, b in ((bq, bk), (bq, bv), (dqk, dk), (hk, hv), (lk, lv)))
+    # dynamic sizes of separate inputs (q's batch and a KV cache view's) are separate symbols:
+    # equal at their hints, they match under a guard that taking the call adds (_flex_attention)
+    pairs = ((bq, bk), (bq, bv), (dqk, dk), (hk, hv), (lk, lv))
+    size_guards = tuple((a, b) for a, b in pairs if not sizevars.statically_known_equals(a, b))
+    hint = sizevars.optimization_hint
+    operands_match = all(hint(a) == hint(b) for a, b in size_guards)
     *block_tensors, q_block, kv_block, mask_graph = _block_mask_fields(block_mask)
     present = [t for t in block_tensors if t is not None]
     block_tensors_ok = all(isinstance(t, ir.IRNode) and t.get_dtype() == torch.int32
@@ -272,7 +277,7 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
         block_sizes=(_block_size(kv_block), _block_size(q_block)),
         mask_heads=_static(block_tensors[0].get_size()[1]) if block_tensors[0] is not None else None,
         block_tensors_ok=block_tensors_ok and len(present) in (2, 4), scale=scale,
-        kernel_options=dict(kernel_options), inference=V.graph.is_inference)
+        kernel_options=dict(kernel_options), inference=V.graph.is_inference, size_guards=size_guards)
 
 
 # ------------------------------------------------------------------------------- the lowering
@@ -317,6 +322,8 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
         log.debug("inductor-cute: flex_attention left to the stock lowering: %s", reason)
         return stock_lowering(_HOP)(query, key, value, subgraph, block_mask, scale, kernel_options,
                                     score_mod_other_buffers, mask_mod_other_buffers)
+    for a, b in problem.size_guards:
+        V.graph.sizevars.check_equals(a, b)
     log.info("inductor-cute: flex_attention %s runs our decode kernel (score program %r, mask program %r%s)",
              list(query.get_size()), *programs, "" if problem.keys_all_in_blocks else ", a block mask")
     *block_tensors, _, _, _ = _block_mask_fields(block_mask)
