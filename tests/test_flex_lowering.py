@@ -431,3 +431,16 @@ def test_an_untyped_scalar_tensor_is_a_float_constant():
     g.output(g.call_function(torch.ops.aten.mul.Tensor, (score, two)))
     program = flex.score_program(torch.fx.GraphModule({}, g))
     assert "2.0" in program and '2]' not in program
+
+
+def test_separate_dynamic_batches_are_taken_under_a_guard(cpu_accepted, decisions):
+    """Without duck shaping q's batch and the KV cache view's are separate symbols, equal only at
+    their hints: taken, with the equality guarded (another batch of k alone recompiles)."""
+    from torch.fx.experimental import _config as fx_config
+
+    q, k, v = qkv(batch=3, dtype=torch.bfloat16)
+    with fx_config.patch(use_duck_shape=False):
+        out, code = compiled(flex_attention, q, k, v, enable_gqa=True, dynamic=True)
+    assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
+    assert "s" in str(decisions[0][0].size_guards)  # the batches were separate symbols
+    torch.testing.assert_close(out, flex_attention(q, k, v, enable_gqa=True), atol=2e-2, rtol=2e-2)
