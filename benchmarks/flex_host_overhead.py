@@ -8,10 +8,11 @@ replaced by a no-op, so each row is the Python host cost of the call (views, con
 partials' and outputs' allocation and argument passing included; the CPU allocator stands in for
 CUDA's caching allocator): (a) the checked path (ops.flex_decode: every check, program
 canonicalisation, block-mask conversion, planning, the kernel lookup), what every compiled call
-paid before launchers; (b) runtime.flex_decode, what the custom op's body now runs (launcher
+paid before launchers; (b) runtime.flex_decode, what the custom op's body runs (launcher
 lookup, layout key, remembered launch); (c) one call site's launcher; (d) its remembered launch
-alone; (e) the op called as output code calls it (the dispatcher's cost on top of (b)); (f) what
-output code's call cost before: (a) behind a torch.library.custom_op (--cpu only).
+alone; (e) the op through the dispatcher (what output code called before call sites); (f) what
+output code's call cost before launchers: (a) behind a torch.library.custom_op (--cpu only);
+(g) what output code calls now: the call site's own launcher, static layouts (no layout key).
 Each number is the best of many short runs: the machine's other load only ever adds time.
 """
 
@@ -87,12 +88,15 @@ def layers(args) -> dict:
     remembered = next(iter(launcher._plans.values()))
     sources = host_flex.sources(q, k, v, None, score_tensors, mask_tensors, block)
     op = torch.ops.inductor_cute.flex_decode.default
+    site = runtime.FlexDecodeLauncher(scale, score_mod, mask_mod, kv_block, q_block)
+    site.call_static(*args)  # output code's call site (static layouts): remembers its first launch
     return {
         "(a) checked": checked_call(args),
         "(b) runtime.flex_decode": lambda: runtime.flex_decode(*args),
         "(c) launcher": lambda: launch(q, k, v, score_tensors, mask_tensors, *block),
         "(d) launch": lambda: remembered(sources),
         "(e) custom op": lambda: op(*args),
+        "(g) call site": lambda: site.call_static(*args),
     }
 
 

@@ -59,3 +59,26 @@ def tma_view(t: torch.Tensor, unit_mode: int) -> torch.Tensor | None:
         elif strides[i] % 8 or strides[i] == 0:
             return None
     return t.as_strided(sizes, strides)
+
+
+_SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def stream_scratch(device: torch.device, buffers: tuple, per_stream: bool = True) -> tuple[torch.Tensor, ...]:
+    """Kernel workspaces reused by every call instead of allocated per call: `buffers` is a tuple
+    of (shape, dtype, zeroed); zeroed ones are zeroed once (a kernel that uses them leaves them
+    zero again). Reuse is safe when each launch writes a workspace before reading it, or resets
+    it, because calls on one stream never overlap: one set per (device, stream), or per device
+    when `per_stream` is False (a launch that never touches them). During CUDA-graph capture, and
+    off CUDA, the buffers are fresh: no graph shares one with eager calls or with another graph."""
+    def fresh():
+        return tuple((torch.zeros if zeroed else torch.empty)(shape, device=device, dtype=dtype)
+                     for shape, dtype, zeroed in buffers)
+
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
+        return fresh()
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index) if per_stream else None, buffers)
+    found = _SCRATCH.get(key)
+    if found is None:
+        found = _SCRATCH[key] = fresh()
+    return found

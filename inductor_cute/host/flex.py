@@ -10,7 +10,7 @@ import torch
 from ..errors import UnsupportedError
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
-from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count
+from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count, stream_scratch
 from .gemm import _alias, _in_place
 
 
@@ -256,8 +256,9 @@ class FlexDecodeLaunch:
     None, None, None) for the source itself, (position, i, sizes, strides, None) for that view of
     it (from its own storage offset, taken without the dispatcher), (position, i, None, None,
     convert) for convert(source) (what the checked path copies or converts: done again each
-    call). `buffers` are the (shape, dtype) of o_part, lse_part, out and lse, fresh from the
-    caching allocator each call. Valid only for sources of the layouts it was made from (shapes,
+    call). `buffers`: the partials o_part and lse_part as common.stream_scratch takes them
+    (reused call after call), then the (shape, dtype) of out and lse, fresh from the caching
+    allocator each call. Valid only for sources of the layouts it was made from (shapes,
     strides, dtypes, device, 16-byte alignment) and the same programs, scale and block sizes:
     callers key it on them."""
 
@@ -277,11 +278,10 @@ class FlexDecodeLaunch:
                 args[position] = sources[i]
             else:
                 args[position] = _alias(sources[i], sizes, strides, 0)
-        (s0, d0), (s1, d1), (s2, d2), (s3, d3) = self.buffers
+        partials, (s2, d2), (s3, d3) = self.buffers[:2], *self.buffers[2:]
         device = self.device
-        args[4] = torch.empty(s0, device=device, dtype=d0)
-        args[5] = torch.empty(s1, device=device, dtype=d1)
-        args[6] = torch.empty(s2, device=device, dtype=d2)
+        args[4], args[5] = stream_scratch(device, partials)  # written before read in each launch
+        args[6] = torch.empty(s2, device=device, dtype=d2)  # the outputs: the caller keeps them
         args[7] = torch.empty(s3, device=device, dtype=d3)
         return args
 
@@ -316,7 +316,7 @@ def _launch_of(kernel, args: tuple, origins: tuple, sources: tuple) -> FlexDecod
             return None
     template = [None] * len(args)
     template[8:10] = args[8:10]
-    buffers = tuple((tuple(t.shape), t.dtype) for t in args[4:8])
+    buffers = (*((tuple(t.shape), t.dtype, False) for t in args[4:6]), *((tuple(t.shape), t.dtype) for t in args[6:8]))
     return FlexDecodeLaunch(kernel, tuple(template), tuple(operands), buffers, args[6].device, args[4].shape[0])
 
 

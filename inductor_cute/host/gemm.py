@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..runtime import get_kernel
-from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count
+from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count, stream_scratch
 from .common import tma_view as _tma_view
 
 try:  # what Inductor's output code calls reinterpret_tensor: a view in C++, a third of as_strided's host time
@@ -40,27 +40,14 @@ def _gemm_kernel(problem, config, num_sms: int):
     return get_kernel(family.spec(problem, config, num_sms))
 
 
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # see _gemv_workspace
-
-
 def _gemv_workspace(device, sizes: tuple[int, int, bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMV's split-K partials and arrival counters, allocated once per (device, stream) and
-    sizes, so that a call allocates nothing: calls on one stream never overlap, the partials are
-    written before they are read within one launch, and the kernel's last CTA on each N block sets
-    its counter back to zero (zeroed once here: no memset per call). Without a split the kernel
-    touches neither, so any stream may share them. During CUDA-graph capture both are fresh
-    (counters zeroed, that memset recorded into the graph): no graph shares a buffer with eager
-    calls or with another graph."""
+    """The GEMV's split-K partials and arrival counters, reused call after call (common.
+    stream_scratch): partials are written before they are read within a launch, and the kernel's
+    last CTA on each N block sets its counter back to zero. Without a split the kernel touches
+    neither, so every stream shares them."""
     n_partials, n_counters, split = sizes
-    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
-        return (torch.empty(n_partials, device=device, dtype=torch.float32),
-                torch.zeros(n_counters, device=device, dtype=torch.int32))
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index) if split else None, sizes)
-    found = _WORKSPACES.get(key)
-    if found is None:
-        found = _WORKSPACES[key] = (torch.empty(n_partials, device=device, dtype=torch.float32),
-                                    torch.zeros(n_counters, device=device, dtype=torch.int32))
-    return found
+    return stream_scratch(device, (((n_partials,), torch.float32, False), ((n_counters,), torch.int32, True)),
+                          per_stream=split)
 
 
 def _prepare_gemm(name, a, b, bias, c, alpha, beta, activation, out_dtype, out, config=None, epilogue=""):
