@@ -17,10 +17,10 @@ import time
 
 import torch
 
+from inductor_cute.bench.profile import device_us_per_call, kernel_times, top_kernels
+
 
 def profile(step, forward, steps: int):
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
     for _ in range(3):
         step(forward)
     torch.cuda.synchronize()
@@ -29,24 +29,14 @@ def profile(step, forward, steps: int):
         step(forward)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps * 1e6
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step(forward)
-        torch.cuda.synchronize()
-    kernels = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(event.name, []).append(event.device_time)
-    return wall, kernels
+    return wall, kernel_times(lambda: step(forward), steps)
 
 
 def report(name: str, wall: float, kernels: dict, steps: int) -> str:
-    total = sum(sum(v) for v in kernels.values()) / steps
-    lines = [f"== {name}: wall {wall:.1f} us/step, device {total:.1f} us/step",
+    lines = [f"== {name}: wall {wall:.1f} us/step, device {device_us_per_call(kernels, steps):.1f} us/step",
              f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  kernel"]
-    for kname, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
-        per_step = sum(times) / steps
-        lines.append(f"{per_step:9.1f} {len(times) / steps:10.1f} {sum(times) / len(times):8.1f}  {kname[:110]}")
+    for per_step, launches, kname in top_kernels(kernels, steps, n=40):
+        lines.append(f"{per_step:9.1f} {launches:10.1f} {per_step / launches:8.1f}  {kname[:110]}")
     return "\n".join(lines)
 
 

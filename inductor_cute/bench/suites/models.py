@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..case import Case
+from ..profile import device_us_per_call, kernel_times
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
 WRAP = 256  # decode positions a runner walks through before wrapping round
@@ -249,6 +250,9 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
         notes.append(f"{backend}: cold compile {seconds:.1f} s, logits rel err {_agreement(logits, ref):.2e}, "
                      f"{our_kernel_calls(code)} call site(s) of our kernels")
     times = wall_us(runners)
+    # device time per step (kernel sums): a wall time above it is the host's
+    device = {k: device_us_per_call(kernel_times(fn, 5), 5) for k, fn in runners.items()}
+    notes.append("device us/step " + ", ".join(f"{k} {t:.0f}" for k, t in device.items()))
     new = batch * (1 if phase == "decode" else tokens)
     notes.append("tokens/s " + ", ".join(f"{k} {new / t * 1e6:.0f}" for k, t in times.items()))
     return Case(name=case_name(model_name, phase, batch, tokens, mode_key), params=params, flops=flops,
