@@ -215,10 +215,18 @@ def test_flex_decoding_mask_mods_run_our_op_and_match(cpu_accepted, decisions, n
     taken_and_matching(decisions, q, k, v, block_mask=block_mask, score_mod=alibi_exp2(8))
 
 
+@pytest.mark.parametrize("block", [64, (1, 64), 32])
+def test_kv_blocks_smaller_than_the_kernels_run_our_op_and_match(cpu_accepted, decisions, block):
+    """PyTorch's decoding tests use BLOCK_SIZE 64 (and (1, 64)): the kernel takes stages of 64 rows."""
+    q, k, v = qkv(q_len=1, kv_len=KV, dtype=torch.bfloat16)
+    block_mask = create_block_mask(lambda b, h, m, n: m + 250 >= n, 2, 1, 1, KV, BLOCK_SIZE=block, device="cpu")
+    taken_and_matching(decisions, q, k, v, block_mask=block_mask)
+
+
 def test_what_the_kernel_cannot_do_is_declined_with_the_reason(decisions, hopper):
-    mask_64 = create_block_mask(noop_mask, 2, 1, 1, KV, BLOCK_SIZE=64, device="cpu")
-    assert decline_reason(traced_problem(decisions, block_mask=mask_64)) == \
-        "block mask: block mask KV block size 64 is not a multiple of the kernel's KV block 128"
+    mask_48 = create_block_mask(noop_mask, 2, 1, 1, KV, BLOCK_SIZE=48, device="cpu")
+    assert decline_reason(traced_problem(decisions, block_mask=mask_48)) == \
+        "block mask: block mask KV block size 48 is not a multiple of the kernel's KV block 128"
     per_head = create_block_mask(MASK_MODS["head-dependent-mha"][0], 1, 8, 1, KV, device="cpu")
     assert decline_reason(traced_problem(decisions, block_mask=per_head)) == \
         "block mask: a block mask per query head (8 heads) with 4 query heads per KV head"

@@ -64,6 +64,8 @@ MASK_VARIANTS = {
         mask_program=DOCUMENT, mask_dtypes=("int32",), sparse_block=256, score_program=SOFTCAP)),
     "d64-mask-without-block-mask": (VARIANTS["d64-gqa8"], dict(mask_program=PREFIX_LM)),
     "d256-block-mask-only": (VARIANTS["d256-gqa4"], dict(sparse_block=128)),  # 2 kernel blocks per mask block
+    "d128-gqa8-sliding-block64": (VARIANTS["d128-gqa8"], dict(mask_program=SLIDING, sparse_block=64)),  # 64-row stages
+    "d64-gqa8-block32": (VARIANTS["d64-gqa8"], dict(sparse_block=32)),  # 32-row stages
     "mla-192-128-prefix-lm-block128": (VARIANTS["mla-192-128"], dict(mask_program=PREFIX_LM, sparse_block=128)),
     "absorbed-mla-576-512-document-block128": (VARIANTS["absorbed-mla-576-512"], dict(
         mask_program=DOCUMENT, mask_dtypes=("int32",), sparse_block=128)),
@@ -170,6 +172,12 @@ def test_mask_and_block_mask_configs_are_validated():
     assert "unknown argument 'score'" in error(mask_program=SOFTCAP)
     assert "end in a bool" in error(mask_program=dumps([["o", "add", "kv", 1]]))
     assert "not a multiple" in error(sparse_block=64)
+    from inductor_cute.kernels.attention.flex_decode_config import kv_block_for
+
+    assert [kv_block_for(128, 128, b) for b in (0, 128, 256, 64, 32, 96, 48)] == [128, 128, 128, 64, 32, 32, 128]
+    smaller = default_config(dataclasses.replace(GQA8, sparse_block=64))
+    assert smaller.kv_block == 64 and config_error(smaller, dataclasses.replace(GQA8, sparse_block=64)) is None
+    assert smaller.stages > config.stages  # as many bytes in flight in smaller stages
     assert sparse_block_reason(128, 32, 128, 64, 1, 128) is None  # absorbed MLA: 4 kernel blocks per mask block
     assert "not a multiple" in sparse_block_reason(64, 128, 128, 1, 1, 8)
     assert "query block" in sparse_block_reason(128, 128, 16, 32, 1, 1)

@@ -168,9 +168,10 @@ def _checked(q, k, v, scale, kv_len, num_splits, score_mod, score_tensors, mask_
         raise UnsupportedError(f"flex_decode: num_splits must be in 1..{fdc.MAX_SPLITS}, got {num_splits}")
     program, score_dtypes, score_slots = _score_mod_operands(score_mod, score_tensors, q.device)
     mask_program, mask_dtypes, mask_slots = _score_mod_operands(mask_mod, mask_tensors, q.device, "mask")
-    kv_block = fdc.HEAD_DIMS[(dqk, dv)][0]
+    has_block_mask = any(t is not None for t in block_mask)
+    kv_block = fdc.kv_block_for(dqk, dv, kv_block_size if has_block_mask else 0)
     sparse_block, block_slots, keys = 0, [None] * 4, seq
-    if any(t is not None for t in block_mask):
+    if has_block_mask:
         block_slots = _block_mask_operands(block_mask, kv_block_size, q_block_size, heads, group, q_len, kv_block,
                                            q.device)
         sparse_block = kv_block_size

@@ -198,10 +198,20 @@ def test_flex_decoding_mask_mods_run_our_kernel():
         check_ours(q, k, v, block_mask=block_mask, score_mod=alibi_exp2(HQ))
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("block", [64, (1, 64), 32])
+def test_kv_blocks_smaller_than_the_kernels_run_our_kernel(dim, block):
+    """PyTorch's decoding tests build BlockMasks of 64-key blocks: stages of 64 (or 32) rows."""
+    torch._dynamo.reset()
+    q, k, v = rand(B, HQ, 1, dim) * 3, rand(B, HKV, KV, dim), rand(B, HKV, KV, dim)
+    block_mask = create_block_mask(lambda b, h, q, kv: q + KV // 2 + 17 >= kv, B, 1, 1, KV, BLOCK_SIZE=block)
+    check_ours(q, k, v, block_mask=block_mask)
+
+
 def test_what_the_kernel_cannot_take_goes_to_the_stock_lowering():
     q, k, v = rand(B, HQ, 1, D), rand(B, HKV, KV, D), rand(B, HKV, KV, D)
     head_type = torch.tensor([i % 3 != 0 for i in range(HQ)], device="cuda", dtype=torch.bool)
-    for block_mask in (create_block_mask(noop_mask, B, 1, 1, KV, BLOCK_SIZE=64),  # < our KV block 128
+    for block_mask in (create_block_mask(noop_mask, B, 1, 1, KV, BLOCK_SIZE=48),  # not whole 32-row stages
                        create_block_mask(lambda b, h, q, kv: head_type[h] & (q >= kv), 1, HQ, 1, KV)):  # GQA 2
         torch._dynamo.reset()
         check_stock(q, k, v, block_mask=block_mask)

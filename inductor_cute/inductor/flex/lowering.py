@@ -174,7 +174,7 @@ def _block_mask_reason(p: FlexProblem) -> str | None:
         return "block-mask tensors that are not int32 on the query's device"
     if p.mask_heads not in (1, p.heads):
         return f"a block mask of {p.mask_heads} heads for {p.heads} query heads"
-    kv_block = fdc.HEAD_DIMS[(p.head_dim_qk, p.head_dim_v)][0]
+    kv_block = fdc.kv_block_for(p.head_dim_qk, p.head_dim_v, kv_block_size)
     problem = fdc.sparse_block_reason(kv_block_size, kv_block, q_block_size, p.q_len, p.mask_heads,
                                       p.heads // p.kv_heads)
     return f"block mask: {problem}" if problem else None

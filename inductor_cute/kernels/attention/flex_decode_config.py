@@ -137,9 +137,23 @@ def config_error(config: FlexDecodeConfig, problem: FlexDecodeProblem) -> str | 
     return None
 
 
+def kv_block_for(head_dim_qk: int, head_dim_v: int, sparse_block: int = 0) -> int:
+    """KV rows per pipeline stage: the head dims' default, or for a BlockMask whose KV block is not
+    a multiple of it (create_block_mask's BLOCK_SIZE=64), a half or a quarter of it (at least 32,
+    the smallest stage a tested variant uses) that divides the mask's block, so that a mask block
+    is whole stages. Smaller stages hold as many bytes in flight: default_config fits more."""
+    kv_block = HEAD_DIMS[(head_dim_qk, head_dim_v)][0]
+    if sparse_block > 0:
+        for smaller in (kv_block, kv_block // 2, kv_block // 4):
+            if smaller >= 32 and sparse_block % smaller == 0:
+                return smaller
+    return kv_block
+
+
 def default_config(problem: FlexDecodeProblem) -> FlexDecodeConfig:
     """As many stages as shared memory holds: decoding is bound by the bytes kept in flight."""
-    kv_block, wgs = HEAD_DIMS[(problem.head_dim_qk, problem.head_dim_v)]
+    wgs = HEAD_DIMS[(problem.head_dim_qk, problem.head_dim_v)][1]
+    kv_block = kv_block_for(problem.head_dim_qk, problem.head_dim_v, problem.sparse_block)
     config = FlexDecodeConfig(kv_block, 1, wgs)
     while config.stages < MAX_STAGES and smem_bytes(problem, dataclasses.replace(config, stages=config.stages + 1)) \
             <= SMEM_BUDGET:
