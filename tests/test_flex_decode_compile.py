@@ -66,6 +66,8 @@ MASK_VARIANTS = {
     "d256-block-mask-only": (VARIANTS["d256-gqa4"], dict(sparse_block=128)),  # 2 kernel blocks per mask block
     "d128-gqa8-sliding-block64": (VARIANTS["d128-gqa8"], dict(mask_program=SLIDING, sparse_block=64)),  # 64-row stages
     "d64-gqa8-block32": (VARIANTS["d64-gqa8"], dict(sparse_block=32)),  # 32-row stages
+    "d128-gqa4-kv-shared-by-the-batch": ((128, 128, "bfloat16", 4, False), dict(sparse_block=128,
+                                                                                 kv_batch_broadcast=True)),
     "mla-192-128-prefix-lm-block128": (VARIANTS["mla-192-128"], dict(mask_program=PREFIX_LM, sparse_block=128)),
     "absorbed-mla-576-512-document-block128": (VARIANTS["absorbed-mla-576-512"], dict(
         mask_program=DOCUMENT, mask_dtypes=("int32",), sparse_block=128)),

@@ -17,11 +17,12 @@ from .gemm import _alias, _in_place
 @functools.lru_cache(maxsize=256)
 def _flex_decode_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int, has_kv_len: bool,
                         score_program: str = "", score_dtypes: tuple[str, ...] = (), mask_program: str = "",
-                        mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0):
+                        mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0, kv_batch_broadcast: bool = False):
     from ..kernels.attention.flex_decode_config import FlexDecodeProblem, spec
 
     return get_kernel(spec(FlexDecodeProblem(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len, score_program,
-                                             score_dtypes, mask_program, mask_dtypes, sparse_block)))
+                                             score_dtypes, mask_program, mask_dtypes, sparse_block,
+                                             kv_batch_broadcast)))
 
 
 def _score_mod_operands(score_mod: str | None, score_tensors, device, kind: str = "score"
@@ -145,8 +146,10 @@ def _checked(q, k, v, scale, kv_len, num_splits, score_mod, score_tensors, mask_
     batch, heads, q_len, dqk = q.shape
     kv_heads, seq = k.shape[1], k.shape[2]
     dv = v.shape[3]
-    if k.shape[0] != batch or v.shape[0] != batch:
-        raise UnsupportedError(f"flex_decode: batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
+    kv_batch_broadcast = batch > 1 and k.shape[0] == 1 and v.shape[0] == 1  # one cache for every batch (paged)
+    if not kv_batch_broadcast and (k.shape[0] != batch or v.shape[0] != batch):
+        raise UnsupportedError(f"flex_decode: batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]} (k and v "
+                               f"may also have batch 1, shared by every query batch)")
     if k.shape[3] != dqk or v.shape[1] != kv_heads or v.shape[2] != seq:
         raise UnsupportedError(f"flex_decode: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                                "do not match")
@@ -189,7 +192,7 @@ def _checked(q, k, v, scale, kv_len, num_splits, score_mod, score_tensors, mask_
     q4 = _decode_operand("q", q, copy_ok=True)
     k4, v4 = _decode_operand("k", k, copy_ok=copy_kv), _decode_operand("v", v, copy_ok=copy_kv)
     kernel = _flex_decode_kernel(dqk, dv, DTYPE_NAMES[q.dtype], group, kv_len is not None, program, score_dtypes,
-                                 mask_program, mask_dtypes, sparse_block)
+                                 mask_program, mask_dtypes, sparse_block, kv_batch_broadcast)
     if num_splits is None:
         num_splits = fdc.num_splits(batch, kv_heads, fdc.m_tiles(group, q_len), keys, kv_block,
                                     sm_count(q.device.index or 0))
@@ -217,7 +220,8 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
                 kv_block_size: int = 128, q_block_size: int = 128):
     """Attention for decoding, split over the KV length: softmax(scale * q k^T) v per query head.
 
-    q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv), bf16 or fp16, Hq a multiple of
+    q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv) (or k and v of batch 1, one cache
+    shared by every query batch, as paged attention holds it), bf16 or fp16, Hq a multiple of
     Hkv (GQA/MQA: query head h reads KV head h // (Hq // Hkv)), Lq at most 64. `kv_len` (B,)
     limits each batch's keys to its first kv_len[b]; a row with no key gets out 0 and lse -inf.
     `scale` defaults to 1/sqrt(Dqk). With `return_lse`, also returns the fp32 logsumexp (B, Hq,

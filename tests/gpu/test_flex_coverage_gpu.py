@@ -208,6 +208,16 @@ def test_kv_blocks_smaller_than_the_kernels_run_our_kernel(dim, block):
     check_ours(q, k, v, block_mask=block_mask)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_kv_shared_by_the_batch_runs_our_kernel(dim):
+    """K/V of batch 1 (one cache for every query batch, as paged attention holds it)."""
+    torch._dynamo.reset()
+    q, k, v = rand(B, HQ, 1, dim) * 3, rand(1, HKV, KV, dim), rand(1, HKV, KV, dim)
+    check_ours(q, k, v, block_mask=create_block_mask(lambda b, h, q, kv: q + 1500 - 100 * b >= kv, B, 1, 1, KV))
+    torch._dynamo.reset()
+    check_ours(q, k, v, score_mod=alibi_exp2(HQ), block_mask=create_block_mask(noop_mask, B, 1, 1, KV))
+
+
 def test_what_the_kernel_cannot_take_goes_to_the_stock_lowering():
     q, k, v = rand(B, HQ, 1, D), rand(B, HKV, KV, D), rand(B, HKV, KV, D)
     head_type = torch.tensor([i % 3 != 0 for i in range(HQ)], device="cuda", dtype=torch.bool)
@@ -215,7 +225,5 @@ def test_what_the_kernel_cannot_take_goes_to_the_stock_lowering():
                        create_block_mask(lambda b, h, q, kv: head_type[h] & (q >= kv), 1, HQ, 1, KV)):  # GQA 2
         torch._dynamo.reset()
         check_stock(q, k, v, block_mask=block_mask)
-    torch._dynamo.reset()  # K/V broadcast over the batch (a shared cache): no zero batch stride in TMA
-    check_stock(q, k[:1], v[:1], block_mask=create_block_mask(noop_mask, B, 1, 1, KV))
     torch._dynamo.reset()  # head dims 64/32: no kernel variant
     check_stock(q, k, v[..., :32].contiguous(), score_mod=alibi_exp2(HQ))

@@ -3,9 +3,10 @@ mask_mod we can translate into score / mask programs (kernels/common/programs/sc
 without a BlockMask our kernel can walk, run our split-KV kernel (`ops.flex_decode`); everything
 else goes to the stock lowering, unchanged.
 
-inductor/install.py wraps `torch._inductor.lowering.lowerings[flex_attention]`. For a call we accept, the
-output code calls the custom op `torch.ops.inductor_cute.flex_decode` and imports this module
-first, which registers the op: a graph served from the FX cache works in a fresh process.
+inductor/install.py wraps `torch._inductor.lowering.lowerings[flex_attention]`. A call we accept is
+the custom op `torch.ops.inductor_cute.flex_decode` in the graph (its schema gives the outputs'
+layouts); output code calls a launcher of runtime.py defined for the call site in its header
+(plain values: a graph served from the FX cache works in a fresh process).
 
 The decision is `decline_reason(FlexProblem)`: plain values, so it is testable without a graph.
 The mods' graphs are translated by translate.py; their captured buffers (of any rank, bool and
@@ -144,7 +145,7 @@ def decline_reason(p: FlexProblem) -> str | None:
     if None in (p.heads, p.kv_heads, p.q_len, p.head_dim_qk, p.head_dim_v):
         return "heads, query length or head dims are symbolic"
     if not p.operands_match:
-        return "k and v do not match q (batch broadcast, head dims) or each other"
+        return "k and v do not match q (batch, head dims) or each other"
     if p.kv_heads == 0 or p.heads % p.kv_heads:
         return f"{p.heads} query heads are not a multiple of {p.kv_heads} KV heads"
     problem = fdc.unsupported_reason(p.head_dim_qk, p.head_dim_v, DTYPE_NAMES.get(p.dtypes[0], str(p.dtypes[0])),
@@ -257,7 +258,9 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
     (bq, hq, lq, dqk), (bk, hk, lk, dk), (bv, hv, lv, dv) = (x.get_size() for x in (query, key, value))
     # dynamic sizes of separate inputs (q's batch and a KV cache view's) are separate symbols:
     # equal at their hints, they match under a guard that taking the call adds (_flex_attention)
-    pairs = ((bq, bk), (bq, bv), (dqk, dk), (hk, hv), (lk, lv))
+    one = functools.partial(sizevars.statically_known_equals, 1)
+    kv_batch_broadcast = one(bk) and one(bv) and not one(bq)  # one cache for every query batch (paged)
+    pairs = ((dqk, dk), (hk, hv), (lk, lv), *(() if kv_batch_broadcast else ((bq, bk), (bq, bv))))
     size_guards = tuple((a, b) for a, b in pairs if not sizevars.statically_known_equals(a, b))
     hint = sizevars.optimization_hint
     operands_match = all(hint(a) == hint(b) for a, b in size_guards)

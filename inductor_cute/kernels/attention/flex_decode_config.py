@@ -53,6 +53,7 @@ class FlexDecodeProblem:
     mask_program: str = ""  # a mask program's text (the mask_mod); "" for none
     mask_dtypes: tuple[str, ...] = ()  # dtype names of the mask program's captured tensors
     sparse_block: int = 0  # a BlockMask's KV block size (a multiple of kv_block); 0: no block mask
+    kv_batch_broadcast: bool = False  # K and V have batch 1, shared by every query batch (a paged cache)
 
     def as_params(self) -> dict:
         return dataclasses.asdict(self)
@@ -230,7 +231,8 @@ def from_params(params: dict) -> tuple[FlexDecodeProblem, FlexDecodeConfig]:
 def flex_decode_spec(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
                      has_kv_len: bool = False, config: FlexDecodeConfig | None = None,
                      score_program: str = "", score_dtypes: tuple[str, ...] = (), mask_program: str = "",
-                     mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0):
+                     mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0, kv_batch_broadcast: bool = False):
     """`spec` of the problem these arguments spell."""
     return spec(FlexDecodeProblem(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len, score_program,
-                                  tuple(score_dtypes), mask_program, tuple(mask_dtypes), sparse_block), config)
+                                  tuple(score_dtypes), mask_program, tuple(mask_dtypes), sparse_block,
+                                  kv_batch_broadcast), config)

@@ -198,12 +198,15 @@ class FlexDecodeSm90:
                 tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                                    cute.group_modes(gV, 0, 2))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.stages)
+                kv_b = b  # the batch K and V are read from: 0 when every query batch shares one cache
+                if const_expr(self.problem.kv_batch_broadcast):
+                    kv_b = Int32(0)
                 for i in range(my_blocks):
                     blk, _ = self.blocks.block_at(first_block + i, n_partial, zm, hm, 0, mKvIdx, mFullIdx)
                     kv_pipe.producer_acquire(state)
                     bar = kv_pipe.producer_get_barrier(state)
-                    cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b)], tKsK[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b)], tVsV[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_k, tKgK[(None, blk, 0, hkv, kv_b)], tKsK[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_v, tVgV[(None, 0, blk, hkv, kv_b)], tVsV[(None, state.index)], tma_bar_ptr=bar)
                     kv_pipe.producer_commit(state)
                     state.advance()
 
@@ -344,8 +347,9 @@ def build(**params):
         return (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
 
     q = make_fake_tensor(dt, (B, Hq, Lq, head_dim_qk), stride=strides(), assumed_align=16)
-    k = make_fake_tensor(dt, (B, Hkv, Lkv, head_dim_qk), stride=strides(), assumed_align=16)
-    v = make_fake_tensor(dt, (B, Hkv, Lkv, head_dim_v), stride=strides(), assumed_align=16)
+    B_kv = 1 if problem.kv_batch_broadcast else B  # one cache shared by every query batch
+    k = make_fake_tensor(dt, (B_kv, Hkv, Lkv, head_dim_qk), stride=strides(), assumed_align=16)
+    v = make_fake_tensor(dt, (B_kv, Hkv, Lkv, head_dim_v), stride=strides(), assumed_align=16)
     kv_len = make_fake_compact_tensor(cutlass.Int32, (B,)) if problem.has_kv_len else None
     o_part = make_fake_compact_tensor(Float32, (S, B, Hq, Lq, head_dim_v), stride_order=(4, 3, 2, 1, 0),
                                       assumed_align=16)
