@@ -20,3 +20,13 @@ class Case:
     # Times the case measured itself (wall time per call, as whole-model suites need); the harness
     # then only runs each backend once for its output.
     wall_times_us: dict[str, float] | None = None
+    # An untimed zero-argument callable whose output every runner's is checked against (an fp32
+    # reference); without one, runners are checked against aten's output.
+    reference: Callable | None = None
+
+
+def named(factory: Callable, name: str) -> Callable:
+    """A case factory carrying its case's name, so that a run filtered by name (`--match`) skips
+    it without building it (building may compile and autotune)."""
+    factory.case_name = name
+    return factory

@@ -17,24 +17,42 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _check(case: Case, outputs: dict) -> str | None:
-    """Compare every backend's output with aten's; a mismatch disqualifies that backend."""
-    ref = outputs.get("aten")
+def _check(case: Case, outputs: dict, reference=None) -> list[tuple[str, str]]:
+    """Compare every backend's output with the reference output (case.reference's) or, without
+    one, with aten's: (backend, message) for each that differs; a mismatch disqualifies it."""
+    ref = reference if reference is not None else outputs.get("aten")
     if ref is None:
-        return None
+        return []
+    ref_name = "the reference" if reference is not None else "aten"
+    bad = []
     for backend, out in outputs.items():
-        if backend == "aten" or out is None:
+        if out is None or (reference is None and backend == "aten"):
             continue
-        if not torch.allclose(out.float(), ref.float(), atol=case.atol, rtol=case.rtol):
+        if out.shape != ref.shape:
+            bad.append((backend, f"{backend} output has shape {tuple(out.shape)}, {ref_name} {tuple(ref.shape)}"))
+        elif not torch.allclose(out.float(), ref.float(), atol=case.atol, rtol=case.rtol):
             err = (out.float() - ref.float()).abs().max().item()
-            return f"{backend} output differs from aten (max abs err {err:.3g})"
-    return None
+            bad.append((backend, f"{backend} output differs from {ref_name} (max abs err {err:.3g})"))
+    return bad
+
+
+def _reference(case: Case):
+    if case.reference is None:
+        return None
+    try:
+        out = case.reference()
+        torch.cuda.synchronize()
+        return out
+    except Exception as e:  # the runners still get timed; the note says they went unchecked
+        case.notes.append(f"reference failed, outputs unchecked: {first_line(e)[:160]}")
+        return None
 
 
 def run_case(case: Case, ceilings: dict) -> dict:
     times: dict[str, float | None] = {}
     outputs = {}
-    for backend in rec.BACKENDS:
+    # the record's backends, then a suite's additional runners (e.g. flash): all checked
+    for backend in [*rec.BACKENDS, *(b for b in case.runners if b not in rec.BACKENDS)]:
         fn = case.runners.get(backend)
         if fn is None:
             times[backend] = None
@@ -50,12 +68,11 @@ def run_case(case: Case, ceilings: dict) -> dict:
             times[backend] = None
             case.notes.append(f"{backend} failed: {first_line(e)[:160]}")
             case.runners[backend] = None
-    mismatch = _check(case, outputs)
-    if mismatch:
-        case.notes.append("MISMATCH: " + mismatch)
-        bad = mismatch.split()[0]
-        case.runners[bad] = None
-        times[bad] = None
+    for backend, message in _check(case, outputs, _reference(case)):
+        case.notes.append("MISMATCH: " + message)
+        case.runners[backend] = None
+        times[backend] = None
+    del outputs
     runnable = {backend: fn for backend, fn in case.runners.items() if fn is not None}
     if case.wall_times_us is not None:
         times.update({b: round(t, 2) for b, t in case.wall_times_us.items() if b in runnable})
@@ -81,6 +98,8 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
         record["env"]["case_filter"] = match  # a partial run: the record says so
     cases = suite.cases(quick)
     for i, make_case in enumerate(cases, 1):
+        if match and match not in getattr(make_case, "case_name", match):  # named: skipped unbuilt
+            continue
         try:
             case = make_case()
         except Exception as e:  # one case that cannot be set up must not lose the rest of the run

@@ -94,14 +94,19 @@ def hbm_bound_us(shape: Shape, variant: str = "plain", tbps: float = DOC_TBPS) -
     return cost(shape, variant)[1] / (tbps * 1e6)
 
 
+def peaked_query_scale(keys: float) -> float:
+    """The scale of a unit-variance q (against unit-variance k, softmax scale 1/sqrt(D)) that puts
+    softmax's weight on about TARGET_KEYS of `keys` keys: scores with variance ln(keys /
+    TARGET_KEYS). Unit-variance q would spread it almost evenly: outputs ~1/sqrt(keys), under the
+    2e-2 tolerance whatever a kernel computes. Trained attention is peaked; outputs are O(0.2)."""
+    return math.sqrt(math.log(max(keys / TARGET_KEYS, 2.0)))
+
+
 def make_inputs(shape: Shape, variant: str = "plain", device="cuda", dtype=torch.bfloat16, seed: int = 0):
-    """q (B, Hq, Lq, Dqk), k (B, Hkv, KV, Dqk), v (B, Hkv, KV, Dv). Unit-variance q would spread
-    softmax almost evenly over all keys: outputs ~1/sqrt(KV), under the 2e-2 tolerance whatever a
-    kernel computes. q is scaled so the weight falls on ~TARGET_KEYS keys (scores with variance
-    ln(keys / TARGET_KEYS)), as trained attention is peaked, and outputs are O(0.2)."""
+    """q (B, Hq, Lq, Dqk), k (B, Hkv, KV, Dqk), v (B, Hkv, KV, Dv); q scaled by peaked_query_scale."""
     s = shape
     g = torch.Generator(device=device).manual_seed(seed)
-    sigma = math.sqrt(math.log(max(keys_read(s, variant) / TARGET_KEYS, 2.0)))
+    sigma = peaked_query_scale(keys_read(s, variant))
     q = (torch.randn(s.b, s.hq, s.lq, s.dqk, generator=g, device=device) * sigma).to(dtype)
     k = torch.randn(s.b, s.hkv, s.kv, s.dqk, generator=g, device=device, dtype=dtype)
     if s.v_view:

@@ -1,0 +1,192 @@
+"""Grouped GEMMs of mixture-of-experts layers (issue 14), forward: ours (host.grouped_mm, eager) vs
+Inductor's grouped-mm Triton template vs eager torch._grouped_mm, bf16, beside the matmul bound.
+
+Per model, token count (4096, 16384) and routing, the two expert projections of the forward pass:
+  up    (tokens * topk, hidden) x (E, hidden, 2 * ffn): gate and up fused
+  down  (tokens * topk, ffn) x (E, ffn, hidden)
+The routed rows are sorted by expert; `offs` (int32, on the device) holds each expert's cumulative
+end. Routing: `balanced` gives every expert tokens * topk / E rows; `skewed` draws each token's
+topk distinct experts with Zipf popularity (exponent ZIPF_EXPONENT over a seeded shuffle of the
+experts), EMPTY_FRACTION of the experts never chosen (empty groups).
+Weights are held as torchtitan and nn.Linear hold them, (E, N, K) row-major, and passed as their
+transposed (E, K, N) view (K-major), scaled by 1/sqrt(K) so outputs are O(1).
+
+Runners (same a, b, offs):
+  inductor_cute  host.grouped_mm, eager, its heuristic default config (in notes)
+  triton         torch.compile(torch._grouped_mm), max-autotune-no-cudagraphs with
+                 max_autotune_gemm_backends="TRITON": Inductor's grouped-mm template, autotuned
+                 (on its own evenly split offsets), cold caches; left out with a note where it
+                 fails or its output code holds no Triton template
+  aten           eager torch._grouped_mm (CUTLASS); the harness checks the others against it
+flops: 2 * tokens * topk * N * K (every routed row, whatever the routing). Bytes: a, the weights
+of the experts that have rows (an empty group's weight need not be read) and the output, once.
+The backward forms (dgrad: (tokens, N) x (E, N, K); wgrad: groups along the reduction) need
+kernels we do not have yet: their cases are left out until those exist.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..case import Case, named
+
+TOKENS = (4096, 16384)
+ROUTINGS = ("balanced", "skewed")
+PROJECTIONS = ("up", "down")
+ZIPF_EXPONENT = 1.0
+EMPTY_FRACTION = 1 / 8  # of the experts, at least one, get no token in skewed routing
+SEED = 0
+
+
+@dataclass(frozen=True)
+class MoeModel:
+    name: str
+    experts: int
+    topk: int
+    hidden: int
+    ffn: int  # one expert's intermediate size
+
+
+MODELS = [
+    MoeModel("DeepSeek-V3", 256, 8, 7168, 2048),
+    MoeModel("Qwen3-30B-A3B", 128, 8, 2048, 768),
+    MoeModel("Qwen3-235B-A22B", 128, 8, 4096, 1536),
+    MoeModel("Mixtral-8x7B", 8, 2, 4096, 14336),
+    MoeModel("gpt-oss-120b", 128, 4, 2880, 2880),
+]
+_MODEL = {m.name: m for m in MODELS}
+
+
+@dataclass(frozen=True)
+class Grouped:
+    model: MoeModel
+    projection: str  # up, down
+    tokens: int
+    routing: str  # balanced, skewed
+
+    @property
+    def name(self) -> str:
+        return f"{self.model.name} fwd {self.projection} T{self.tokens} {self.routing}"
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.model.topk
+
+    @property
+    def n_k(self) -> tuple[int, int]:
+        m = self.model
+        return (2 * m.ffn, m.hidden) if self.projection == "up" else (m.hidden, m.ffn)
+
+
+CASES = [Grouped(m, proj, t, r) for m in MODELS for t in TOKENS for r in ROUTINGS for proj in PROJECTIONS]
+QUICK = [Grouped(_MODEL["DeepSeek-V3"], "up", 16384, "balanced"),
+         Grouped(_MODEL["Qwen3-30B-A3B"], "up", 16384, "skewed"),
+         Grouped(_MODEL["Mixtral-8x7B"], "up", 4096, "balanced")]
+
+
+def balanced_sizes(tokens: int, topk: int, experts: int) -> list[int]:
+    """Rows per expert when the tokens * topk routed rows are spread evenly (the first experts take
+    one more where they do not divide)."""
+    rows = tokens * topk
+    return [rows // experts + (e < rows % experts) for e in range(experts)]
+
+
+def skewed_sizes(tokens: int, topk: int, experts: int, seed: int = SEED) -> list[int]:
+    """Rows per expert when each token picks topk distinct experts with Zipf popularity: expert of
+    rank r (a seeded shuffle) drawn with weight r^-ZIPF_EXPONENT, the last EMPTY_FRACTION of the
+    ranks (at least one expert, leaving at least topk) with weight 0."""
+    g = torch.Generator().manual_seed(seed)
+    empty = min(max(1, round(experts * EMPTY_FRACTION)), experts - topk)
+    weight = torch.arange(1, experts + 1, dtype=torch.float64) ** -ZIPF_EXPONENT
+    weight[experts - empty:] = 0
+    probs = torch.empty(experts, dtype=torch.float64)
+    probs[torch.randperm(experts, generator=g)] = weight  # rank r's weight to a shuffled expert
+    picks = torch.multinomial(probs.expand(tokens, experts), topk, replacement=False, generator=g)
+    return torch.bincount(picks.flatten(), minlength=experts).tolist()
+
+
+def group_sizes(case: Grouped) -> list[int]:
+    m = case.model
+    if case.routing == "balanced":
+        return balanced_sizes(case.tokens, m.topk, m.experts)
+    return skewed_sizes(case.tokens, m.topk, m.experts)
+
+
+def offsets(sizes: list[int], device="cpu") -> torch.Tensor:
+    """int32 cumulative group ends, as torch._grouped_mm takes them."""
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def cost(case: Grouped, sizes: list[int]) -> tuple[int, int]:
+    """(flops, bytes), bf16: a, the weights of the experts with rows, and the output."""
+    n, k = case.n_k
+    used = sum(1 for s in sizes if s)
+    return 2 * case.rows * n * k, 2 * (case.rows * k + used * k * n + case.rows * n)
+
+
+def make_inputs(case: Grouped, sizes: list[int], device="cuda", seed: int = SEED):
+    """a (rows, K), b (E, K, N) the transposed view of an (E, N, K) weight, offs int32 (E,)."""
+    n, k = case.n_k
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(case.rows, k, generator=g, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(case.model.experts, n, k, generator=g, device=device, dtype=torch.bfloat16)
+    weight.mul_(k ** -0.5)
+    return a, weight.transpose(1, 2), offsets(sizes, device)
+
+
+def _grouped_mm(a, b, offs):
+    return torch._grouped_mm(a, b, offs)
+
+
+def triton_runner(a, b, offs):
+    """(runner or None, note): the grouped-mm Triton template, compiled and autotuned now."""
+    from ...errors import first_line
+    from .gemm_compiled import compile_now
+
+    try:
+        c = compile_now(_grouped_mm, (a, b, offs), mode="max-autotune-no-cudagraphs", ours=False, backends="TRITON")
+    except Exception as e:  # no valid Triton choice, or a compile failure
+        return None, f"triton omitted: {first_line(e)[:200]}"
+    if "triton_tem_" not in c.code:
+        return None, "triton omitted: the compiled code holds no Triton template (Inductor fell back)"
+    return c.run, f"triton: Inductor's grouped-mm template, compile and autotune {c.seconds:.1f} s"
+
+
+def _default_config_note(case: Grouped) -> str:
+    from ...host.common import sm_count
+    from ...kernels.gemm.grouped_config import GroupedProblem, default_config
+
+    n, k = case.n_k
+    cfg = default_config(GroupedProblem(b_major="k"), case.rows, n, k, case.model.experts, sm_count(0))
+    return f"ours default config {cfg.describe()}"
+
+
+def _case(case: Grouped) -> Case:
+    from ...host.grouped_gemm import grouped_mm
+
+    torch._dynamo.reset()
+    sizes = group_sizes(case)
+    a, b, offs = make_inputs(case, sizes)
+    flops, n_bytes = cost(case, sizes)
+    triton, triton_note = triton_runner(a, b, offs)
+    n, k = case.n_k
+    empty = sum(1 for s in sizes if s == 0)
+    notes = [f"{case.model.experts} groups: rows min {min(sizes)} mean {case.rows / len(sizes):.0f} max {max(sizes)}, "
+             f"{empty} empty", _default_config_note(case), triton_note]
+    m = case.model
+    return Case(
+        name=case.name,
+        params={"model": m.name, "experts": m.experts, "topk": m.topk, "hidden": m.hidden, "ffn": m.ffn,
+                "projection": case.projection, "tokens": case.tokens, "routing": case.routing, "M": case.rows,
+                "N": n, "K": k, "empty_groups": empty, "max_group": max(sizes), "b_major": "k", "dtype": "bfloat16"},
+        flops=flops, bytes=n_bytes, matmul=True, notes=notes,
+        runners={"inductor_cute": lambda: grouped_mm(a, b, offs), "triton": triton,
+                 "aten": lambda: torch._grouped_mm(a, b, offs)},
+    )
+
+
+def cases(quick: bool):
+    return [named(functools.partial(_case, c), c.name) for c in (QUICK if quick else CASES)]
