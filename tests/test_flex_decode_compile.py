@@ -18,6 +18,8 @@ from inductor_cute.runtime.compiler import compile_spec
 # (head_dim_qk, head_dim_v, dtype, q_per_kv, has_kv_len)
 VARIANTS = {
     "d64-gqa8": (64, 64, "bfloat16", 8, True),
+    "qk64-v32-gqa4": (64, 32, "bfloat16", 4, True),
+    "qk32-v64-fp16-gqa2": (32, 64, "float16", 2, False),
     "d128-gqa8": (128, 128, "bfloat16", 8, True),
     "d128-fp16-mha-no-kv-len": (128, 128, "float16", 1, False),
     "d256-gqa4": (256, 256, "bfloat16", 4, True),

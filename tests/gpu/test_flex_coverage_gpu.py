@@ -208,6 +208,13 @@ def test_kv_blocks_smaller_than_the_kernels_run_our_kernel(dim, block):
     check_ours(q, k, v, block_mask=block_mask)
 
 
+@pytest.mark.parametrize("dqk, dv", [(64, 32), (32, 64)])
+def test_mixed_head_dims_run_our_kernel(dqk, dv):
+    torch._dynamo.reset()
+    q, k, v = rand(B, HQ, 1, dqk) * 3, rand(B, HKV, KV, dqk), rand(B, HKV, KV, dv)
+    check_ours(q, k, v, score_mod=alibi_exp2(HQ))
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_kv_shared_by_the_batch_runs_our_kernel(dim):
     """K/V of batch 1 (one cache for every query batch, as paged attention holds it)."""
@@ -225,5 +232,6 @@ def test_what_the_kernel_cannot_take_goes_to_the_stock_lowering():
                        create_block_mask(lambda b, h, q, kv: head_type[h] & (q >= kv), 1, HQ, 1, KV)):  # GQA 2
         torch._dynamo.reset()
         check_stock(q, k, v, block_mask=block_mask)
-    torch._dynamo.reset()  # head dims 64/32: no kernel variant
-    check_stock(q, k, v[..., :32].contiguous(), score_mod=alibi_exp2(HQ))
+    torch._dynamo.reset()  # head dims 96/96: no kernel variant
+    q96, k96 = rand(B, HQ, 1, 96), rand(B, HKV, KV, 96)
+    check_stock(q96, k96, rand(B, HKV, KV, 96), score_mod=alibi_exp2(HQ))

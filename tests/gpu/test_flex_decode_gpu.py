@@ -72,7 +72,7 @@ def rand(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape, device="cuda", dtype=dtype)
 
 
-HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128), (576, 512)]
+HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128), (576, 512), (64, 32), (32, 64)]
 KV_LENS = [1, 7, 127, 128, 129, 1000, 8192]
 
 

@@ -32,6 +32,8 @@ MIN_BLOCKS_PER_SPLIT = 4  # each split streams at least this many KV blocks (hid
 # V 512 is split over two warp groups, each holding 256 output columns (128 fp32 registers).
 HEAD_DIMS = {
     (64, 64): (128, 1),
+    (64, 32): (128, 1),  # PyTorch's decoding tests mix 32- and 64-wide heads
+    (32, 64): (128, 1),
     (128, 128): (128, 1),
     (256, 256): (64, 1),
     (192, 128): (64, 1),  # DeepSeek MLA, not absorbed

@@ -285,7 +285,7 @@ class FlexDecodeSm90:
         the last query keep stale data: their outputs are never written."""
         vec = 8
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
-        tpr = 8  # threads per 64-column stretch of a row
+        tpr = min(8, self.dqk // vec)  # threads per 64-column stretch of a row (32 columns: 4)
         copy = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((self.consumer_threads // tpr, tpr), order=(1, 0)),
                                        cute.make_layout((1, vec)))
         thr = copy.get_slice(ctid)
