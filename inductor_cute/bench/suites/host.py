@@ -20,6 +20,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from ..case import Case
 from .models import wall_us
 
+METHOD = ("wall time per call, 200 calls back to back then a sync, median of 5 rounds with the runners "
+          "interleaved (the host's cost where it exceeds the device's)")
 MM_ROWS = (1, 8, 128, 4096)
 GEMV = (16, 14336, 4096)  # M, N, K: a decode batch through a Llama MLP projection
 DECODE = (8, 32, 8, 128, 8192)  # B, Hq, Hkv, D, KV

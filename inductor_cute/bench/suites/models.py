@@ -30,6 +30,9 @@ from ..case import Case
 from ..profile import device_us_per_call, kernel_times
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
+METHOD = ("wall time per step, 10 steps back to back then a sync, median of 5 rounds with the runners "
+          "interleaved (host cost included, as a serving loop sees it); device time per step (the sum of "
+          "its kernels' times, torch.profiler) in the notes")
 WRAP = 256  # decode positions a runner walks through before wrapping round
 
 
