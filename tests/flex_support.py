@@ -1,7 +1,8 @@
 """What the flex_attention lowering tests share: compiling with inductor-cute enabled, recording
-the lowering's decisions, and a CPU stand-in for the custom op (the kernel's contract in fp32 torch
-math: programs and block masks by the reference evaluators), so the whole compiled path runs on
-the CPU. Fixtures: `decisions`, `cpu_accepted`, `hopper` (import them into a test module)."""
+the lowering's decisions, and CPU stand-ins for the decode and prefill custom ops (the kernels'
+contract in fp32 torch math: programs and block masks by the reference evaluators), so the whole
+compiled path runs on the CPU. Fixtures: `decisions`, `cpu_accepted`, `hopper` (import them into a
+test module)."""
 
 import dataclasses
 import functools
@@ -14,19 +15,24 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import inductor_cute
 from inductor_cute.host import flex as host_flex
+from inductor_cute.host import flex_prefill as host_prefill
 from inductor_cute.inductor.flex import lowering as flex
+from inductor_cute.inductor.flex import prefill
 from inductor_cute.inductor.flex.lowering import decline_reason  # the real one: `decisions` patches the module's
-from inductor_cute.inductor.flex.runtime import FlexDecodeLauncher
+from inductor_cute.inductor.flex.runtime import FlexDecodeLauncher, FlexPrefillLauncher
 from inductor_cute.kernels.common.programs import score as sp
 
 HOP = torch.ops.higher_order.flex_attention
 OUR_CALL = "inductor_cute.inductor.flex.runtime.FlexDecodeLauncher("  # a call site's definition
+OUR_PREFILL_CALL = "inductor_cute.inductor.flex.runtime.FlexPrefillLauncher("
 
 
-def compiled(fn, *args, dynamic=None, **kwargs):
-    """fn compiled with inductor-cute enabled, run once: (result, output code)."""
+def compiled(fn, *args, dynamic=None, flex_prefill=False, **kwargs):
+    """fn compiled with inductor-cute enabled (and our prefill kernel offered with `flex_prefill`),
+    run once: (result, output code)."""
     torch._dynamo.reset()
-    with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+    with inductor_cute.enable(flex_decode=True, flex_prefill=flex_prefill), \
+            inductor_config.patch(fx_graph_cache=False), torch.no_grad():
         result, codes = run_and_get_code(torch.compile(fn, dynamic=dynamic), *args, **kwargs)
     torch._dynamo.reset()
     return result, "\n".join(codes)
@@ -58,12 +64,13 @@ def decisions(monkeypatch):
 
 
 def _stand_in(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks, kv_indices,
-              full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size):
-    """The custom op's contract on the CPU (fp32 math): out in q's dtype, natural-log lse; the
-    programs and the block mask by the reference evaluators; rows with no key out 0, lse -inf."""
+              full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size, operands=host_flex._score_mod_operands):
+    """A custom op's contract on the CPU (fp32 math): out in q's dtype, natural-log lse; the
+    programs and the block mask by the reference evaluators; rows with no key out 0, lse -inf.
+    `operands`: the host's program checks (decode's or prefill's)."""
     # the host's checks and canonical texts: what the lowering hands over must pass them
-    score_mod, score_dtypes, score_slots = host_flex._score_mod_operands(score_mod or None, score_tensors, q.device)
-    mask_mod, mask_dtypes, mask_slots = host_flex._score_mod_operands(mask_mod or None, mask_tensors, q.device, "mask")
+    score_mod, score_dtypes, score_slots = operands(score_mod or None, score_tensors, q.device, "score")
+    mask_mod, mask_dtypes, mask_slots = operands(mask_mod or None, mask_tensors, q.device, "mask")
     score_tensors, mask_tensors = score_slots[:len(score_dtypes)], mask_slots[:len(mask_dtypes)]
     g = q.shape[1] // k.shape[1]
     s = (q.float() @ k.float().repeat_interleave(g, 1).transpose(-1, -2)) * scale
@@ -80,23 +87,40 @@ def _stand_in(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, 
     return (p @ v.float().repeat_interleave(g, 1)).to(q.dtype), lse
 
 
+def _prefill_stand_in(*args):
+    """The prefill op's contract: the decode op's (`_stand_in`), its programs checked by the prefill host."""
+    return _stand_in(*args, operands=host_prefill._program_operands)
+
+
 @functools.cache
-def register_stand_in():  # once per session; only CPU calls of our op reach it
+def register_stand_in():  # once per session; only CPU calls of our ops reach them
     flex.register_kernel("cpu", _stand_in)
+    prefill.register_kernel("cpu", _prefill_stand_in)
 
 
 def _through_the_op(self, *args):
     return torch.ops.inductor_cute.flex_decode.default(*args)
 
 
+def _through_the_prefill_op(self, *args):
+    return torch.ops.inductor_cute.flex_prefill.default(*args)
+
+
 @pytest.fixture
 def cpu_accepted(monkeypatch):
-    """The lowering treats the CPU as a Hopper GPU, and output code's launchers call the op, which
-    runs `_stand_in` there."""
+    """The lowering treats the CPU as a Hopper GPU, and output code's launchers call the ops, which
+    run the stand-ins there."""
+    accept_cpu(monkeypatch)
+
+
+def accept_cpu(monkeypatch):
+    """What `cpu_accepted` does, with this monkeypatch (a module fixture's own, say)."""
     register_stand_in()
     monkeypatch.setattr(flex, "_device_reason", lambda device: None)
     monkeypatch.setattr(FlexDecodeLauncher, "call", _through_the_op)
     monkeypatch.setattr(FlexDecodeLauncher, "call_static", _through_the_op)
+    monkeypatch.setattr(FlexPrefillLauncher, "call", _through_the_prefill_op)
+    monkeypatch.setattr(FlexPrefillLauncher, "call_static", _through_the_prefill_op)
 
 
 def traced_problem(decisions, **kwargs) -> flex.FlexProblem:
@@ -113,11 +137,14 @@ def hopper(monkeypatch):
     monkeypatch.setattr(flex, "_device_reason", lambda device: None if device.type == "cuda" else f"device {device}")
 
 
-def taken_and_matching(decisions, q, k, v, **mods):
-    """Compile flex_attention with `mods`; assert our op took the call and that (out, lse) match
-    eager flex_attention in fp32. Returns (out, lse)."""
-    (out, lse), code = compiled(flex_attention, q, k, v, enable_gqa=True, return_lse=True, **mods)
-    assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
+def taken_and_matching(decisions, q, k, v, prefill=False, **mods):
+    """Compile flex_attention with `mods` (our prefill kernel offered with `prefill`); assert our
+    decode op (our prefill op with `prefill`) took the call and that (out, lse) match eager
+    flex_attention in fp32. Returns (out, lse)."""
+    (out, lse), code = compiled(flex_attention, q, k, v, enable_gqa=True, return_lse=True, flex_prefill=prefill,
+                                **mods)
+    ours, other = (OUR_PREFILL_CALL, OUR_CALL) if prefill else (OUR_CALL, OUR_PREFILL_CALL)
+    assert [reason for _, reason in decisions] == [None] and ours in code and other not in code
     ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), enable_gqa=True, return_lse=True, **mods)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)

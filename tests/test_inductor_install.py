@@ -69,6 +69,16 @@ def test_enable_installs_what_its_settings_ask_for(stock):
             install.stock_lowering(HOP)
 
 
+def test_flex_prefill_alone_installs_the_flex_lowering(stock):
+    assert install.Settings().flex_prefill is False  # opt-in
+    with inductor_cute.enable(flex_decode=False, flex_prefill=True):
+        assert installed()["flex_attention_lowering"]
+        assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True)
+        assert V.choices.uuid().endswith("flex0-prefill1")
+    with inductor_cute.enable():
+        assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False)
+
+
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
     inductor_cute.enable(fuse_epilogues=True, flex_decode=True)
     outer = state()
@@ -182,7 +192,8 @@ def test_this_threads_choices_follow_the_config(stock):
 
 
 def test_settings_enter_the_factorys_tag():
-    tags = {install.choices_factory(f, d)().uuid() for f in (False, True) for d in (False, True)}
-    assert len(tags) == 4
-    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0")
+    tags = {install.choices_factory(f, d, p)().uuid() for f in (False, True) for d in (False, True)
+            for p in (False, True)}
+    assert len(tags) == 8
+    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0")
     assert install.choices_factory(True, False)().settings == install.Settings(True, False)

@@ -1,7 +1,7 @@
 """Eager flex attention prefill (forward) with score/mask programs and block masks.
 
-Not yet re-exported by `ops` nor used by the flex lowering: the kernel has not run on a GPU yet
-(tests/gpu/test_flex_prefill_gpu.py is its first check).
+Not yet re-exported by `ops`; compiled graphs call it through inductor/flex/runtime.py's
+FlexPrefillLauncher once enable(flex_prefill=True) offers it (opt-in until its speed is measured).
 """
 
 from __future__ import annotations

@@ -30,10 +30,11 @@ from .settings import Settings, active_settings  # noqa: F401  (public here too)
 log = logging.getLogger(__name__)
 
 
-def choices_factory(fuse_epilogues: bool = False, flex_decode: bool = False) -> functools.partial:
+def choices_factory(fuse_epilogues: bool = False, flex_decode: bool = False,
+                    flex_prefill: bool = False) -> functools.partial:
     """The value for `config.inductor_choices_class`: a picklable factory of CuteChoices whose tag
     (our version, kernel sources and settings) enters Inductor's FX-graph cache key."""
-    return _factory(Settings(fuse_epilogues, flex_decode))
+    return _factory(Settings(fuse_epilogues, flex_decode, flex_prefill))
 
 
 @functools.cache  # one object per settings: enabling twice leaves the config value as it was
@@ -66,7 +67,7 @@ HOOKS: tuple[Hook, ...] = (
     SchedulingWrapper("cuda_scheduling", "cuda", _attr(".gemm.template", "CudaSchedulingConstructor"),
                       when=lambda settings: settings.fuse_epilogues),
     LoweringWrapper("flex_attention_lowering", _flex_attention_hop, _attr(".flex.lowering", "_flex_attention"),
-                    when=lambda settings: settings.flex_decode),
+                    when=lambda settings: settings.flex_decode or settings.flex_prefill),
 )
 
 
@@ -91,7 +92,7 @@ def _config_values(settings: Settings) -> dict:
 
     from .gemm.choices import BACKEND_TOKEN
 
-    values: dict[str, Any] = {"inductor_choices_class": choices_factory(settings.fuse_epilogues, settings.flex_decode)}
+    values: dict[str, Any] = {"inductor_choices_class": _factory(settings)}
     backends = [b.strip() for b in config.max_autotune_gemm_backends.split(",") if b.strip()]
     if BACKEND_TOKEN not in (b.upper() for b in backends):
         values["max_autotune_gemm_backends"] = ",".join([*backends, BACKEND_TOKEN])
@@ -110,7 +111,7 @@ class _Enabled:
         disable()
 
 
-def enable(fuse_epilogues: bool = False, flex_decode: bool = True) -> _Enabled:
+def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -118,7 +119,8 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True) -> _Enabled:
     templates are fused), which also changes how Triton templates pick their fusions.
     With `flex_decode` (on by default), flex_attention decoding calls whose score_mod, mask_mod and
     BlockMask our split-KV kernel can take run it (inductor/flex/lowering.py); the rest take the stock
-    lowering."""
+    lowering. With `flex_prefill` (off by default: its speed is not measured yet), inference calls
+    with longer queries than the decode kernel takes run our prefill kernel, on the same terms."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -127,7 +129,7 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True) -> _Enabled:
     if current is not None and getattr(current, "func", current) is not CuteChoices:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
                            f"({current!r}); inductor-cute needs to install its own")
-    settings = Settings(fuse_epilogues, flex_decode)
+    settings = Settings(fuse_epilogues, flex_decode, flex_prefill)
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

@@ -1,7 +1,8 @@
 """The flex_attention higher-order op under torch.compile: decoding-shaped calls whose score_mod and
 mask_mod we can translate into score / mask programs (kernels/common/programs/score.py), with or
-without a BlockMask our kernel can walk, run our split-KV kernel (`ops.flex_decode`); everything
-else goes to the stock lowering, unchanged.
+without a BlockMask our kernel can walk, run our split-KV kernel (`ops.flex_decode`); with
+enable(flex_prefill=True), inference calls with longer queries run our prefill kernel
+(host.flex_prefill) on the same terms; everything else goes to the stock lowering, unchanged.
 
 inductor/install.py wraps `torch._inductor.lowering.lowerings[flex_attention]`. A call we accept is
 the custom op `torch.ops.inductor_cute.flex_decode` in the graph (its schema gives the outputs'
@@ -9,6 +10,8 @@ layouts); output code calls a launcher of runtime.py defined for the call site i
 (plain values: a graph served from the FX cache works in a fresh process).
 
 The decision is `decline_reason(FlexProblem)`: plain values, so it is testable without a graph.
+The query length picks the kernel (`FlexProblem.kernel`); the checks common to both run once, then
+that kernel's own limits (head dims, dtypes, block sizes) and the settings that offer it.
 The mods' graphs are translated by translate.py; their captured buffers (of any rank, bool and
 int64 included) and integer operands reach the kernel flattened and converted by `_kernel_buffer`.
 Torch-version differences are confined to `_block_mask_fields`.
@@ -27,6 +30,7 @@ from torch._inductor import ir
 from torch._inductor.virtualized import V
 
 from ...kernels.common.units import LOG2E
+from . import prefill as _prefill  # noqa: F401 (registers torch.ops.inductor_cute.flex_prefill)
 from . import runtime as _runtime
 from .translate import (Captured, describe, is_full, is_identity_score_mod,  # noqa: F401 (re-exported)
                         is_noop_mask_mod, mask_program, score_program)
@@ -114,6 +118,19 @@ class FlexProblem:
     kernel_options: dict
     inference: bool
     size_guards: tuple = ()  # (a, b) dynamic sizes equal at the hints, not provably: guarded when taken
+    q_len_hint: int | None = None  # the query length at its size hint (a symbolic q_len's)
+    flex_decode: bool = True  # enable()'s settings for this compile: the kernels of ours on offer
+    flex_prefill: bool = False
+    kv_batch_broadcast: bool = False  # k and v of batch 1 for every query batch (a shared, paged cache)
+
+    @property
+    def kernel(self) -> str:
+        """"prefill" for a query longer than the decode kernel takes (at the size hint when
+        symbolic: taking it guards that), else "decode"."""
+        from ...kernels.attention.flex_decode_config import MAX_Q_LEN
+
+        q_len = self.q_len if self.q_len is not None else self.q_len_hint
+        return "prefill" if q_len is not None and q_len > MAX_Q_LEN else "decode"
 
     @functools.cached_property
     def translated(self) -> tuple[tuple[str, str] | None, str | None]:
@@ -131,10 +148,7 @@ class FlexProblem:
 
 
 def decline_reason(p: FlexProblem) -> str | None:
-    """Why our decode kernel does not take this call (the stock lowering does); None if it does."""
-    from ...kernels.attention import flex_decode_config as fdc
-    from ...host.common import DTYPE_NAMES
-
+    """Why neither of our kernels takes this call (the stock lowering does); None if `p.kernel` does."""
     problem = _device_reason(p.device)
     if problem:
         return problem
@@ -142,14 +156,13 @@ def decline_reason(p: FlexProblem) -> str | None:
         return "a training graph (the backward needs the stock kernel)"
     if len(set(p.dtypes)) != 1:
         return f"q, k and v dtypes differ: {p.dtypes}"
-    if None in (p.heads, p.kv_heads, p.q_len, p.head_dim_qk, p.head_dim_v):
+    if None in (p.heads, p.kv_heads, p.head_dim_qk, p.head_dim_v) or (p.q_len is None and p.kernel == "decode"):
         return "heads, query length or head dims are symbolic"
     if not p.operands_match:
         return "k and v do not match q (batch, head dims) or each other"
     if p.kv_heads == 0 or p.heads % p.kv_heads:
         return f"{p.heads} query heads are not a multiple of {p.kv_heads} KV heads"
-    problem = fdc.unsupported_reason(p.head_dim_qk, p.head_dim_v, DTYPE_NAMES.get(p.dtypes[0], str(p.dtypes[0])),
-                                     p.heads // p.kv_heads, p.q_len)
+    problem = _kernel_reason(p)
     if problem:
         return problem
     if not isinstance(p.scale, (int, float)):
@@ -162,9 +175,30 @@ def decline_reason(p: FlexProblem) -> str | None:
     return problem or _options_reason(p.kernel_options)
 
 
-def _block_mask_reason(p: FlexProblem) -> str | None:
-    """Why our kernel cannot walk this BlockMask (fdc.sparse_block_reason says what it needs)."""
+def _kernel_reason(p: FlexProblem) -> str | None:
+    """Why the kernel for this query length is not on offer or cannot take these sizes."""
+    from ...host.common import DTYPE_NAMES
     from ...kernels.attention import flex_decode_config as fdc
+    from ...kernels.attention import flex_prefill_config as fpc
+
+    dtype = DTYPE_NAMES.get(p.dtypes[0], str(p.dtypes[0]))
+    q_len = p.q_len if p.q_len is not None else p.q_len_hint
+    if p.kernel == "prefill":
+        if not p.flex_prefill:
+            return f"query length {q_len} is outside the decode kernel's range 1..{fdc.MAX_Q_LEN} (our prefill " \
+                   "kernel is opt-in: enable(flex_prefill=True))"
+        if p.kv_batch_broadcast:
+            return "k and v of batch 1 shared by the query batches (the prefill kernel reads one cache per batch)"
+        return fpc.unsupported_reason(p.head_dim_qk, p.head_dim_v, dtype)
+    if not p.flex_decode:
+        return "flex_decode is off (enable(flex_decode=True) offers our decode kernel)"
+    return fdc.unsupported_reason(p.head_dim_qk, p.head_dim_v, dtype, p.heads // p.kv_heads, q_len)
+
+
+def _block_mask_reason(p: FlexProblem) -> str | None:
+    """Why our kernel cannot walk this BlockMask (the kernel's sparse_block_reason says what it needs)."""
+    from ...kernels.attention import flex_decode_config as fdc
+    from ...kernels.attention import flex_prefill_config as fpc
 
     kv_block_size, q_block_size = p.block_sizes
     if not (isinstance(kv_block_size, int) and isinstance(q_block_size, int)):
@@ -175,6 +209,9 @@ def _block_mask_reason(p: FlexProblem) -> str | None:
         return "block-mask tensors that are not int32 on the query's device"
     if p.mask_heads not in (1, p.heads):
         return f"a block mask of {p.mask_heads} heads for {p.heads} query heads"
+    if p.kernel == "prefill":  # one CTA per query head: any mask heads, any GQA ratio
+        problem = fpc.sparse_block_reason(kv_block_size, q_block_size, fpc.HEAD_DIMS[(p.head_dim_qk, p.head_dim_v)])
+        return f"block mask: {problem}" if problem else None
     kv_block = fdc.kv_block_for(p.head_dim_qk, p.head_dim_v, kv_block_size)
     problem = fdc.sparse_block_reason(kv_block_size, kv_block, q_block_size, p.q_len, p.mask_heads,
                                       p.heads // p.kv_heads)
@@ -254,7 +291,10 @@ def _block_size(size):
 
 def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, score_buffers=(),
              mask_buffers=()) -> FlexProblem:
+    from ..settings import active_settings
+
     sizevars = V.graph.sizevars
+    settings = active_settings()
     (bq, hq, lq, dqk), (bk, hk, lk, dk), (bv, hv, lv, dv) = (x.get_size() for x in (query, key, value))
     # dynamic sizes of separate inputs (q's batch and a KV cache view's) are separate symbols:
     # equal at their hints, they match under a guard that taking the call adds (_flex_attention)
@@ -271,7 +311,7 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
     return FlexProblem(
         device=query.get_device(), dtypes=(query.get_dtype(), key.get_dtype(), value.get_dtype()),
         heads=_static(hq), kv_heads=_static(hk), q_len=_static(lq), head_dim_qk=_static(dqk), head_dim_v=_static(dv),
-        operands_match=operands_match,
+        operands_match=operands_match, kv_batch_broadcast=kv_batch_broadcast,
         score_graph=subgraph.graph_module,
         score_buffers=tuple(_captured(buf, query.get_device()) for buf in score_buffers),
         mask_graph=mask_graph.graph_module,
@@ -280,16 +320,19 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
         block_sizes=(_block_size(kv_block), _block_size(q_block)),
         mask_heads=_static(block_tensors[0].get_size()[1]) if block_tensors[0] is not None else None,
         block_tensors_ok=block_tensors_ok and len(present) in (2, 4), scale=scale,
-        kernel_options=dict(kernel_options), inference=V.graph.is_inference, size_guards=size_guards)
+        kernel_options=dict(kernel_options), inference=V.graph.is_inference, size_guards=size_guards,
+        q_len_hint=hint(lq), flex_decode=settings.flex_decode, flex_prefill=settings.flex_prefill)
 
 
 # ------------------------------------------------------------------------------- the lowering
 
-class _FlexDecodeCall(ir.FallbackKernel):
-    """The custom op in the graph (its schema gives Inductor the outputs' layouts); in output code
-    a call of a FlexDecodeLauncher defined for this call site in the module's header (built from
-    plain values, so a graph served from the FX cache works in a fresh process), with the op's
-    arguments: Python calling Python, without the dispatcher's cost per call."""
+class _FlexCall(ir.FallbackKernel):
+    """A custom op of ours in the graph (its schema gives Inductor the outputs' layouts); in output
+    code a call of the op's launcher (runtime.py, LAUNCHER) defined for this call site in the
+    module's header (built from plain values, so a graph served from the FX cache works in a fresh
+    process), with the op's arguments: Python calling Python, without the dispatcher's cost per call."""
+
+    LAUNCHER = ""
 
     def codegen(self, wrapper) -> None:
         from ..gemm.codegen import is_static, layout_exprs
@@ -300,11 +343,19 @@ class _FlexDecodeCall(ir.FallbackKernel):
         static = is_static(kv_block, q_block, *(e for node in self.inputs for e in layout_exprs(node)))
         name = f"icute_flex_{wrapper.next_kernel_suffix()}"
         method = "call_static" if static else "call"
-        wrapper.define_kernel(name, f"{_runtime.MODULE}.FlexDecodeLauncher(scale={float(scale)!r}, "
+        wrapper.define_kernel(name, f"{_runtime.MODULE}.{self.LAUNCHER}(scale={float(scale)!r}, "
                                     f"score_mod={score_mod!r}, mask_mod={mask_mod!r}, kv_block_size={int(kv_block)}, "
                                     f"q_block_size={int(q_block)}).{method}", gpu=False)
         self.python_kernel_name = name
         super().codegen(wrapper)
+
+
+class _FlexDecodeCall(_FlexCall):
+    LAUNCHER = "FlexDecodeLauncher"
+
+
+class _FlexPrefillCall(_FlexCall):
+    LAUNCHER = "FlexPrefillLauncher"
 
 
 def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_options,
@@ -327,8 +378,12 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
                                     score_mod_other_buffers, mask_mod_other_buffers)
     for a, b in problem.size_guards:
         V.graph.sizevars.check_equals(a, b)
-    log.info("inductor-cute: flex_attention %s runs our decode kernel (score program %r, mask program %r%s)",
-             list(query.get_size()), *programs, "" if problem.keys_all_in_blocks else ", a block mask")
+    if problem.q_len is None:  # a symbolic length taken by the prefill kernel: one above the decode kernel's
+        from ...kernels.attention.flex_decode_config import MAX_Q_LEN
+
+        V.graph.sizevars.check_lt(MAX_Q_LEN, query.get_size()[2])
+    log.info("inductor-cute: flex_attention %s runs our %s kernel (score program %r, mask program %r%s)",
+             list(query.get_size()), problem.kernel, *programs, "" if problem.keys_all_in_blocks else ", a block mask")
     *block_tensors, _, _, _ = _block_mask_fields(block_mask)
     kv_block, q_block = problem.block_sizes  # ints (a symbolic size was specialised in _problem)
     if problem.keys_all_in_blocks:  # flex_attention's "no block mask": walk the whole sequence
@@ -336,19 +391,29 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
     device = query.get_device()
     score_buffers = [_kernel_buffer(buf, c, device) for buf, c in zip(score_mod_other_buffers, problem.score_buffers)]
     mask_buffers = [_kernel_buffer(buf, c, device) for buf, c in zip(mask_mod_other_buffers, problem.mask_buffers)]
-    return _lower_to_decode(query, key, value, float(scale), programs, score_buffers, mask_buffers, block_tensors,
-                            kv_block, q_block)
+    return _lower_to_kernel(problem.kernel, query, key, value, float(scale), programs, score_buffers, mask_buffers,
+                            block_tensors, kv_block, q_block)
 
 
 def _call_reason(problem: FlexProblem | None, query, key) -> str | None:
     if problem is None:
         return "cpp_wrapper / AOTInductor output (our op is called from Python)"
-    return decline_reason(problem) or _grid_reason(query, key)
+    return decline_reason(problem) or _grid_reason(problem.kernel, query, key)
 
 
-def _grid_reason(query, key) -> str | None:
+def _grid_reason(kernel: str, query, key) -> str | None:
     # Evaluated last: with a symbolic batch this adds a guard, which a call we decline should not get.
-    batch, kv_heads = query.get_size()[0], key.get_size()[1]
+    batch, heads, q_len = query.get_size()[:3]
+    if kernel == "prefill":
+        from torch.utils._sympy.functions import CeilDiv
+
+        from ...host.flex_prefill import MAX_TILES
+        from ...kernels.attention.flex_prefill_config import M_BLOCK
+
+        if not V.graph.sizevars.evaluate_expr(sympy.Le(CeilDiv(q_len, M_BLOCK) * heads * batch, MAX_TILES)):
+            return f"the prefill kernel's tiles (query blocks x heads x batch) exceed {MAX_TILES}"
+        return None
+    kv_heads = key.get_size()[1]
     if not V.graph.sizevars.evaluate_expr(sympy.Le(batch * kv_heads, _MAX_GRID_Z)):
         return f"batch x KV heads exceeds {_MAX_GRID_Z}"
     return None
@@ -379,16 +444,18 @@ def _kernel_buffer(buf, captured: Captured, device):
     return converted[key][1]
 
 
-def _lower_to_decode(query, key, value, scale: float, programs: tuple, score_buffers: list, mask_buffers: list,
-                     block_tensors: list, kv_block: int, q_block: int):
-    """The HOP's outputs (out, lse, max_scores): lse in log2 units like every flex kernel's;
-    max_scores only allocated, as the stock kernels leave it when OUTPUT_MAX is off."""
+def _lower_to_kernel(kernel: str, query, key, value, scale: float, programs: tuple, score_buffers: list,
+                     mask_buffers: list, block_tensors: list, kv_block: int, q_block: int):
+    """The HOP's outputs (out, lse, max_scores) from our `kernel`'s op ("decode" or "prefill"): lse
+    in log2 units like every flex kernel's; max_scores only allocated, as the stock kernels leave it
+    when OUTPUT_MAX is off."""
     from torch._inductor.lowering import empty_strided, lowerings
 
+    call, op = ((_FlexPrefillCall, torch.ops.inductor_cute.flex_prefill.default) if kernel == "prefill" else
+                (_FlexDecodeCall, torch.ops.inductor_cute.flex_decode.default))
     out, lse = (ir.TensorBox.create(x)
-                for x in _FlexDecodeCall.create(torch.ops.inductor_cute.flex_decode.default, query, key, value, scale,
-                                                programs[0], score_buffers, programs[1], mask_buffers, *block_tensors,
-                                                kv_block, q_block))
+                for x in call.create(op, query, key, value, scale, programs[0], score_buffers, programs[1],
+                                     mask_buffers, *block_tensors, kv_block, q_block))
     lse2 = lowerings[torch.ops.aten.mul.Tensor](lse, LOG2E)
     max_scores = empty_strided(lse.get_size(), None, dtype=torch.float32, device=query.get_device())
     return out, lse2, max_scores

@@ -1,4 +1,4 @@
-"""What a torch.compile'd graph's flex decode call runs on Inductor's buffers.
+"""What a torch.compile'd graph's flex decode and prefill calls run on Inductor's buffers.
 
 The custom op `torch.ops.inductor_cute.flex_decode` (lowering.py) calls `flex_decode` here. The
 values static per call site (scale, the programs' texts, block sizes) pick one FlexDecodeLauncher;
@@ -9,6 +9,9 @@ a layout key, the operand views, fresh partials and outputs from the caching all
 kernel call. Another layout (a dynamic size, another stride or alignment) takes the checked path
 again. Launchers hold no tensor and are built from plain values: a graph loaded from Inductor's
 FX cache builds them in a fresh process.
+
+A FlexPrefillLauncher (`torch.ops.inductor_cute.flex_prefill`, prefill.py) calls the eager
+host.flex_prefill each time: a prefill's device time dwarfs those checks.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...host import flex as host_flex
+from ...host import flex_prefill as host_prefill
 
 MODULE = __name__
 PLANS_PER_LAUNCHER = 64  # layouts one launcher remembers (dynamic sizes); then it starts over
@@ -29,24 +33,34 @@ def layout_key(sources: tuple, n_score: int) -> tuple:
             *[None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in sources])
 
 
-class FlexDecodeLauncher:
-    """One call site's flex decode: ops.flex_decode(q, k, v, scale=, score_mod=, mask_mod=, block
-    sizes=) returning (out, lse), with k/v views the kernel cannot stream copied (a graph may
-    slice them) rather than refused."""
+class _CallSite:
+    """What output code fixes for one flex call site: the op's static arguments."""
 
-    __slots__ = ("scale", "score_mod", "mask_mod", "kv_block_size", "q_block_size", "_plans", "_static")
+    __slots__ = ("scale", "score_mod", "mask_mod", "kv_block_size", "q_block_size")
 
     def __init__(self, scale: float, score_mod: str = "", mask_mod: str = "", kv_block_size: int = 0,
                  q_block_size: int = 0) -> None:
         self.scale, self.score_mod, self.mask_mod = scale, score_mod, mask_mod
         self.kv_block_size, self.q_block_size = kv_block_size, q_block_size
-        self._plans: dict[tuple, host_flex.FlexDecodeLaunch | None] = {}  # None: checked path each call
-        self._static: host_flex.FlexDecodeLaunch | None = None
 
     def __repr__(self) -> str:
-        return f"FlexDecodeLauncher(scale={self.scale!r}, score_mod={self.score_mod!r}, " \
+        return f"{type(self).__name__}(scale={self.scale!r}, score_mod={self.score_mod!r}, " \
                f"mask_mod={self.mask_mod!r}, kv_block_size={self.kv_block_size!r}, " \
                f"q_block_size={self.q_block_size!r})"
+
+
+class FlexDecodeLauncher(_CallSite):
+    """One call site's flex decode: ops.flex_decode(q, k, v, scale=, score_mod=, mask_mod=, block
+    sizes=) returning (out, lse), with k/v views the kernel cannot stream copied (a graph may
+    slice them) rather than refused."""
+
+    __slots__ = ("_plans", "_static")
+
+    def __init__(self, scale: float, score_mod: str = "", mask_mod: str = "", kv_block_size: int = 0,
+                 q_block_size: int = 0) -> None:
+        super().__init__(scale, score_mod, mask_mod, kv_block_size, q_block_size)
+        self._plans: dict[tuple, host_flex.FlexDecodeLaunch | None] = {}  # None: checked path each call
+        self._static: host_flex.FlexDecodeLaunch | None = None
 
     def launch(self, q, k, v, score_tensors, mask_tensors, kv_num_blocks, kv_indices, full_kv_num_blocks,
                full_kv_indices) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,3 +140,29 @@ def flex_decode(q, k, v, scale: float, score_mod: str, score_tensors, mask_mod: 
         found = launcher(*key)
     return found.launch(q, k, v, score_tensors, mask_tensors, kv_num_blocks, kv_indices, full_kv_num_blocks,
                         full_kv_indices)
+
+
+class FlexPrefillLauncher(_CallSite):
+    """One call site's flex prefill: host.flex_prefill(q, k, v, scale=, score_mod=, mask_mod=, block
+    sizes=, return_lse=True) returning (out, lse), lse in natural-log units. `call` and
+    `call_static` take the custom op's arguments (its schema's order), as FlexDecodeLauncher's."""
+
+    __slots__ = ()
+
+    def call(self, q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks, kv_indices,
+             full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size) -> tuple[torch.Tensor, torch.Tensor]:
+        return host_prefill.flex_prefill(
+            q, k, v, scale=self.scale, score_mod=self.score_mod or None, score_tensors=score_tensors,
+            mask_mod=self.mask_mod or None, mask_tensors=mask_tensors, kv_num_blocks=kv_num_blocks,
+            kv_indices=kv_indices, full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+            kv_block_size=self.kv_block_size, q_block_size=self.q_block_size, return_lse=True)
+
+    call_static = call  # nothing is remembered per layout
+
+
+def flex_prefill(q, k, v, scale: float, score_mod: str, score_tensors, mask_mod: str, mask_tensors, kv_num_blocks,
+                 kv_indices, full_kv_num_blocks, full_kv_indices, kv_block_size: int, q_block_size: int):
+    """The prefill custom op's arguments (its schema's order) -> (out, lse)."""
+    return FlexPrefillLauncher(scale, score_mod, mask_mod, kv_block_size, q_block_size).call(
+        q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks, kv_indices,
+        full_kv_num_blocks, full_kv_indices, kv_block_size, q_block_size)
