@@ -82,3 +82,28 @@ def stream_scratch(device: torch.device, buffers: tuple, per_stream: bool = True
     if found is None:
         found = _SCRATCH[key] = fresh()
     return found
+
+
+def attention_shapes(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shared_kv_ok: bool = False):
+    """The checks every attention entry makes on q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk) and v
+    (B, Hkv, Lkv, Dv): bf16/fp16 alike, 4-D, matching sizes, Hq a multiple of Hkv; with
+    `shared_kv_ok`, k and v may have batch 1 for any query batch (one shared cache).
+    Returns (batch, heads, q_len, dqk, kv_heads, kv_len, dv, shared_kv)."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise UnsupportedError(f"{name}: q, k and v must all be bfloat16 or float16, got {q.dtype}, {k.dtype} and "
+                               f"{v.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise UnsupportedError(f"{name}: expected 4-D q, k, v (batch, heads, length, dim), got {q.dim()}-D, "
+                               f"{k.dim()}-D and {v.dim()}-D")
+    batch, heads, q_len, dqk = q.shape
+    kv_heads, kv_len, dv = k.shape[1], k.shape[2], v.shape[3]
+    shared_kv = shared_kv_ok and batch > 1 and k.shape[0] == 1 and v.shape[0] == 1
+    if not shared_kv and (k.shape[0] != batch or v.shape[0] != batch):
+        also = " (k and v may also have batch 1, shared by every query batch)" if shared_kv_ok else ""
+        raise UnsupportedError(f"{name}: batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}{also}")
+    if k.shape[3] != dqk or v.shape[1] != kv_heads or v.shape[2] != kv_len:
+        raise UnsupportedError(f"{name}: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
+                               "match")
+    if kv_heads == 0 or heads % kv_heads:
+        raise UnsupportedError(f"{name}: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    return batch, heads, q_len, dqk, kv_heads, kv_len, dv, shared_kv

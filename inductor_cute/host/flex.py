@@ -10,7 +10,7 @@ import torch
 from ..errors import UnsupportedError
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
-from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count, stream_scratch
+from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, check_cuda, sm_count, stream_scratch
 from .gemm import _alias, _in_place
 
 
@@ -137,24 +137,8 @@ def _checked(q, k, v, scale, kv_len, num_splits, score_mod, score_tensors, mask_
     from ..kernels.common.programs import score as sp
 
     check_cuda("flex_decode", q, k, v, *(t for t in (kv_len,) if t is not None))
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise UnsupportedError(f"flex_decode: q, k and v must all be bfloat16 or float16, got {q.dtype}, "
-                               f"{k.dtype} and {v.dtype}")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise UnsupportedError(f"flex_decode: expected 4-D q, k, v (batch, heads, length, dim), got "
-                               f"{q.dim()}-D, {k.dim()}-D and {v.dim()}-D")
-    batch, heads, q_len, dqk = q.shape
-    kv_heads, seq = k.shape[1], k.shape[2]
-    dv = v.shape[3]
-    kv_batch_broadcast = batch > 1 and k.shape[0] == 1 and v.shape[0] == 1  # one cache for every batch (paged)
-    if not kv_batch_broadcast and (k.shape[0] != batch or v.shape[0] != batch):
-        raise UnsupportedError(f"flex_decode: batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]} (k and v "
-                               f"may also have batch 1, shared by every query batch)")
-    if k.shape[3] != dqk or v.shape[1] != kv_heads or v.shape[2] != seq:
-        raise UnsupportedError(f"flex_decode: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
-                               "do not match")
-    if kv_heads == 0 or heads % kv_heads:
-        raise UnsupportedError(f"flex_decode: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    batch, heads, q_len, dqk, kv_heads, seq, dv, kv_batch_broadcast = attention_shapes("flex_decode", q, k, v,
+                                                                                      shared_kv_ok=True)
     group = heads // kv_heads
     problem = fdc.unsupported_reason(dqk, dv, DTYPE_NAMES[q.dtype], group, max(q_len, 1))
     if problem:

@@ -13,7 +13,7 @@ import torch
 from ..errors import UnsupportedError
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
-from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda
+from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, check_cuda
 from .flex import _unit_stride
 
 NAME = "flex_prefill"
@@ -122,22 +122,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     from ..kernels.attention import flex_prefill_config as fpc
 
     check_cuda(NAME, q, k, v)
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise UnsupportedError(f"{NAME}: q, k and v must all be bfloat16 or float16, got {q.dtype}, {k.dtype} and "
-                               f"{v.dtype}")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise UnsupportedError(f"{NAME}: expected 4-D q, k, v (batch, heads, length, dim), got {q.dim()}-D, "
-                               f"{k.dim()}-D and {v.dim()}-D")
-    batch, heads, q_len, dqk = q.shape
-    kv_heads, seq = k.shape[1], k.shape[2]
-    dv = v.shape[3]
-    if k.shape[0] != batch or v.shape[0] != batch:
-        raise UnsupportedError(f"{NAME}: batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[3] != dqk or v.shape[1] != kv_heads or v.shape[2] != seq:
-        raise UnsupportedError(f"{NAME}: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
-                               "match")
-    if kv_heads == 0 or heads % kv_heads:
-        raise UnsupportedError(f"{NAME}: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    batch, heads, q_len, dqk, kv_heads, seq, dv, _ = attention_shapes(NAME, q, k, v)
     problem = fpc.unsupported_reason(dqk, dv, DTYPE_NAMES[q.dtype])
     if problem:
         raise UnsupportedError(f"{NAME}: {problem}")
