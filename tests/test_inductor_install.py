@@ -6,6 +6,7 @@ import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import lowering, select_algorithm
 from torch._inductor.codegen import common
+from torch._inductor.kernel import mm_grouped
 from torch._inductor.virtualized import V
 
 import inductor_cute
@@ -15,6 +16,7 @@ from inductor_cute.inductor.gemm.choices import CuteChoices
 from inductor_cute.inductor.gemm.template import CudaSchedulingConstructor
 
 HOP = torch.ops.higher_order.flex_attention
+GROUPED_MM = torch.ops.aten._grouped_mm.default
 CONFIG_KEYS = ("inductor_choices_class", "max_autotune_gemm_backends", "benchmark_epilogue_fusion")
 
 
@@ -22,8 +24,11 @@ def state() -> dict:
     """Everything a hook or enable() may replace, by identity."""
     return {**{key: getattr(inductor_config, key) for key in CONFIG_KEYS},
             "flex lowering": lowering.lowerings[HOP],
+            "grouped_mm lowering": lowering.lowerings[GROUPED_MM],
+            "grouped_mm autotuning": mm_grouped.autotune_select_algorithm,
             "cuda codegen": common.device_codegens.get("cuda"),
             "extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_gemm", None),
+            "grouped extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_grouped_mm", None),
             "feedback savers": tuple(feedback_savers())}
 
 
@@ -63,7 +68,9 @@ def test_enable_installs_what_its_settings_ask_for(stock):
         assert inductor_config.benchmark_epilogue_fusion is False
     with inductor_cute.enable(fuse_epilogues=False, flex_decode=False):
         assert installed() == {"gemm_extern_kernel": True, "gemm_feedback_log": True, "cuda_scheduling": False,
-                               "flex_attention_lowering": False}
+                               "flex_attention_lowering": False, "grouped_extern_kernel": True,
+                               "grouped_mm_autotuning": True, "grouped_mm_lowering": True}
+        assert install.stock_lowering(GROUPED_MM) is stock["grouped_mm lowering"]
         assert inductor_config.benchmark_epilogue_fusion == stock["benchmark_epilogue_fusion"]
         with pytest.raises(RuntimeError, match="no lowering of ours"):
             install.stock_lowering(HOP)

@@ -106,6 +106,38 @@ class SchedulingWrapper(Hook):
             common.device_codegens[self.device] = self._replaced
 
 
+class AttributeWrapper(Hook):
+    """`make(replaced)` in place of the attribute `attr` of the module named `module`: a function a
+    stock lowering looks up in its module's globals at every call. A torch without that attribute
+    leaves the hook uninstalled, with a warning."""
+
+    def __init__(self, name: str, module: str, attr: str, make: Callable[[], Callable], **kw) -> None:
+        super().__init__(name, **kw)
+        self.module, self.attr, self._make = module, attr, make
+        self._replaced = self._ours = None  # kept after uninstall to reuse `_ours`
+
+    def installed(self) -> bool:
+        module = importlib.import_module(self.module)
+        return self._ours is not None and getattr(module, self.attr, None) is self._ours
+
+    def install(self) -> None:
+        if self.installed():
+            return
+        module = importlib.import_module(self.module)
+        current = getattr(module, self.attr, None)
+        if current is None:
+            log.warning("inductor-cute: %s.%s not found in this torch; %s not installed", self.module, self.attr,
+                        self.name)
+            return
+        if current is not self._replaced or self._ours is None:
+            self._replaced, self._ours = current, self._make()(current)
+        setattr(module, self.attr, self._ours)
+
+    def uninstall(self) -> None:
+        if self.installed():
+            setattr(importlib.import_module(self.module), self.attr, self._replaced)
+
+
 class FeedbackSaver(Hook):
     """A function `select_algorithm` calls with every autotuning's timings."""
 

@@ -8,7 +8,9 @@ settings ask for. `disable()` puts back the last saved state exactly, so calls n
 
 A hook replaces one thing in torch: `install()` is idempotent and `uninstall()` puts back exactly
 what `install()` replaced (a no-op when not installed). A family that wraps a stock lowering adds one
-`LoweringWrapper` to HOOKS; its lowering delegates the calls it declines to `stock_lowering(op)`.
+`LoweringWrapper` to HOOKS; its lowering delegates the calls it declines to `stock_lowering(op)`. One
+that adds choices to a stock lowering's autotuning (grouped/) also wraps, with an
+`AttributeWrapper`, the `autotune_select_algorithm` that lowering's module calls.
 
 The settings travel on the CuteChoices instance the factory makes (the factory's tag spells them, so
 they enter the FX-graph cache key); code that needs them while lowering or scheduling reads
@@ -24,7 +26,9 @@ import logging
 from typing import Any
 
 from .gemm.extern import GEMM_KERNEL
-from .hooks import FeedbackSaver, Hook, LoweringWrapper, SchedulingWrapper, _attr, stock_lowering  # noqa: F401  (public here too)
+from .grouped.extern import GROUPED_KERNEL
+from .hooks import AttributeWrapper, FeedbackSaver, Hook, LoweringWrapper, SchedulingWrapper, _attr
+from .hooks import stock_lowering  # noqa: F401  (public here too)
 from .settings import Settings, active_settings  # noqa: F401  (public here too)
 
 log = logging.getLogger(__name__)
@@ -61,6 +65,12 @@ def _flex_attention_hop():
     return torch.ops.higher_order.flex_attention
 
 
+def _grouped_mm_op():
+    import torch
+
+    return torch.ops.aten._grouped_mm.default
+
+
 HOOKS: tuple[Hook, ...] = (
     GEMM_KERNEL,
     FeedbackSaver("gemm_feedback_log", _attr(".gemm.extern", "log_timings")),
@@ -68,6 +78,11 @@ HOOKS: tuple[Hook, ...] = (
                       when=lambda settings: settings.fuse_epilogues),
     LoweringWrapper("flex_attention_lowering", _flex_attention_hop, _attr(".flex.lowering", "_flex_attention"),
                     when=lambda settings: settings.flex_decode or settings.flex_prefill),
+    # torch._grouped_mm: our configs join the stock lowering's autotuning (grouped/lowering.py)
+    GROUPED_KERNEL,
+    AttributeWrapper("grouped_mm_autotuning", "torch._inductor.kernel.mm_grouped", "autotune_select_algorithm",
+                     _attr(".grouped.lowering", "joining_select")),
+    LoweringWrapper("grouped_mm_lowering", _grouped_mm_op, _attr(".grouped.lowering", "grouped_mm_lowering")),
 )
 
 
@@ -120,7 +135,9 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     With `flex_decode` (on by default), flex_attention decoding calls whose score_mod, mask_mod and
     BlockMask our split-KV kernel can take run it (inductor/flex/lowering.py); the rest take the stock
     lowering. With `flex_prefill` (off by default: its speed is not measured yet), inference calls
-    with longer queries than the decode kernel takes run our prefill kernel, on the same terms."""
+    with longer queries than the decode kernel takes run our prefill kernel, on the same terms.
+    `torch._grouped_mm` calls of the MoE forward form (bf16, 2-D x 3-D with offsets) get our grouped
+    GEMM's configs among their autotuning choices (inductor/grouped/lowering.py)."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices

@@ -1,4 +1,5 @@
-"""Output code for our GEMM: the per-call-site launcher both the extern node and the template emit."""
+"""Output code for our GEMMs (dense and grouped): the per-call-site launchers that the extern nodes
+and the template emit."""
 
 from __future__ import annotations
 
@@ -20,16 +21,21 @@ def layout_exprs(node) -> list:
     return [*layout.size, *layout.stride, layout.offset]
 
 
+def define_call_site(wrapper, prefix: str, module: str, launcher: str) -> str:
+    """Define `<prefix>_<n> = <module>.<launcher>` for one call site in the output code's header,
+    with the import of `module` (so a graph served from the FX cache works in a process that
+    never lowered it), and return the name to call."""
+    wrapper.add_import_once(f"import {module}")
+    name = f"{prefix}_{wrapper.next_kernel_suffix()}"
+    wrapper.define_kernel(name, f"{module}.{launcher}", gpu=False)
+    return name
+
+
 def define_launcher(wrapper, op: str, config: tuple, static: bool = False, **scalars) -> str:
-    """Define a GemmLauncher for one call site in the output code's header (with the import of our
-    runtime, so a graph served from the FX cache works in a process that never lowered it) and
-    return the name to call: its bound `launch`, which takes the tensors positionally, or for a
-    call site whose tensors all have static layouts, `launch_static` (runtime.py says why that
-    is safe)."""
-    wrapper.add_import_once(f"import {RUNTIME}")
-    name = f"icute_gemm_{wrapper.next_kernel_suffix()}"
+    """Define a GemmLauncher for one call site (define_call_site) and return the name to call: its
+    bound `launch`, which takes the tensors positionally, or for a call site whose tensors all have
+    static layouts, `launch_static` (runtime.py says why that is safe)."""
     kwargs = "".join(f", {k}={v!r}" for k, v in scalars.items())
     method = "launch_static" if static else "launch"
-    wrapper.define_kernel(name, f"{RUNTIME}.GemmLauncher(op={op!r}, config={tuple(config)!r}{kwargs}).{method}",
-                          gpu=False)
-    return name
+    return define_call_site(wrapper, "icute_gemm", RUNTIME,
+                            f"GemmLauncher(op={op!r}, config={tuple(config)!r}{kwargs}).{method}")

@@ -10,9 +10,8 @@ import time
 from torch._inductor.virtualized import V
 
 from ...host.common import DTYPE_NAMES
-from ...kernels.gemm.config import GemmConfig, GemmProblem
+from ...kernels.gemm.config import GemmProblem
 from ...kernels.gemm import family
-from ...kernels.gemm.gemv_config import GemvConfig
 from ...runtime import precompile, target_arch
 from ...runtime.loader import kernel_key
 from .runtime import input_role
@@ -48,11 +47,13 @@ def problem_for(kernel_inputs, op_name: str) -> tuple[GemmProblem, int]:
     return problem, batch
 
 
-def precompile_choices(problem: GemmProblem, configs: list[GemmConfig | GemvConfig], num_sms: int) -> list[tuple]:
+def precompile_choices(problem, configs: list, num_sms: int, spec_of=family.spec) -> list[tuple]:
     """Compile every config in parallel worker processes (or find it cached); (config, spec key)
-    for those that are ready, in the given order. Failures are logged and left out."""
+    for those that are ready, in the given order. Failures are logged and left out. `spec_of`
+    makes a config's KernelSpec: the dense GEMM's (GemmConfig, GemvConfig) unless another family's
+    (the grouped GEMM's) is given."""
     arch = target_arch().name
-    specs = [family.spec(problem, cfg, num_sms) for cfg in configs]
+    specs = [spec_of(problem, cfg, num_sms) for cfg in configs]
     start = time.perf_counter()
     results = precompile(specs, arch)
     ready = []

@@ -1,0 +1,77 @@
+"""Our grouped GEMM as an Inductor extern-kernel choice: benchmarked in-process beside ATen's
+`_grouped_mm` and the Triton template (through runtime.grouped_mm), emitted into output code as a
+GroupedLauncher defined in the module's header and called at the GEMM's place in the graph."""
+
+from __future__ import annotations
+
+import logging
+
+from torch._inductor import ir
+from torch._inductor.select_algorithm import ExternKernelChoice
+
+from ...errors import first_line
+from ..gemm.codegen import define_call_site
+from ..gemm.extern import CuteGemmCaller
+from ..hooks import ExternKernel
+from . import runtime
+
+log = logging.getLogger(__name__)
+RUNTIME = runtime.MODULE
+
+
+class CuteGroupedOut(ir.ExternKernelOut):
+    """The chosen grouped GEMM in the graph: `icute_grouped_mm_<n>(a, b, offs, out)`."""
+
+    def codegen(self, wrapper) -> None:
+        config = tuple(self.kwargs["config"])
+        launcher = define_call_site(wrapper, "icute_grouped_mm", RUNTIME, f"GroupedLauncher(config={config!r}).launch")
+        self.codegen_comment(wrapper)
+        out = (self.output_view or self).codegen_reference()
+        wrapper.writeline(f"{launcher}({', '.join([*self.codegen_args(), out])})")
+
+
+class CuteGroupedCaller(CuteGemmCaller):
+    """One config of ours among the grouped GEMM's choices (a CuteGemmCaller, so that the GEMM's
+    feedback saver reports it too; a failed benchmark drops it the same way)."""
+
+    def __str__(self) -> str:
+        return f"inductor_cute_grouped_mm({self.description})"
+
+    def benchmark(self, *args, out):
+        # The stock lowering gives select_algorithm an even split for offs (input_gen_fns), but a
+        # path that ignores input_gen_fns (autotuning in a subprocess, some torch versions' fusion
+        # benchmarks) passes random int32s. Our kernel reads offs on the device: garbage ends would
+        # make it read and write out of bounds, so such offsets are replaced by an even split.
+        try:
+            a, b, offs = args
+            args = (a, b, runtime.valid_offsets(offs, a.shape[0]))
+        except Exception as e:
+            log.warning("inductor-cute %s dropped: its benchmark inputs: %s", self.description, first_line(e))
+            return float("inf")
+        return super().benchmark(*args, out=out)
+
+    def output_node(self):
+        log.info("inductor-cute grouped GEMM %s chosen", self.description)
+        return ir.TensorBox.create(CuteGroupedOut(layout=self.layout, inputs=self.input_nodes, kwargs=self.kwargs,
+                                                  python_kernel_name=f"{RUNTIME}.grouped_mm"))
+
+
+class CuteGroupedChoice(ExternKernelChoice):
+    def bind(self, input_nodes, layout, ordered_kwargs_for_cpp_kernel=(), *, spec_key: str = "",
+             description: str = "", problem=None, num_sms: int = 0, **kwargs):
+        self.ordered_kwargs_for_cpp_kernel = ordered_kwargs_for_cpp_kernel
+        return CuteGroupedCaller(self, input_nodes, layout, kwargs, spec_key, description, problem, num_sms)
+
+
+def new_grouped_choice(name: str) -> CuteGroupedChoice:
+    """Constructing it registers `runtime.grouped_mm` as `extern_kernels.<name>`: inductor/install.py
+    does, at install."""
+    return CuteGroupedChoice(runtime.grouped_mm, name=name, has_out_variant=True)
+
+
+# The hook that registers our extern kernel; inductor/install.py lists it with the others.
+GROUPED_KERNEL = ExternKernel("grouped_extern_kernel", "inductor_cute_grouped_mm", lambda: new_grouped_choice)
+
+
+def grouped_choice() -> CuteGroupedChoice:
+    return GROUPED_KERNEL.choice()

@@ -1,0 +1,226 @@
+"""`aten._grouped_mm` under torch.compile: our grouped GEMM's configurations join the stock
+lowering's autotuning, beside ATen's `_grouped_mm` and Inductor's Triton template.
+
+The stock lowering (torch/_inductor/kernel/mm_grouped.py) builds its choices and hands them to
+`autotune_select_algorithm` with offsets its `input_gen_fns` make valid; it asks InductorChoices
+nothing. So inductor/install.py installs two hooks: `grouped_mm_lowering` wraps the lowering and
+announces a call in this thread (`_pending`), and `joining_select` stands in for the
+`autotune_select_algorithm` that mm_grouped.py looks up at each call: when a call was announced, it
+appends our choices for the lowering's own (realized) input nodes and output layout, then calls
+the real one with everything else unchanged. Without an announcement (another lowering of that
+module, our backend not requested) it only passes the call through.
+
+Which calls we serve is `decline_reason(GroupedCall)`: plain values, testable without a graph. A
+call we decline gets no choice of ours and the stock behaviour, with the reason logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.virtualized import V
+
+from ...errors import first_line
+from ...host.common import sm_count
+from ...kernels.gemm import grouped_config
+from ..gemm.choices import _static, backend_requested
+
+log = logging.getLogger(__name__)
+
+OP = torch.ops.aten._grouped_mm.default
+_pending = threading.local()  # .offer: the _Offer of the lowering call under way in this thread
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offer:
+    has_bias: bool
+
+
+# ---------------------------------------------------------------------------- the decision
+
+@dataclasses.dataclass(frozen=True)
+class GroupedCall:
+    """What decides whether our kernel serves a `_grouped_mm` call. Sizes and strides are ints, or
+    None where symbolic; `offs_size` is None without offsets."""
+
+    a_size: tuple
+    a_stride: tuple
+    b_size: tuple
+    b_stride: tuple
+    offs_size: tuple | None
+    out_size: tuple
+    out_stride: tuple
+    a_dtype: torch.dtype = torch.bfloat16
+    b_dtype: torch.dtype = torch.bfloat16
+    offs_dtype: torch.dtype | None = torch.int32
+    out_dtype: torch.dtype = torch.bfloat16
+    has_bias: bool = False
+    device_type: str = "cuda"
+    output_code: str = "python"  # or "cpp_wrapper", "aot"
+
+
+def _tma_mode(size: tuple, stride: tuple, modes: tuple) -> int | None:
+    """The first of `modes` that can be the unit-stride mode of a TMA view in place (the test
+    host/common.tma_view makes on tensors, without the base address): that mode of stride 1 (or
+    extent 1), every other one of extent 1 or a stride of a positive multiple of 8 elements."""
+    for unit in modes:
+        if size[unit] != 1 and stride[unit] != 1:
+            continue
+        if all(i == unit or size[i] == 1 or (stride[i] is not None and stride[i] > 0 and stride[i] % 8 == 0)
+               for i in range(len(size))):
+            return unit
+    return None
+
+
+def b_major(call: GroupedCall) -> str | None:
+    """How our kernel reads b (groups, K, N) in place, as ops.grouped_mm picks it: "k" (the
+    transposed view of an (groups, N, K) weight) or "n" (row-major); None when it would copy b."""
+    mode = _tma_mode(call.b_size, call.b_stride, (1, 2))
+    return None if mode is None else ("k" if mode == 1 else "n")
+
+
+def decline_reason(call: GroupedCall) -> str | None:
+    """Why our grouped GEMM does not serve this call, in one line; None when it does: the forward
+    form (2-D a, 3-D b, offsets, no bias) in bf16, K, N and the group count static, every operand
+    read in place by TMA. The token count may be dynamic."""
+    if call.output_code != "python":
+        return f"{call.output_code} output code is not supported"
+    if call.device_type != "cuda":
+        return f"device {call.device_type} is not CUDA"
+    if len(call.a_size) != 2 or len(call.b_size) != 3:
+        return f"only 2-D a x 3-D b (MoE forward) is supported, got {len(call.a_size)}-D x {len(call.b_size)}-D"
+    if call.offs_size is None:
+        return "no offsets"
+    if call.has_bias:
+        return "a bias is not supported"
+    if (call.a_dtype, call.b_dtype, call.out_dtype) != (torch.bfloat16,) * 3:
+        return f"dtypes {call.a_dtype} x {call.b_dtype} -> {call.out_dtype} (need bfloat16 throughout)"
+    if call.offs_dtype != torch.int32:
+        return f"offsets of dtype {call.offs_dtype} (need int32)"
+    tokens, k = call.a_size
+    groups, _, n = call.b_size
+    if None in (k, n, groups) or call.offs_size != (groups,):
+        return "K, N and the group count must be static"
+    if tokens == 0:
+        return "no tokens"
+    reason = grouped_config.unsupported_reason(grouped_config.GroupedProblem(), n=n, k=k, groups=groups)
+    if reason:
+        return reason
+    if _tma_mode(call.a_size, call.a_stride, (1,)) is None:
+        return f"a of strides {call.a_stride} is not row-major with 16-byte rows (it would be copied)"
+    if b_major(call) is None:
+        return f"b of strides {call.b_stride} is neither K- nor N-major with 16-byte rows (it would be copied)"
+    if _tma_mode(call.out_size, call.out_stride, (1,)) is None:
+        return f"the output of strides {call.out_stride} is not row-major with 16-byte rows"
+    return None
+
+
+def _ints(exprs) -> tuple:
+    return tuple(_static(e) for e in exprs)
+
+
+def grouped_call(input_nodes, layout, has_bias: bool) -> GroupedCall:
+    """The GroupedCall of the stock lowering's input nodes ([a, b, offs] with offsets) and output
+    layout."""
+    a, b, *rest = input_nodes
+    offs = rest[0] if rest else None
+    graph = V.graph
+    output_code = "aot" if getattr(graph, "aot_mode", False) else "cpp_wrapper" if graph.cpp_wrapper else "python"
+    return GroupedCall(
+        a_size=_ints(a.get_size()), a_stride=_ints(a.get_stride()),
+        b_size=_ints(b.get_size()), b_stride=_ints(b.get_stride()),
+        offs_size=_ints(offs.get_size()) if offs is not None else None,
+        out_size=_ints(layout.size), out_stride=_ints(layout.stride),
+        a_dtype=a.get_dtype(), b_dtype=b.get_dtype(), offs_dtype=offs.get_dtype() if offs is not None else None,
+        out_dtype=layout.dtype, has_bias=has_bias, device_type=layout.device.type,
+        output_code=output_code)
+
+
+# ------------------------------------------------------------------------------ our choices
+
+def _describe(call: GroupedCall, tokens: int) -> str:
+    groups, k, n = call.b_size
+    return f"{tokens}x{n}x{k} in {groups} groups"
+
+
+def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
+    """Our choices for one stock autotuning call: one per candidate config that compiled; [] when
+    we cannot serve the call (the reason logged)."""
+    from ...runtime.arch import device_arch
+
+    call = grouped_call(input_nodes, layout, has_bias)
+    reason = decline_reason(call)
+    if reason is None:
+        try:
+            device_arch(layout.device.index or 0)
+        except Exception as e:
+            reason = first_line(e)
+    if reason:
+        log.info("inductor-cute skips grouped_mm %s x %s: %s", call.a_size, call.b_size, reason)
+        return []
+    from ..gemm.specs import precompile_choices
+    from .extern import grouped_choice
+    from .runtime import as_tuple
+
+    groups, k, n = call.b_size
+    tokens = V.graph.sizevars.optimization_hint(input_nodes[0].get_size()[0])
+    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", b_major(call))
+    num_sms = sm_count(layout.device.index or 0)  # what ops.grouped_mm compiles for
+    exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
+    configs = grouped_config.candidates(problem, tokens, n, k, groups, num_sms, exhaustive)
+    ready = precompile_choices(problem, configs, num_sms, spec_of=grouped_config.spec)
+    choice = grouped_choice()
+    choices = [choice.bind(input_nodes, layout, spec_key=spec_key, description=cfg.describe(), problem=problem,
+                           num_sms=num_sms, config=as_tuple(cfg))
+               for cfg, spec_key in ready]
+    log.info("inductor-cute offers %d of %d choices for grouped_mm %s (b %s-major)", len(choices), len(configs),
+             _describe(call, tokens), problem.b_major)
+    return choices
+
+
+# ---------------------------------------------------------------------------- the two hooks
+
+def joining_select(select):
+    """What stands in for mm_grouped.py's `autotune_select_algorithm` (`select`): adds our choices
+    to the call our lowering announced in this thread, then calls `select` as it was called (its
+    return value, a node in torch 2.11 and (node, choice) in 2.12+, passed through)."""
+
+    @functools.wraps(select)
+    def select_with_ours(name, choices, input_nodes, layout, *args, **kwargs):
+        offer = getattr(_pending, "offer", None)
+        if offer is not None:
+            _pending.offer = None
+            try:
+                choices = [*choices, *grouped_choices(input_nodes, layout, offer.has_bias)]
+            except Exception as e:  # our choices are optional: never fail the user's compile
+                log.warning("inductor-cute offers nothing for %s: %s", name, first_line(e))
+        return select(name, choices, input_nodes, layout, *args, **kwargs)
+
+    return select_with_ours
+
+
+def _argument(args: tuple, kwargs: dict, index: int, name: str):
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def grouped_mm_lowering(*args, **kwargs):
+    """`aten._grouped_mm.default`'s lowering while enabled: the stock one, announcing the call
+    when our backend is requested (max-autotune with our token) so that `joining_select` adds
+    our choices to its autotuning."""
+    from ..hooks import stock_lowering
+
+    stock = stock_lowering(OP)
+    if not backend_requested():
+        return stock(*args, **kwargs)
+    _pending.offer = _Offer(has_bias=_argument(args, kwargs, 3, "bias") is not None)
+    try:
+        return stock(*args, **kwargs)
+    finally:
+        if getattr(_pending, "offer", None) is not None:
+            log.info("inductor-cute: the stock grouped_mm lowering made no autotuning call we could join")
+        _pending.offer = None

@@ -1,0 +1,69 @@
+"""What torch.compile'd graphs call to run our grouped GEMM on Inductor's buffers.
+
+Output code defines one GroupedLauncher per call site in its header and calls it with the buffers,
+the output last (extern.CuteGroupedOut writes both):
+
+    icute_grouped_mm_2 = inductor_cute.inductor.grouped.runtime.GroupedLauncher(config=(...)).launch
+    ...
+    icute_grouped_mm_2(arg0_1, reinterpret_tensor(arg1_1, (8, 2048, 768), (1572864, 1, 2048), 0), arg2_1, buf0)
+
+A launcher is built from plain values, so a graph loaded from Inductor's FX cache builds it in a
+fresh process (the kernel then loads from our disk cache without compiling). Each call goes
+through ops.grouped_mm with the launcher's config, parsed once; the offsets stay on the device.
+`grouped_mm` is Inductor's extern kernel (what autotuning times).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...host import grouped_gemm as host_grouped
+from ...kernels.gemm.grouped_config import GroupedConfig
+
+MODULE = __name__  # what generated output code imports
+
+
+def as_tuple(config: GroupedConfig) -> tuple:
+    """A config as plain values for output code and autotuning keys; GroupedConfig(*t) undoes it."""
+    return tuple(config.as_params().values())
+
+
+class GroupedLauncher:
+    """out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g] with one GroupedConfig (as `as_tuple`
+    spells it). Output code calls the bound `launch` with (a, b, offs, out) positionally."""
+
+    __slots__ = ("config", "_config")
+
+    def __init__(self, config: tuple) -> None:
+        self.config = tuple(config)
+        self._config = GroupedConfig(*self.config)
+
+    def __repr__(self) -> str:
+        return f"GroupedLauncher(config={self.config!r})"
+
+    def launch(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+        host_grouped.grouped_mm(a, b, offs, out, config=self._config)
+
+
+_LAUNCHERS: dict[tuple, GroupedLauncher] = {}
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor, config: tuple) -> None:
+    """GroupedLauncher(config).launch(a, b, offs, out), one launcher per config: what autotuning
+    calls back to back."""
+    launcher = _LAUNCHERS.get(config)
+    if launcher is None:
+        launcher = _LAUNCHERS.setdefault(config, GroupedLauncher(config))
+    launcher.launch(a, b, offs, out)
+
+
+def valid_offsets(offs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`offs` itself when it holds cumulative group ends (non-decreasing, from 0 up to at most
+    `tokens`), else an even split of `tokens` over its groups, on its device. Reads `offs` on the
+    host: for benchmarking inputs only, never on a graph's path."""
+    ends = offs.tolist()
+    if all(0 <= lo <= hi for lo, hi in zip([0, *ends], ends)) and (not ends or ends[-1] <= tokens):
+        return offs
+    groups = len(ends)
+    even = torch.arange(1, groups + 1, dtype=torch.int64) * tokens // max(groups, 1)
+    return even.to(device=offs.device, dtype=offs.dtype)

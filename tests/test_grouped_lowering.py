@@ -1,0 +1,307 @@
+"""torch._grouped_mm under torch.compile on the CPU: which calls our grouped GEMM serves, that our
+choices join the stock lowering's autotuning (the stock lowering on real Inductor IR, fake CUDA
+tensors, autotune_select_algorithm recorded), that benchmarking never hands our kernel invalid
+offsets, and that output code defines a launcher for the chosen call site whose call runs
+ops.grouped_mm on the right views (a recorded kernel computing on CPU tensors).
+GPU runs: tests/gpu/test_grouped_gemm_compile_gpu.py."""
+
+import dataclasses
+import re
+from contextlib import ExitStack
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.debug import DebugContext
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.graph import GraphLowering
+from torch._inductor.kernel import mm_grouped
+from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import inductor_cute
+from inductor_cute.host import grouped_gemm as host_grouped
+from inductor_cute.inductor.gemm.extern import CuteGemmCaller
+from inductor_cute.inductor.grouped import runtime
+from inductor_cute.inductor.grouped.extern import CuteGroupedCaller
+from inductor_cute.inductor.grouped.lowering import GroupedCall, b_major, decline_reason
+from inductor_cute.kernels.gemm.grouped_config import GroupedConfig, GroupedProblem, candidates
+
+BF16 = torch.bfloat16
+
+# ---- the decision, on plain values
+
+# a (256, 128) x b (4, 128, 64) as the transposed view of a (4, 64, 128) weight
+K_MAJOR = GroupedCall(a_size=(256, 128), a_stride=(128, 1), b_size=(4, 128, 64), b_stride=(8192, 1, 128),
+                      offs_size=(4,), out_size=(256, 64), out_stride=(64, 1))
+
+
+def call(**changes) -> GroupedCall:
+    return dataclasses.replace(K_MAJOR, **changes)
+
+
+def test_the_moe_forward_in_either_weight_layout_is_served():
+    assert decline_reason(K_MAJOR) is None and b_major(K_MAJOR) == "k"
+    n_major = call(b_stride=(8192, 64, 1))
+    assert decline_reason(n_major) is None and b_major(n_major) == "n"
+    one_group = call(b_size=(1, 128, 64), b_stride=(0, 1, 128), offs_size=(1,))  # a size-1 mode's stride is free
+    assert decline_reason(one_group) is None
+    dynamic_tokens = call(a_size=(None, 128), out_size=(None, 64))
+    assert decline_reason(dynamic_tokens) is None
+
+
+@pytest.mark.parametrize("changes,reason", [
+    ({"output_code": "cpp_wrapper"}, "cpp_wrapper output code"),
+    ({"device_type": "cpu"}, "not CUDA"),
+    ({"a_size": (4, 64, 128), "a_stride": (8192, 128, 1)}, "2-D a x 3-D b"),
+    ({"b_size": (128, 64), "b_stride": (1, 128)}, "2-D a x 3-D b"),
+    ({"offs_size": None}, "no offsets"),
+    ({"has_bias": True}, "bias"),
+    ({"a_dtype": torch.float16, "b_dtype": torch.float16, "out_dtype": torch.float16}, "bfloat16 throughout"),
+    ({"out_dtype": torch.float32}, "bfloat16 throughout"),
+    ({"offs_dtype": torch.int64}, "int32"),
+    ({"a_size": (256, None), "b_size": (4, None, 64)}, "static"),
+    ({"b_size": (None, 128, 64), "offs_size": (None,)}, "static"),
+    ({"a_size": (0, 128), "out_size": (0, 64)}, "no tokens"),
+    ({"b_size": (4, 128, 60), "b_stride": (7680, 1, 128), "out_size": (256, 60), "out_stride": (64, 1)},
+     "multiple of 8"),
+    ({"b_size": (600, 128, 64), "offs_size": (600,)}, "groups"),
+    ({"a_stride": (1, 256)}, "a of strides"),  # column-major a: ops.grouped_mm would copy it
+    ({"a_stride": (132, 1)}, "a of strides"),  # rows 264 bytes apart
+    ({"b_stride": (0, 1, 128)}, "neither K- nor N-major"),  # one weight broadcast to every group
+    ({"b_stride": (8192, 64, 2)}, "neither K- nor N-major"),
+    ({"b_stride": (8192, 1, 132)}, "neither K- nor N-major"),
+    ({"out_stride": (1, 256)}, "output"),
+])
+def test_everything_else_is_declined_with_a_reason(changes, reason):
+    got = decline_reason(call(**changes))
+    assert got is not None and reason in got, got
+
+
+def test_benchmark_offsets_are_made_valid():
+    good = torch.tensor([0, 5, 5, 9], dtype=torch.int32)
+    assert runtime.valid_offsets(good, 9) is good
+    assert runtime.valid_offsets(torch.tensor([3, 7], dtype=torch.int32), 10).tolist() == [3, 7]  # rows past the end
+    for bad in ([5, 3, 9], [1, 2, 14], [-4, 2, 9], [16, 16, 13]):  # the last: stock rounding past the end
+        fixed = runtime.valid_offsets(torch.tensor(bad, dtype=torch.int32), 13)
+        assert fixed.tolist() == [4, 8, 13] and fixed.dtype == torch.int32
+
+
+# ---- the stock lowering on real Inductor IR (fake CUDA tensors on the CPU)
+
+def _all_compiled(specs, *args, **kwargs):
+    return [SimpleNamespace(status="compiled") for _ in specs]
+
+
+def lower(fn, specs, *, backends="ATEN,ICUTE", enabled=True, max_autotune=True, configs=None, codegen=False,
+          precompile=_all_compiled):
+    """Lower fn on fake CUDA tensors (`specs`: (shape, dtype[, strides])): (each call the stock
+    lowering made of autotune_select_algorithm, as (choices, keyword arguments); the output code
+    when `codegen`). The recorded select picks the last choice (ours when offered). `configs`
+    replaces our candidate list; `precompile` stands in for the compile workers (by default: all
+    compiled, nothing compiles)."""
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    with mode:
+        args = [torch.empty_strided(s[0], s[2] if len(s) > 2 else torch.empty(s[0]).stride(), dtype=s[1],
+                                    device="cuda") for s in specs]
+        gm = make_fx(fn, decomposition_table=select_decomp_table())(*args)
+    calls = []
+
+    def select(name, choices, input_nodes, layout, **kwargs):
+        calls.append((list(choices), kwargs))
+        return choices[-1].output_node(), choices[-1]
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(mm_grouped, "autotune_select_algorithm", select))  # before enable()
+        stack.enter_context(mock.patch.object(mm_grouped, "use_triton_template", lambda *a, **k: False))  # asks CUDA
+        stack.enter_context(mock.patch("inductor_cute.inductor.grouped.lowering.sm_count", lambda index: 132))
+        stack.enter_context(mock.patch("inductor_cute.runtime.arch.device_arch", lambda *a: None))
+        stack.enter_context(mock.patch("inductor_cute.inductor.gemm.specs.precompile", precompile))
+        if configs is not None:
+            stack.enter_context(mock.patch("inductor_cute.kernels.gemm.grouped_config.candidates",
+                                           lambda *a, **k: list(configs)))
+        if enabled:
+            stack.enter_context(inductor_cute.enable())
+        stack.enter_context(inductor_config.patch(max_autotune=max_autotune, max_autotune_gemm_backends=backends,
+                                                  cuda_backend="triton"))
+        stack.enter_context(mock.patch("torch._inductor.scheduler.has_triton", lambda: True))
+        stack.enter_context(V.set_fake_mode(mode))
+        stack.enter_context(DebugContext())
+        graph = GraphLowering(gm, shape_env=shape_env)
+        stack.enter_context(V.set_graph_handler(graph))
+        graph.run(*args)
+        code = graph.codegen()[0].value if codegen else None
+    return calls, code
+
+
+def moe_up(a, w, offs):  # b: the transposed view of an (E, N, K) weight
+    return torch._grouped_mm(a, w.transpose(1, 2), offs, out_dtype=BF16)
+
+
+def grouped(a, b, offs):
+    return torch._grouped_mm(a, b, offs)
+
+
+TOKENS, K, N, E = 256, 128, 64, 4
+MOE_SPECS = [((TOKENS, K), BF16), ((E, N, K), BF16), ((E,), torch.int32)]
+
+
+def ours(choices) -> list:
+    return [c for c in choices if isinstance(c, CuteGroupedCaller)]
+
+
+@pytest.mark.parametrize("fn,w_shape,major", [(moe_up, (E, N, K), "k"), (grouped, (E, K, N), "n")])
+def test_our_configs_join_the_stock_choices(fn, w_shape, major):
+    specs = [MOE_SPECS[0], (w_shape, BF16), MOE_SPECS[2]]
+    (stock_choices, stock_kwargs), = lower(fn, specs, enabled=False)[0]
+    (choices, kwargs), = lower(fn, specs)[0]
+    assert [str(c) for c in choices[:len(stock_choices)]] == [str(c) for c in stock_choices]  # ATen's, unchanged
+    problem = GroupedProblem("bfloat16", "bfloat16", "k", major)
+    want = candidates(problem, TOKENS, N, K, E, 132)
+    assert [c.kwargs["config"] for c in ours(choices)] == [runtime.as_tuple(cfg) for cfg in want]
+    assert len(choices) == len(stock_choices) + len(want) and all(c.problem == problem for c in ours(choices))
+    assert kwargs.keys() == stock_kwargs.keys() and 2 in kwargs["input_gen_fns"]  # valid offsets for everyone
+
+
+def test_our_choices_are_bound_to_the_stock_input_nodes_and_layout():
+    (choices, _), = lower(moe_up, MOE_SPECS)[0]
+    aten, *mine = choices
+    assert mine and all(c.input_nodes is aten.input_nodes or c.input_nodes == aten.input_nodes for c in mine)
+    assert all(c.layout == aten.layout for c in mine)
+
+
+@pytest.mark.parametrize("name,fn,specs", [
+    ("3-D x 3-D", lambda a, b: torch._grouped_mm(a, b), [((E, 64, K), BF16), ((E, K, N), BF16)]),
+    ("2-D x 2-D (weight gradient)", lambda a, b, offs: torch._grouped_mm(a, b, offs),
+     [((K, TOKENS), BF16, (1, K)), ((TOKENS, N), BF16), ((E,), torch.int32)]),
+])
+def test_other_forms_keep_the_stock_choices(name, fn, specs, caplog):
+    stock_calls, _ = lower(fn, specs, enabled=False)
+    with caplog.at_level("INFO", logger="inductor_cute"):
+        calls, _ = lower(fn, specs)
+    assert [[str(c) for c in choices] for choices, _ in calls] == [[str(c) for c in choices]
+                                                                   for choices, _ in stock_calls]
+    assert "2-D a x 3-D b" in caplog.text
+
+
+def test_nothing_is_offered_without_max_autotune_or_our_token():
+    for kw in ({"max_autotune": False}, {"backends": "ATEN,TRITON"}):
+        (choices, _), = lower(moe_up, MOE_SPECS, **kw)[0]
+        assert not ours(choices) and choices
+
+
+def test_disable_leaves_the_stock_lowering():
+    from torch._inductor import lowering
+
+    op = torch.ops.aten._grouped_mm.default
+    stock, select = lowering.lowerings[op], mm_grouped.autotune_select_algorithm
+    with inductor_cute.enable():
+        assert lowering.lowerings[op] is not stock and mm_grouped.autotune_select_algorithm is not select
+    assert lowering.lowerings[op] is stock and mm_grouped.autotune_select_algorithm is select
+
+
+def test_a_failed_compile_drops_that_config():
+    configs = [GroupedConfig(128, 128, 64, 4, 2), GroupedConfig(64, 128, 64, 4, 1)]
+    results = [SimpleNamespace(status="failed", error="ptxas"), SimpleNamespace(status="compiled")]
+    (choices, _), = lower(moe_up, MOE_SPECS, configs=configs, precompile=lambda specs, *a, **k: results)[0]
+    assert [c.kwargs["config"] for c in ours(choices)] == [runtime.as_tuple(configs[1])]
+
+
+def test_benchmarking_never_passes_invalid_offsets(monkeypatch):
+    (choices, _), = lower(moe_up, MOE_SPECS, configs=[GroupedConfig(64, 128, 64, 4, 1)])[0]
+    mine, = ours(choices)
+    timed = []
+    monkeypatch.setattr(CuteGemmCaller, "benchmark", lambda self, *args, out: timed.append(args[2].tolist()) or 1.0)
+    a, b, out = torch.randn(TOKENS, K).bfloat16(), torch.randn(E, N, K).bfloat16().transpose(1, 2), None
+    assert mine.benchmark(a, b, torch.tensor([77, -3, 900, 12], dtype=torch.int32), out=out) == 1.0  # random
+    assert mine.benchmark(a, b, torch.tensor([0, 64, 64, 200], dtype=torch.int32), out=out) == 1.0  # valid: kept
+    assert timed == [[64, 128, 192, 256], [0, 64, 64, 200]]
+
+
+# ---- output code: the chosen call site's launcher, run on CPU tensors
+
+def reference_kernel(spec):
+    """A grouped GEMM kernel computing on the CPU from exactly the views it is given: a (tokens,
+    K), b (N, K, groups), offs, out (tokens, N)."""
+    def kernel(a, b, offs, out):
+        reference_kernel.launches.append((spec, (a, b, offs, out)))
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            out[start:end] = (a[start:end].float() @ b[:, :, g].float().t()).to(out.dtype)
+            start = end
+
+    return kernel
+
+
+@pytest.fixture
+def cpu_grouped_kernels(monkeypatch):
+    """ops.grouped_mm on CPU tensors: device checks passed, 132 SMs, every kernel a reference_kernel."""
+    reference_kernel.launches = []
+    monkeypatch.setattr(host_grouped, "check_cuda", lambda *tensors: None)
+    monkeypatch.setattr(host_grouped, "sm_count", lambda index: 132)
+    monkeypatch.setattr(host_grouped, "get_kernel", reference_kernel)
+    host_grouped._grouped_kernel.cache_clear()
+    runtime._LAUNCHERS.clear()
+    yield reference_kernel.launches
+    host_grouped._grouped_kernel.cache_clear()
+    runtime._LAUNCHERS.clear()
+
+
+def run_output_code(code: str, tensors: dict, out: torch.Tensor) -> None:
+    """Run the launcher definition and its call that output code holds, on these tensors (graph
+    inputs by name) with `out` as the output buffer."""
+    (name, definition), = re.findall(r"^(icute_grouped_mm_\d+) = (.*)$", code, re.MULTILINE)
+    (called, arguments), = re.findall(r"^\s+(icute_grouped_mm_\d+)\((.*)\)$", code, re.MULTILINE)
+    assert called == name
+    launch = eval(definition, {"inductor_cute": inductor_cute})
+
+    def reinterpret_tensor(t, size, stride, offset):
+        return t.as_strided(size, stride, t.storage_offset() + offset)
+
+    buffers = {b: out for b in re.findall(r"\bbuf\d+\b", arguments)}
+    eval(f"launch({arguments})", {"launch": launch, "reinterpret_tensor": reinterpret_tensor, **tensors, **buffers})
+
+
+def test_output_code_runs_ops_grouped_mm_on_the_call_sites_tensors(cpu_grouped_kernels):
+    config = GroupedConfig(64, 128, 64, 4, 1)
+    _, code = lower(moe_up, MOE_SPECS, backends="ICUTE", configs=[config], codegen=True)
+    assert f"import {runtime.MODULE}" in code
+    definition, = re.findall(r"^icute_grouped_mm_\d+ = (.*)$", code, re.MULTILINE)
+    assert definition == f"{runtime.MODULE}.GroupedLauncher(config={runtime.as_tuple(config)!r}).launch"
+    assert "extern_kernels._grouped_mm" not in code
+    a, w = torch.randn(TOKENS, K).bfloat16(), torch.randn(E, N, K).div(K ** 0.5).bfloat16()
+    sizes = [100, 0, 120, 20]  # an empty group, and 16 rows past the last offset
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    out = torch.full((TOKENS, N), float("nan"), dtype=BF16)
+    for _ in range(2):  # the launcher is built once per call site; each call runs ops.grouped_mm
+        run_output_code(code, {"a_1": a, "w_1": w, "offs_1": offs}, out)
+    assert len(cpu_grouped_kernels) == 2
+    spec, (a_view, b_view, offs_arg, out_view) = cpu_grouped_kernels[-1]
+    assert spec.kwargs["b_major"] == "k" and GroupedConfig(*(spec.kwargs[f] for f in config.as_params())) == config
+    assert a_view.data_ptr() == a.data_ptr() and b_view.data_ptr() == w.data_ptr()  # read in place
+    assert b_view.shape == (N, K, E) and b_view.stride() == (K, 1, N * K)
+    assert torch.equal(offs_arg, offs) and out_view.data_ptr() == out.data_ptr()
+    want = torch.cat([a[s:e].float() @ w[g].float().t() for g, (s, e) in
+                      enumerate(zip([0, *offs.tolist()[:-1]], offs.tolist()))])
+    torch.testing.assert_close(out[:240].float(), want, atol=2e-2, rtol=2e-2)
+    assert out[240:].isnan().all(), "rows past the last offset were written"
+
+
+def test_our_extern_kernel_is_what_autotuning_times(cpu_grouped_kernels):
+    from torch._inductor.select_algorithm import extern_kernels
+
+    with inductor_cute.enable():
+        assert extern_kernels.inductor_cute_grouped_mm is runtime.grouped_mm
+    config = runtime.as_tuple(GroupedConfig(64, 128, 64, 4, 1))
+    a, b = torch.randn(64, K).bfloat16(), torch.randn(2, K, N).bfloat16()  # row-major weight: N-major
+    offs, out = torch.tensor([30, 64], dtype=torch.int32), torch.empty(64, N, dtype=BF16)
+    runtime.grouped_mm(a, b, offs, out=out, config=config)
+    runtime.grouped_mm(a, b, offs, out=out, config=config)
+    assert list(runtime._LAUNCHERS) == [config]  # one launcher per config, reused
+    assert cpu_grouped_kernels[-1][0].kwargs["b_major"] == "n"
+    torch.testing.assert_close(out[:30].float(), a[:30].float() @ b[0].float(), atol=2e-2, rtol=2e-2)
