@@ -60,7 +60,8 @@ def test_case_names_and_the_suite_is_registered():
     assert SUITES["models"] is M
     assert M.case_name("llama3-8b", "decode", 8, 8192, "nocg") == "llama3-8b decode B8 KV8192 nocg"
     assert M.case_name("dsv2-lite", "prefill", 1, 4096, "cg") == "dsv2-lite prefill B1 x4096 cg"
-    assert len(M.cases(quick=False)) == len(M.MODELS) * len(M.STEPS) * len(M.MODES)
+    assert len(M.cases(quick=False)) == len(M.MODELS) * len(M.STEPS) * len(M.MODES) + len(M.moe_block.CASES)
+    assert M.cases(quick=True)[0].case_name == M.case_name(*M.QUICK[0])  # named: --match skips it unbuilt
     assert len(M.cases(quick=True)) == len(M.QUICK)
 
 

@@ -2,6 +2,10 @@
 built from its config in code (random bf16 weights, no download), `attn_implementation=
 "flex_attention"`, decode against a StaticCache.
 
+The MoE block of Qwen3-30B-A3B on its own (moe_block.py: torch._grouped_mm as MoE training code
+writes it), forward and a training step, in cases named `qwen3-30b-a3b moe-block ...` (not in
+--quick; run them with --match moe-block).
+
 Runners of a case (all on the same model, inputs and cache):
   inductor_cute  torch.compile in the case's mode with inductor_cute.enable()
   triton         stock torch.compile in the same mode
@@ -26,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..case import Case
+from ..case import Case, named
 from ..profile import device_us_per_call, kernel_times
+from . import moe_block
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
 METHOD = ("wall time per step, 10 steps back to back then a sync, median of 5 rounds with the runners "
@@ -200,10 +205,16 @@ def wall_us(fns: dict, calls: int = 10, rounds: int = 5, warmup: int = 3) -> dic
     return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
 
 
+# our grouped GEMM under torch.compile (inductor/grouped/): one launcher definition per call site (the
+# module path alone would also count the output code's import of it)
+GROUPED_CALL = "inductor_cute.inductor.grouped.runtime.GroupedLauncher("
+
+
 def our_kernel_calls(code: str) -> int:
     """Call sites of our kernels in Inductor's output code."""
     return (code.count("inductor_cute.inductor.gemm.runtime.GemmLauncher(")  # one definition per GEMM call site
-            + code.count("inductor_cute.inductor.flex.runtime.FlexDecodeLauncher("))
+            + code.count("inductor_cute.inductor.flex.runtime.FlexDecodeLauncher(")
+            + code.count(GROUPED_CALL))
 
 
 def _compile(step, mode: str, ours: bool):
@@ -230,7 +241,8 @@ def _compile(step, mode: str, ours: bool):
 
 
 def _agreement(logits, ref) -> float:
-    """Relative error of logits against eager's: ||out - ref|| / ||ref||."""
+    """Relative error of an output against its reference (eager's logits, the MoE block's fp32
+    reference): ||out - ref|| / ||ref||."""
     return ((logits.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
@@ -268,9 +280,45 @@ def _no_grad_step(step, forward):
         return step(forward)
 
 
+def _moe_case(step: str, tokens: int, mode_key: str) -> Case:
+    """The MoE block (moe_block.py), one forward or training step, each runner against the fp32
+    reference."""
+    train = step == "train"
+    torch._dynamo.reset()
+    block, x = moe_block.make_inputs(tokens, train)
+    sizes = moe_block.rows_per_expert(block, x)
+    ref_out, ref_grads = moe_block.reference(block, x, train)
+    notes = [moe_block.routing_note(sizes)]
+    runners = {}
+    for backend in ("aten", "inductor_cute", "triton"):
+        r = moe_block.make_runner(step, block, x, MODES[mode_key], backend)
+        runners[backend] = r.run
+        errors = [f"out {_agreement(r.out, ref_out):.2e}"]
+        errors += [f"grad {name} {_agreement(r.grads[name], g):.2e}" for name, g in ref_grads.items()]
+        note = f"{backend}: rel err vs fp32 " + ", ".join(errors)
+        if r.code:
+            note += (f"; cold compile {r.seconds:.1f} s, {our_kernel_calls(r.code)} call site(s) of our kernels, "
+                     f"{r.code.count(GROUPED_CALL)} of them grouped GEMMs")
+        notes.append(note)
+    del ref_out, ref_grads
+    times = wall_us(runners)
+    device = {k: device_us_per_call(kernel_times(fn, 5), 5) for k, fn in runners.items()}
+    notes.append("device us/step " + ", ".join(f"{k} {t:.0f}" for k, t in device.items()))
+    m = block.model
+    flops, n_bytes = moe_block.cost(m, tokens, sum(1 for s in sizes if s), train)
+    params = {"model": moe_block.MODEL_NAME, "block": "moe", "step": step, "tokens": tokens, "hidden": m.hidden,
+              "experts": m.experts, "top_k": m.topk, "ffn": m.ffn, "mode": MODES[mode_key], "dtype": "bfloat16"}
+    return Case(name=moe_block.case_name(step, tokens, mode_key), params=params, flops=flops, bytes=n_bytes,
+                matmul=True, runners=runners, notes=notes, atol=float("inf"), rtol=float("inf"),
+                wall_times_us=times)
+
+
 def cases(quick: bool):
     if quick:
         chosen = QUICK
     else:
         chosen = [(m, *s, mode) for m in MODELS for s in STEPS for mode in MODES]
-    return [functools.partial(_case, *c) for c in chosen]
+    out = [named(functools.partial(_case, *c), case_name(*c)) for c in chosen]
+    if not quick:
+        out += [named(functools.partial(_moe_case, *c), moe_block.case_name(*c)) for c in moe_block.CASES]
+    return out
