@@ -218,17 +218,24 @@ def our_kernel_calls(code: str) -> int:
 
 
 def _compile(step, mode: str, ours: bool):
-    """Compile the model's forward in `mode`, run one step; (forward, logits, seconds, output code)."""
-    import inductor_cute
-    from torch._inductor import config
+    """Compile the model's forward in `mode`, run one step; (forward, logits, seconds, output code).
 
-    from .gemm_compiled import COLD, _fresh_cache, capture
+    Both runners compile the same forward: their options differ (the GEMM backends, as
+    gemm_compiled.compile_now's do) so that dynamo keeps one compiled graph for each, and nothing
+    resets dynamo between them (a reset drops the other runner's graph: it would recompile when
+    timed, outside its config, i.e. stock). A later call that compiles again raises."""
+    import inductor_cute
+    from torch._inductor import config, list_mode_options
+
+    from .gemm_compiled import COLD, OUR_BACKENDS, STOCK_BACKENDS, _fresh_cache, capture
 
     codes: list[str] = []
+    backends = OUR_BACKENDS if ours else STOCK_BACKENDS
     enabled = inductor_cute.enable() if ours else contextlib.nullcontext()
-    torch._dynamo.reset()
-    with enabled, config.patch(**COLD), _fresh_cache(), capture(codes, []), torch.no_grad():
-        forward = torch.compile(step.model.forward, mode=mode, dynamic=False)
+    with enabled, config.patch(max_autotune_gemm_backends=backends, **COLD), _fresh_cache(), \
+            capture(codes, []), torch.no_grad():
+        options = {**list_mode_options(mode), "max_autotune_gemm_backends": backends}
+        forward = torch.compile(step.model.forward, options=options, dynamic=False)
         step.reference_inputs()
         start = time.perf_counter()
         logits = step(forward).clone()
@@ -236,7 +243,13 @@ def _compile(step, mode: str, ours: bool):
         seconds = time.perf_counter() - start
         for _ in range(2):  # CUDA graphs record and replay inside the config
             step(forward)
+    late: list[str] = []
+    with capture(late, []), torch.no_grad():
+        for _ in range(2):
+            step(forward)
     torch.cuda.synchronize()
+    if late:
+        raise RuntimeError(f"the {'enabled' if ours else 'stock'} forward recompiled outside its config")
     return forward, logits, seconds, "\n".join(codes)
 
 
@@ -259,6 +272,7 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
         step.reference_inputs()
         ref = step(model.forward).clone()
     runners = {"aten": functools.partial(_no_grad_step, step, model.forward)}
+    torch._dynamo.reset()  # once per case: both runners' graphs must stay (see _compile)
     for backend, ours in (("inductor_cute", True), ("triton", False)):
         forward, logits, seconds, code = _compile(step, MODES[mode_key], ours)
         runners[backend] = functools.partial(_no_grad_step, step, forward)
