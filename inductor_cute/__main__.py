@@ -23,9 +23,11 @@ def _prog() -> str:
 
 
 def _suite_names() -> list[str]:
-    """The benchmark suites, from the modules in bench/suites/ (importing them would import torch)."""
+    """The benchmark suites: the modules in bench/suites/ that define `cases` (read as text:
+    importing them would import torch; a module there without it serves the suites)."""
     folder = Path(__file__).resolve().parent / "bench" / "suites"
-    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+    return sorted(p.stem for p in folder.glob("*.py")
+                  if not p.stem.startswith("_") and "\ndef cases(" in p.read_text())
 
 
 def _fail(message: str) -> int:
