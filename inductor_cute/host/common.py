@@ -61,27 +61,53 @@ def tma_view(t: torch.Tensor, unit_mode: int) -> torch.Tensor | None:
     return t.as_strided(sizes, strides)
 
 
-_SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
+try:  # what Inductor's output code calls reinterpret_tensor: a view in C++, a third of as_strided's host time
+    from torch._C._dynamo.guards import _reinterpret_tensor as alias
+except ImportError:  # pragma: no cover
+    def alias(t: torch.Tensor, sizes, strides, offset_increment: int) -> torch.Tensor:
+        return t.as_strided(sizes, strides, t.storage_offset() + offset_increment)
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, stream, slot, dtype, zeroed) -> flat buffer
+_STRIDES: dict[tuple, tuple] = {}
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides = _STRIDES.get(shape)
+    if strides is None:
+        acc, out = 1, []
+        for size in reversed(shape):
+            out.append(acc)
+            acc *= size
+        strides = _STRIDES[shape] = tuple(reversed(out))
+    return strides
 
 
 def stream_scratch(device: torch.device, buffers: tuple, per_stream: bool = True) -> tuple[torch.Tensor, ...]:
     """Kernel workspaces reused by every call instead of allocated per call: `buffers` is a tuple
-    of (shape, dtype, zeroed); zeroed ones are zeroed once (a kernel that uses them leaves them
-    zero again). Reuse is safe when each launch writes a workspace before reading it, or resets
-    it, because calls on one stream never overlap: one set per (device, stream), or per device
-    when `per_stream` is False (a launch that never touches them). During CUDA-graph capture, and
-    off CUDA, the buffers are fresh: no graph shares one with eager calls or with another graph."""
-    def fresh():
+    of (shape, dtype, zeroed); zeroed ones start zeroed (a kernel that uses them leaves them zero
+    again). Reuse is safe when each launch writes a workspace before reading it, or resets it,
+    because calls on one stream never overlap: one flat buffer per (device, stream, position in
+    `buffers`, dtype), grown to the largest size asked for (so dynamic sizes pin no more than
+    the largest), or per device when `per_stream` is False (a launch that never touches them).
+    During CUDA-graph capture, and off CUDA, the buffers are fresh: no graph shares one with eager
+    calls or with another graph."""
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
         return tuple((torch.zeros if zeroed else torch.empty)(shape, device=device, dtype=dtype)
                      for shape, dtype, zeroed in buffers)
-
-    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
-        return fresh()
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index) if per_stream else None, buffers)
-    found = _SCRATCH.get(key)
-    if found is None:
-        found = _SCRATCH[key] = fresh()
-    return found
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if per_stream else None
+    views = []
+    for slot, (shape, dtype, zeroed) in enumerate(buffers):
+        numel = 1
+        for size in shape:
+            numel *= size
+        key = (device.index, stream, slot, dtype, zeroed)
+        flat = _SCRATCH.get(key)
+        if flat is None or flat.numel() < numel:  # the old buffer is freed in stream order
+            flat = _SCRATCH[key] = (torch.zeros if zeroed else torch.empty)(max(numel, 1), device=device,
+                                                                          dtype=dtype)
+        views.append(alias(flat, shape, _contiguous_strides(tuple(shape)), 0))
+    return tuple(views)
 
 
 def attention_shapes(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shared_kv_ok: bool = False):

@@ -10,13 +10,8 @@ import torch
 from ..errors import UnsupportedError
 from ..runtime import get_kernel
 from .common import ALIGN_BYTES, DTYPE_NAMES, check_cuda, sm_count, stream_scratch
+from .common import alias as _alias
 from .common import tma_view as _tma_view
-
-try:  # what Inductor's output code calls reinterpret_tensor: a view in C++, a third of as_strided's host time
-    from torch._C._dynamo.guards import _reinterpret_tensor as _alias
-except ImportError:  # pragma: no cover
-    def _alias(t: torch.Tensor, sizes, strides, offset_increment: int) -> torch.Tensor:
-        return t.as_strided(sizes, strides, t.storage_offset() + offset_increment)
 
 _GEMM_INPUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
