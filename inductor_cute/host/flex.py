@@ -25,27 +25,30 @@ def _flex_decode_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_pe
                                              kv_batch_broadcast)))
 
 
-def _score_mod_operands(score_mod: str | None, score_tensors, device, kind: str = "score"
+def _score_mod_operands(score_mod: str | None, score_tensors, device, kind: str = "score", name: str = "flex_decode"
                         ) -> tuple[str, tuple[str, ...], list]:
     """(canonical program text or "", captured tensors' dtype names, the kernel's captured-tensor
-    slots: the tensors contiguous, then None). `kind` "mask": the mask_mod's mask program."""
+    slots: the tensors contiguous, then None). `kind` "mask": the mask_mod's mask program. `name`:
+    the entry point errors name (the prefill entry checks its programs here too)."""
     from ..kernels.common.programs import score as sp
 
     if score_mod is None:
         if score_tensors:
-            raise UnsupportedError(f"flex_decode: {kind}_tensors were given without a {kind}_mod")
+            raise UnsupportedError(f"{name}: {kind}_tensors were given without a {kind}_mod")
         return "", (), [None] * sp.MAX_TENSORS
     if not isinstance(score_mod, str):
-        raise UnsupportedError(f"flex_decode: {kind}_mod must be a {kind} program's text (kernels.score_program)")
+        raise UnsupportedError(f"{name}: {kind}_mod must be a {kind} program's text (kernels.score_program)")
     tensors = list(score_tensors)
+    if len(tensors) > sp.MAX_TENSORS:
+        raise UnsupportedError(f"{name}: at most {sp.MAX_TENSORS} {kind} tensors, got {len(tensors)}")
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.device != device:
-            raise UnsupportedError(f"flex_decode: {kind} tensor t{i} must be a 1-D tensor on {device}")
+            raise UnsupportedError(f"{name}: {kind} tensor t{i} must be a 1-D tensor on {device}")
     dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
     try:
         text = sp.canonical(score_mod, dtypes, mask=kind == "mask")
     except ValueError as e:
-        raise UnsupportedError(f"flex_decode: {kind}_mod: {e}") from None
+        raise UnsupportedError(f"{name}: {kind}_mod: {e}") from None
     return text, dtypes, [_unit_stride(t) for t in tensors] + [None] * (sp.MAX_TENSORS - len(tensors))
 
 

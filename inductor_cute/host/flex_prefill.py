@@ -14,7 +14,7 @@ from ..errors import UnsupportedError
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
 from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, check_cuda
-from .flex import _unit_stride
+from .flex import _score_mod_operands
 
 NAME = "flex_prefill"
 MAX_TILES = 2**31 - 1  # the kernel's 1-D grid
@@ -30,29 +30,8 @@ def _flex_prefill_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, sco
                                               mask_program, mask_dtypes, sparse_block, sparse_q_block)))
 
 
-def _program_operands(program: str | None, tensors, device, kind: str) -> tuple[str, tuple[str, ...], list]:
-    """(canonical program text or "", captured tensors' dtype names, the kernel's four captured-
-    tensor slots) of a score (`kind` "score") or mask ("mask") program."""
-    from ..kernels.common.programs import score as sp
-
-    if program is None:
-        if tensors:
-            raise UnsupportedError(f"{NAME}: {kind}_tensors were given without a {kind}_mod")
-        return "", (), [None] * sp.MAX_TENSORS
-    if not isinstance(program, str):
-        raise UnsupportedError(f"{NAME}: {kind}_mod must be a {kind} program's text (kernels.score_program)")
-    tensors = list(tensors)
-    if len(tensors) > sp.MAX_TENSORS:
-        raise UnsupportedError(f"{NAME}: at most {sp.MAX_TENSORS} {kind} tensors, got {len(tensors)}")
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.device != device:
-            raise UnsupportedError(f"{NAME}: {kind} tensor t{i} must be a 1-D tensor on {device}")
-    dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
-    try:
-        text = sp.canonical(program, dtypes, mask=kind == "mask")
-    except ValueError as e:
-        raise UnsupportedError(f"{NAME}: {kind}_mod: {e}") from None
-    return text, dtypes, [_unit_stride(t) for t in tensors] + [None] * (sp.MAX_TENSORS - len(tensors))
+# the decode entry's program checks, its errors naming this entry
+_program_operands = functools.partial(_score_mod_operands, name=NAME)
 
 
 def _block_mask_operands(block_mask: tuple, batch: int, heads: int, q_len: int, kv_block_size: int,

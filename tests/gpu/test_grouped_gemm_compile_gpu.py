@@ -12,17 +12,11 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_cute
 
+from .test_inductor_gpu import fresh_compile  # noqa: F401 (an autouse fixture: no_grad, fresh dynamo)
+
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 OUR_CALL = "inductor_cute.inductor.grouped.runtime.GroupedLauncher("  # one definition per call site
-
-
-@pytest.fixture(autouse=True)
-def fresh_compile():
-    torch._dynamo.reset()
-    with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), torch.no_grad():
-        yield
-    torch._dynamo.reset()
 
 
 def offsets(sizes):

@@ -13,6 +13,8 @@ from torch._inductor.utils import run_and_get_code
 import inductor_cute
 from inductor_cute.runtime import CompiledKernelCache
 
+from .test_inductor_gpu import compiled_kernels, fresh_compile  # noqa: F401 (an autouse fixture)
+
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 OUR_CALL = "inductor_cute.inductor.gemm.runtime.GemmLauncher("
@@ -20,24 +22,10 @@ HIDDEN, INTERMEDIATE = 1024, 2816
 MS = (1, 17, 512, 4096, 8, 4096, 1, 17)  # every bucket, then back to remembered layouts
 
 
-def compiled_kernels() -> set[str]:
-    """Keys of the compiled kernel objects in our cache (a kernel's first load adds a linked
-    library beside its object: that is loading, not compiling)."""
-    return {e.key for e in CompiledKernelCache().entries() if e.kind == "object"}
-
-
 def described(keys: set[str]) -> list:
     """What the cache's headers say about these kernels (for a failure message)."""
     return [{k: v for k, v in e.header.items() if k not in ("sha256", "created")}
             for e in CompiledKernelCache().entries() if e.key in keys]
-
-
-@pytest.fixture(autouse=True)
-def fresh_compile():
-    torch._dynamo.reset()
-    with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), torch.no_grad():
-        yield
-    torch._dynamo.reset()
 
 
 def rand(*shape, scale=1.0):
