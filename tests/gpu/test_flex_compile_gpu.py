@@ -222,7 +222,7 @@ def test_block_mask_with_a_dynamic_length():
 def test_block_mask_we_cannot_walk_goes_to_the_stock_lowering():
     q, k, v = rand(2, 16, 1, 128), rand(2, 4, 2048, 128), rand(2, 4, 2048, 128)
     per_head = create_block_mask(lambda b, h, m, n: (n < 256 * (h + 1)), None, 16, 1, 2048)  # GQA 4
-    small = create_block_mask(mask_mods()["sink-and-window"], None, None, 1, 2048, BLOCK_SIZE=64)  # < our 128
+    small = create_block_mask(mask_mods()["sink-and-window"], None, None, 1, 2048, BLOCK_SIZE=16)  # < our 32-row stages
     for block_mask in (per_head, small):
         torch._dynamo.reset()
         out, code = compiled_run(q, k, v, block_mask=block_mask, enable_gqa=True)

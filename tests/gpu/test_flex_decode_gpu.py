@@ -368,4 +368,4 @@ def test_block_masks_we_cannot_walk_are_refused():
     with pytest.raises(UnsupportedError, match="per query head"):
         ops.flex_decode(q, kv, kv, kv_num_blocks=num, kv_indices=idx)
     with pytest.raises(UnsupportedError, match="not a multiple"):
-        ops.flex_decode(q, kv, kv, kv_num_blocks=num[:, :1], kv_indices=idx[:, :1], kv_block_size=64)
+        ops.flex_decode(q, kv, kv, kv_num_blocks=num[:, :1], kv_indices=idx[:, :1], kv_block_size=16)
