@@ -11,7 +11,7 @@ from inductor_cute.kernels.attention.flex_prefill_config import (HEAD_DIMS, M_BL
                                                                  FlexPrefillProblem, attention_flops, config_error,
                                                                  default_config, from_params, smem_bytes, spec,
                                                                  sparse_block_reason, unsupported_reason)
-from inductor_cute.kernels.attention.tile_order import LongestFirst
+from inductor_cute.kernels.attention.tile_order import L2_KV_BYTES, LongestFirst, section_width
 from inductor_cute.kernels.common.programs.score import dumps
 from inductor_cute.runtime.compiler import compile_spec
 
@@ -164,6 +164,30 @@ def test_tiles_run_longest_first_and_cover_the_grid():
     m_blocks = [c[0] for c in coords]
     assert m_blocks == sorted(m_blocks, reverse=True)  # causal: the last query blocks have the most keys
     assert coords[:6] == [(4, h, b) for b in range(2) for h in range(3)]
+
+
+@pytest.mark.parametrize("m_blocks, heads, batch, width", [(5, 3, 2, 2), (4, 8, 1, 4), (3, 5, 3, 4), (7, 2, 1, 9),
+                                                           (1, 6, 2, 1)])
+def test_tiles_in_l2_sections_run_longest_first_within_each_and_cover_the_grid(m_blocks, heads, batch, width):
+    tiles = LongestFirst(m_blocks, heads, batch, width)
+    coords = [tiles.coord(t) for t in range(tiles.count())]
+    assert sorted(coords) == sorted((m, h, b) for m in range(m_blocks) for h in range(heads) for b in range(batch))
+    pairs = [h + heads * b for _, h, b in coords]
+    width = min(width, heads * batch)
+    for start in range(0, heads * batch, width):  # each section: its pairs' tiles in one run, longest first
+        run = [i for i, p in enumerate(pairs) if start <= p < start + width]
+        assert run == list(range(run[0], run[0] + len(run)))
+        assert [coords[i][0] for i in run] == sorted((coords[i][0] for i in run), reverse=True)
+        assert [pairs[i] for i in run[:min(width, heads * batch - start)]] == list(range(start, start + len(
+            run) // m_blocks))
+
+
+def test_l2_sections_hold_whole_kv_heads_that_fit():
+    # DeepSeek-V3 MLA at 4096 keys: 640 bytes per key, 2.6 MB per head: 9 heads in 24 MB
+    assert section_width(4096, 640, 1) == L2_KV_BYTES // 640 // 4096 == 9
+    assert section_width(4096, 512, 4) == 12 * 4  # Llama GQA 4: whole KV heads, their 4 query heads each
+    assert section_width(1 << 20, 640, 8) == 8  # one KV head longer than L2: a section of its query heads
+    assert section_width(0, 640, 1) >= 1
 
 
 def test_flops_floor_of_a_causal_prefill():

@@ -2,8 +2,8 @@
 
     out[b, h, i] = softmax(scale * q[b, h, i] . k[b, h // G]^T) v[b, h // G]     (G = Hq // Hkv)
 
-One CTA per (128 query rows, query head, batch), numbered longest-first (tile_order.py). 384
-threads in three warp groups:
+One CTA per (128 query rows, query head, batch), numbered longest-first within sections of
+(head, batch) pairs whose K/V fits in L2 (tile_order.py). 384 threads in three warp groups:
 
   * warp group 0, the producer, gives registers back (setmaxnreg) and one warp issues TMA loads:
     the CTA's Q tile once, then (K, V) of each KV block into a `stages`-deep ring
@@ -61,7 +61,7 @@ from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfi
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
 from .softmax import online_softmax_scores, rescale_rows, softmax_finalize, softmax_state
-from .tile_order import LongestFirst
+from .tile_order import LongestFirst, section_width
 
 CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 SCORE_TENSOR_DTYPES = {"float32": Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
@@ -173,8 +173,10 @@ class FlexPrefillSm90:
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         q_len, heads, batch = gQ_full.shape[0], gQ_full.shape[2], gQ_full.shape[3]
         seq_len, kv_heads = gK_full.shape[0], gK_full.shape[2]
-        m_block, head, b = LongestFirst(cute.ceil_div(q_len, M_BLOCK), heads, batch).coord(tile_idx)
-        hkv = head // (heads // kv_heads)
+        q_per_kv = heads // kv_heads
+        width = section_width(seq_len, (self.dqk + self.dv) * self.dtype.width // 8, q_per_kv)
+        m_block, head, b = LongestFirst(cute.ceil_div(q_len, M_BLOCK), heads, batch, width).coord(tile_idx)
+        hkv = head // q_per_kv
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)

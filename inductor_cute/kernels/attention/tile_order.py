@@ -1,25 +1,52 @@
 """The order in which an attention forward kernel's CTAs take their (query block, head, batch)
 tiles (plain Python: works on ints and on DSL integers).
 
-A causal (or any lower-triangular) mask gives late query blocks the most KV blocks. CTAs start
-roughly in launch order, so a 1-D grid numbered longest-first puts the longest tiles in the first
-wave and lets the short ones fill the tail: tile t is query block `m_blocks - 1 - t // (H * B)`
-of head-batch pair `t % (H * B)`. Without a mask every tile is as long as any other and the order
-only decides which tiles share K/V in L2 (the heads of one query block run together).
+Two things decide the order. A causal (or any lower-triangular) mask gives late query blocks the
+most KV blocks, and CTAs start roughly in launch order: numbering longest-first puts the longest
+tiles early and lets the short ones fill the tail. And every tile of a (head, batch) pair reads
+the same K/V: if the ~132 CTAs running at once belong to 132 different pairs (one query block of
+each), every CTA streams its K/V from HBM, which at 192/128 heads needs more bandwidth than HBM
+has (measured: DeepSeek-V3 MLA prefill at 59% of the matmul rate, the d128 GQA case at 82%).
+
+So pairs go in sections whose K/V fits in L2 (`L2_KV_BYTES`), and within a section the tiles run
+longest-first, the section's pairs side by side: tile t of section s (all sections before it full,
+the last one possibly narrower) is query block `m_blocks - 1 - r // w` of pair `s * width + r % w`,
+r = t - s * width * m_blocks, w the section's width. Pairs are numbered head-fastest, so the query
+heads sharing a KV head are neighbours; a section holds whole KV heads where it can.
 """
+
+import cutlass
+
+# K/V bytes a section keeps in L2: the H200 has 50 MB in two halves, and the CTAs of a section
+# spread over several waves, so its K/V must outlive them with room for Q and O traffic
+L2_KV_BYTES = 24 << 20
+
+
+def section_width(seq_len, bytes_per_key: int, q_per_kv):
+    """Query-head pairs per section: as many KV heads of `seq_len` keys (`bytes_per_key` of K and V
+    each, a Python int) as fit L2_KV_BYTES, at least one, times the query heads that share each."""
+    kv_heads = cutlass.max(1, (L2_KV_BYTES // bytes_per_key) // cutlass.max(1, seq_len))
+    return kv_heads * q_per_kv
 
 
 class LongestFirst:
-    def __init__(self, m_blocks, heads, batch):
+    def __init__(self, m_blocks, heads, batch, width=None):
+        """`width`: pairs per section (None: one section of every pair, plain longest-first)."""
         self.m_blocks, self.heads, self.batch = m_blocks, heads, batch
+        self.pairs = heads * batch
+        self.width = self.pairs if width is None else cutlass.min(width, self.pairs)
 
     def count(self):
         """Tiles in all: the 1-D grid's size."""
-        return self.m_blocks * self.heads * self.batch
+        return self.m_blocks * self.pairs
 
     def coord(self, t):
         """(query block, head, batch) of tile t."""
-        pairs = self.heads * self.batch
-        m_block = self.m_blocks - 1 - t // pairs
-        pair = t % pairs
+        section_tiles = self.width * self.m_blocks
+        section = t // section_tiles
+        first = section * self.width
+        w = cutlass.min(self.width, self.pairs - first)
+        r = t - section * section_tiles
+        m_block = self.m_blocks - 1 - r // w
+        pair = first + r % w
         return m_block, pair % self.heads, pair // self.heads
