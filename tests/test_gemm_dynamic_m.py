@@ -138,6 +138,15 @@ def test_a_static_m_gets_no_table(offered):
     assert not any(isinstance(cfg, GemvConfig) for cfg in compiled)
 
 
+def test_a_static_decode_m_gets_only_gemv_configs(offered):
+    from inductor_cute.kernels.gemm import gemv_config
+
+    got, compiled = offered(_Inputs(8, 4096, 4096, hint=8))
+    assert compiled == gemv_config.candidates(K_MAJOR, 8, 4096, 4096, 1, 132) and len(got) == len(compiled)
+    got, compiled = offered(_Inputs(17, 4096, 4096, hint=17))  # past the GEMV's 16 rows: WGMMA tiles
+    assert compiled and not any(isinstance(cfg, GemvConfig) for cfg in compiled)
+
+
 def test_no_table_when_one_of_its_configs_fails_to_compile(offered, monkeypatch):
     from inductor_cute.inductor.gemm import specs
 

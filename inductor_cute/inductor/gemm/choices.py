@@ -155,8 +155,10 @@ def gemm_choices(kernel_inputs, op_name) -> list:
     if _dynamic_m(kernel_inputs):
         table = buckets.bucket_configs(problem, n, k, batch, num_sms)
     else:
-        configs = _gemv_candidates(kernel_inputs, problem, num_sms)
-        configs += gemm_config.candidates(problem, m, n, k, batch, num_sms, exhaustive)
+        # where the GEMV serves, WGMMA tiles are 1.4-1.8x slower than it (gemv-config-sweep-h200-
+        # 20261203.txt): offering them only costs compile time and lets autotuning noise pick one
+        configs = _gemv_candidates(kernel_inputs, problem, num_sms) or \
+            gemm_config.candidates(problem, m, n, k, batch, num_sms, exhaustive)
     ready = precompile_choices(problem, configs or list(dict.fromkeys(cfg for _, cfg in table)), num_sms)
     scalars = {}
     if op_name in ("addmm", "baddbmm"):
