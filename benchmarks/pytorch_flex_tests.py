@@ -1,0 +1,150 @@
+"""PyTorch's own flex_attention test files, run stock and enabled: which tests pass each way, and
+how many of the flex_attention calls our lowering saw it took (issue 11: test_flex_decoding.py;
+issue 13: test_flex_attention.py's forward tests).
+
+The test files are PyTorch's: fetch them for the GPU run (into the git-ignored .device/pt/),
+never commit them. Each file runs twice in fresh processes, stock and with
+inductor_cute.enable(flex_decode=True, flex_prefill=...), every test under torch.no_grad() unless
+--with-grad (so training graphs become the inference graphs our kernels serve); results come from
+pytest's junit XML, the decisions from a hook on the lowering (this file is also the pytest plugin).
+
+    python3 benchmarks/pytorch_flex_tests.py .device/pt/test_flex_decoding.py --out $OUT [-n 8]
+        [--prefill] [--with-grad] [-k EXPR]
+
+Writes <out>/<test file stem>-summary.md: passed/failed/skipped each way, the tests that pass stock
+but not enabled, and the calls taken and declined (bf16/fp16 apart, declines by reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+_MODE = os.environ.get("ICUTE_PT_MODE")  # set in the pytest processes this script starts
+_CURRENT = {"test": ""}
+
+
+# ---- the plugin half (runs inside the pytest processes)
+
+def pytest_configure(config):
+    if _MODE != "enabled":
+        return
+    import inductor_cute
+    from inductor_cute.inductor.flex import lowering
+
+    inductor_cute.enable(flex_decode=True, flex_prefill=os.environ.get("ICUTE_PT_PREFILL") == "1")
+    record_path = f"{os.environ['ICUTE_PT_DECISIONS']}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl"
+    call_reason = lowering._call_reason
+
+    def recording(problem, query, key):
+        reason = call_reason(problem, query, key)
+        with open(record_path, "a") as f:
+            f.write(json.dumps({"test": _CURRENT["test"], "kernel": problem.kernel if problem else "?",
+                                "dtype": str(problem.dtypes[0]) if problem else "?", "reason": reason}) + "\n")
+        return reason
+
+    lowering._call_reason = recording
+
+
+def pytest_runtest_setup(item):
+    _CURRENT["test"] = item.nodeid
+
+
+@pytest.fixture(autouse=True)
+def _inference_only():
+    if _MODE is None or os.environ.get("ICUTE_PT_GRAD") == "1":
+        yield
+        return
+    import torch
+
+    with torch.no_grad():
+        yield
+
+
+# ---- the driver half
+
+def _outcomes(junit: str) -> dict:
+    """test id -> "passed" | "failed" | "skipped" from a junit XML file."""
+    out = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        kinds = {child.tag for child in case}
+        out[name] = "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"
+    return out
+
+
+def _run(path: str, mode: str, out: str, args) -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, ICUTE_PT_MODE=mode, ICUTE_PT_PREFILL="1" if args.prefill else "0",
+               ICUTE_PT_GRAD="1" if args.with_grad else "0",
+               ICUTE_PT_DECISIONS=os.path.join(out, f"{_stem(path)}-decisions"),
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    junit = os.path.join(out, f"{_stem(path)}-{mode}.xml")
+    cmd = [sys.executable, "-m", "pytest", path, "-p", "pytorch_flex_tests", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={junit}", "-n", str(args.n)] + (["-k", args.k] if args.k else [])
+    with open(os.path.join(out, f"{_stem(path)}-{mode}.log"), "w") as log:
+        subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+    return _outcomes(junit)
+
+
+def _stem(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def _decisions(out: str, stem: str) -> list:
+    rows = []
+    for name in sorted(os.listdir(out)):
+        if name.startswith(f"{stem}-decisions.") and name.endswith(".jsonl"):
+            with open(os.path.join(out, name)) as f:
+                rows += [json.loads(line) for line in f]
+    return rows
+
+
+def summary(stem: str, stock: dict, enabled: dict, decisions: list) -> str:
+    lines = [f"# {stem}: stock vs enabled", ""]
+    for name, res in (("stock", stock), ("enabled", enabled)):
+        lines.append(f"- {name}: " + ", ".join(f"{n} {k}" for k, n in sorted(collections.Counter(res.values()).items())))
+    regressions = sorted(t for t, r in stock.items() if r == "passed" and enabled.get(t) != "passed")
+    lines += [f"- pass stock but not enabled: {len(regressions)}", *(f"  - {t}" for t in regressions), ""]
+    half = [d for d in decisions if d["dtype"] in ("torch.bfloat16", "torch.float16")]
+    taken = sum(d["reason"] is None for d in half)
+    lines.append(f"flex_attention calls our lowering saw: {len(decisions)}; bf16/fp16: {len(half)}, taken {taken}"
+                 f" ({100 * taken / max(1, len(half)):.0f}%)")
+    for kernel in sorted({d["kernel"] for d in half}):
+        n = [d for d in half if d["kernel"] == kernel]
+        lines.append(f"- {kernel}: {len(n)} calls, {sum(d['reason'] is None for d in n)} taken")
+    lines += ["", "Declined bf16/fp16 calls by reason:"]
+    for reason, n in collections.Counter(d["reason"] for d in half if d["reason"]).most_common():
+        lines.append(f"- {n} x {reason}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("test_file")
+    p.add_argument("--out", default=".")
+    p.add_argument("-n", type=int, default=8)
+    p.add_argument("-k", default="")
+    p.add_argument("--prefill", action="store_true", help="also offer our prefill kernel (enable(flex_prefill=True))")
+    p.add_argument("--with-grad", action="store_true", help="run the tests as written (training graphs included)")
+    p.add_argument("--timeout", type=int, default=1800)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    stem = _stem(args.test_file)
+    stock = _run(args.test_file, "stock", args.out, args)
+    enabled = _run(args.test_file, "enabled", args.out, args)
+    text = summary(stem, stock, enabled, _decisions(args.out, stem))
+    with open(os.path.join(args.out, f"{stem}-summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

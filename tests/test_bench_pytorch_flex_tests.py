@@ -1,0 +1,58 @@
+"""benchmarks/pytorch_flex_tests.py: the driver compares junit outcomes and counts the lowering's
+decisions; its plugin records each flex_attention call's decision inside a pytest run (on the CPU
+every call is declined for its device, which is still a recorded decision)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("pytorch_flex_tests", ROOT / "benchmarks" / "pytorch_flex_tests.py")
+driver = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(driver)
+
+JUNIT = """<?xml version="1.0"?><testsuites><testsuite>
+<testcase classname="t.A" name="ok"/><testcase classname="t.A" name="bad"><failure message="x"/></testcase>
+<testcase classname="t.A" name="skip"><skipped message="y"/></testcase>
+<testcase classname="t.A" name="err"><error message="z"/></testcase></testsuite></testsuites>"""
+
+
+def test_outcomes_and_summary_name_regressions_and_count_half_precision_calls(tmp_path):
+    (tmp_path / "r.xml").write_text(JUNIT)
+    enabled = driver._outcomes(str(tmp_path / "r.xml"))
+    assert enabled == {"t.A::ok": "passed", "t.A::bad": "failed", "t.A::skip": "skipped", "t.A::err": "failed"}
+    stock = dict(enabled, **{"t.A::bad": "passed"})
+    decisions = [{"test": "a", "kernel": "decode", "dtype": "torch.bfloat16", "reason": None},
+                 {"test": "a", "kernel": "decode", "dtype": "torch.float16", "reason": "why"},
+                 {"test": "b", "kernel": "prefill", "dtype": "torch.bfloat16", "reason": "why"},
+                 {"test": "c", "kernel": "decode", "dtype": "torch.float32", "reason": "fp32"}]
+    text = driver.summary("f", stock, enabled, decisions)
+    assert "pass stock but not enabled: 1\n  - t.A::bad" in text
+    assert "seen: 4; bf16/fp16: 3, taken 1 (33%)" in text.replace("calls our lowering saw", "seen")
+    assert "- 2 x why" in text and "fp32" not in text.split("Declined")[1]
+
+
+def test_plugin_records_each_flex_call_and_runs_tests_without_grad(tmp_path):
+    test = tmp_path / "test_one.py"
+    test.write_text(textwrap.dedent("""
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        def test_flex():
+            assert not torch.is_grad_enabled()
+            q = torch.randn(1, 2, 8, 16)
+            out = torch.compile(flex_attention)(q, q, q)
+            assert out.shape == q.shape
+    """))
+    env = dict(os.environ, ICUTE_PT_MODE="enabled", ICUTE_PT_DECISIONS=str(tmp_path / "d"),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
+    run = subprocess.run([sys.executable, "-m", "pytest", str(test), "-p", "pytorch_flex_tests", "-q",
+                          "-p", "no:cacheprovider"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "d.main.jsonl").read_text().splitlines()]
+    assert row["test"].endswith("test_one.py::test_flex") and row["dtype"] == "torch.float32"
+    assert row["reason"].startswith("device cpu")
