@@ -71,6 +71,8 @@ MASK_VARIANTS = {
     "d128-gqa4-kv-shared-by-the-batch": ((128, 128, "bfloat16", 4, False), dict(sparse_block=128,
                                                                                  kv_batch_broadcast=True)),
     "mla-192-128-prefix-lm-block128": (VARIANTS["mla-192-128"], dict(mask_program=PREFIX_LM, sparse_block=128)),
+    "d128-gqa4-per-head-mask-unpacked": ((128, 128, "bfloat16", 4, False), dict(
+        mask_program=SLIDING, sparse_block=128, gqa_unpacked=True)),  # a CTA per query head
     "absorbed-mla-576-512-document-block128": (VARIANTS["absorbed-mla-576-512"], dict(
         mask_program=DOCUMENT, mask_dtypes=("int32",), sparse_block=128)),
 }
@@ -182,11 +184,14 @@ def test_mask_and_block_mask_configs_are_validated():
     smaller = default_config(dataclasses.replace(GQA8, sparse_block=64))
     assert smaller.kv_block == 64 and config_error(smaller, dataclasses.replace(GQA8, sparse_block=64)) is None
     assert smaller.stages > config.stages  # as many bytes in flight in smaller stages
-    assert sparse_block_reason(128, 32, 128, 64, 1, 128) is None  # absorbed MLA: 4 kernel blocks per mask block
-    assert "not a multiple" in sparse_block_reason(64, 128, 128, 1, 1, 8)
-    assert "query block" in sparse_block_reason(128, 128, 16, 32, 1, 1)
-    assert "per query head" in sparse_block_reason(128, 128, 128, 1, 32, 4)
-    assert sparse_block_reason(128, 128, 128, 1, 32, 1) is None  # no GQA: each CTA has one query head
+    assert sparse_block_reason(128, 32, 128, 64) is None  # absorbed MLA: 4 kernel blocks per mask block
+    assert "not a multiple" in sparse_block_reason(64, 128, 128, 1)
+    assert "query block" in sparse_block_reason(128, 128, 16, 32)
+    from inductor_cute.kernels.attention.flex_decode_config import pack_factor, unpacks_gqa
+
+    # a mask per query head under GQA: a CTA per query head; broadcast or without GQA: packed
+    assert unpacks_gqa(32, 4) and not unpacks_gqa(1, 4) and not unpacks_gqa(32, 1)
+    assert pack_factor(GQA8) == 8 and pack_factor(dataclasses.replace(GQA8, gqa_unpacked=True)) == 1
 
 
 def test_score_program_configs_are_validated():

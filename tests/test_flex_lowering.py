@@ -160,7 +160,7 @@ def test_block_masks_we_cannot_walk_are_declined(decisions, hopper):
     assert decline_reason(sixty_four) is None  # the kernel takes 64-row stages for it
     per_head = traced_problem(decisions, block_mask=create_block_mask(causal, None, 8, 1, 300, device="cpu"))
     assert per_head.mask_heads == 8
-    assert "per query head" in decline_reason(per_head)  # 8 query heads on 2 KV heads share one CTA
+    assert decline_reason(per_head) is None  # 8 query heads on 2 KV heads: a CTA per query head
     assert decline_reason(dataclasses.replace(per_head, kv_heads=8)) is None  # no GQA: one list per CTA
     assert "query block" in decline_reason(dataclasses.replace(small, block_sizes=(128, 16), q_len=32))
     sine_mask = traced_problem(decisions, block_mask=create_block_mask(
@@ -364,11 +364,18 @@ def test_block_mask_with_a_score_mod(cpu_accepted, decisions):
     taken_and_matching(decisions, q, k, v, score_mod=alibi, block_mask=block_mask)
 
 
+def test_a_block_mask_per_query_head_under_gqa_runs_our_op_and_matches(cpu_accepted, decisions):
+    q, k, v = qkv(kv_len=KV, dtype=torch.bfloat16)
+    heads = torch.arange(8)
+    per_head = create_block_mask(lambda b, h, m, n: n < 40 + 37 * heads[h], None, 8, 1, KV, device="cpu")
+    taken_and_matching(decisions, q, k, v, block_mask=per_head)  # GQA 4: a CTA per query head
+
+
 def test_a_block_mask_we_cannot_walk_delegates(cpu_accepted, decisions):
     q, k, v = qkv(kv_len=KV, dtype=torch.bfloat16)
-    block_mask = create_block_mask(prefix_lm, None, 8, 1, KV, device="cpu")  # per query head, GQA 4
+    block_mask = create_block_mask(prefix_lm, None, None, 1, KV, device="cpu", BLOCK_SIZE=16)  # < 32-row stages
     out, code = compiled(flex_attention, q, k, v, block_mask=block_mask, enable_gqa=True)
-    assert "per query head" in decisions[0][1] and OUR_CALL not in code
+    assert "not a multiple" in decisions[0][1] and OUR_CALL not in code
     torch.testing.assert_close(out, flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True), atol=2e-2,
                                rtol=2e-2)
 

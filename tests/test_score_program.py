@@ -170,8 +170,10 @@ def test_block_mask_operands_are_checked_in_one_line():
         operands((num, idx, num, None))
     with pytest.raises(UnsupportedError, match="kv_indices must be a non-empty 4-D int32 tensor"):
         operands((num, idx[0], None, None))
-    with pytest.raises(UnsupportedError, match="per query head"):
-        operands((num.expand(1, 8, 1), idx.expand(1, 8, 1, 4), None, None))
+    per_head = operands((num.expand(1, 8, 1), idx.expand(1, 8, 1, 4), None, None))  # GQA 4: run unpacked
+    assert per_head[0].shape == (1, 8, 1) and per_head[0].is_contiguous()
+    with pytest.raises(UnsupportedError, match="the block mask has 2 heads; expected 1 or 8"):
+        operands((num.expand(1, 2, 1), idx.expand(1, 2, 1, 4), None, None))
     with pytest.raises(UnsupportedError, match="query length 32 spans more than one"):
         operands((num, idx, None, None), q_block_size=16, q_len=32)
 

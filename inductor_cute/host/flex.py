@@ -17,12 +17,13 @@ from .gemm import _alias, _in_place
 @functools.lru_cache(maxsize=256)
 def _flex_decode_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int, has_kv_len: bool,
                         score_program: str = "", score_dtypes: tuple[str, ...] = (), mask_program: str = "",
-                        mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0, kv_batch_broadcast: bool = False):
+                        mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0, kv_batch_broadcast: bool = False,
+                        gqa_unpacked: bool = False):
     from ..kernels.attention.flex_decode_config import FlexDecodeProblem, spec
 
     return get_kernel(spec(FlexDecodeProblem(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len, score_program,
                                              score_dtypes, mask_program, mask_dtypes, sparse_block,
-                                             kv_batch_broadcast)))
+                                             kv_batch_broadcast, gqa_unpacked)))
 
 
 def _score_mod_operands(score_mod: str | None, score_tensors, device, kind: str = "score", name: str = "flex_decode"
@@ -78,7 +79,7 @@ def _block_mask_operands(block_mask: tuple, kv_block_size: int, q_block_size: in
                 t.dtype not in (torch.int32, torch.int64) or t.shape[:3] != num.shape or 0 in t.shape:
             raise UnsupportedError(f"flex_decode: {name} must be a non-empty {dim}-D int32 tensor on {device} "
                                    f"sharing kv_num_blocks' (batch, heads, query blocks) dims")
-    problem = sparse_block_reason(kv_block_size, kv_block, q_block_size, q_len, num.shape[1], group)
+    problem = sparse_block_reason(kv_block_size, kv_block, q_block_size, q_len)
     if problem:
         raise UnsupportedError(f"flex_decode: {problem}")
     if num.shape[1] not in (1, heads):
@@ -151,14 +152,19 @@ def _checked(q, k, v, scale, kv_len, num_splits, score_mod, score_tensors, mask_
             raise UnsupportedError(f"flex_decode: kv_len must be an int32 or int64 tensor of shape ({batch},), got "
                                    f"{kv_len.dtype} of shape {tuple(kv_len.shape)}")
         kv_len = _int32_contiguous(kv_len)
-    if batch * kv_heads > 65535:
-        raise UnsupportedError(f"flex_decode: batch * KV heads = {batch * kv_heads} exceeds 65535 (grid limit)")
     kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = block_mask
+    has_block_mask = any(t is not None for t in block_mask)
+    # a mask per query head under GQA: one CTA per query head (kv_num_blocks is checked below)
+    unpacked = has_block_mask and kv_num_blocks is not None and kv_num_blocks.dim() == 3 and \
+        fdc.unpacks_gqa(kv_num_blocks.shape[1], group)
+    cta_heads = heads if unpacked else kv_heads
+    if batch * cta_heads > 65535:
+        raise UnsupportedError(f"flex_decode: batch * {'query' if unpacked else 'KV'} heads = {batch * cta_heads} "
+                               "exceeds 65535 (grid limit)")
     if num_splits is not None and not 1 <= num_splits <= fdc.MAX_SPLITS:
         raise UnsupportedError(f"flex_decode: num_splits must be in 1..{fdc.MAX_SPLITS}, got {num_splits}")
     program, score_dtypes, score_slots = _score_mod_operands(score_mod, score_tensors, q.device)
     mask_program, mask_dtypes, mask_slots = _score_mod_operands(mask_mod, mask_tensors, q.device, "mask")
-    has_block_mask = any(t is not None for t in block_mask)
     kv_block = fdc.kv_block_for(dqk, dv, kv_block_size if has_block_mask else 0)
     sparse_block, block_slots, keys = 0, [None] * 4, seq
     if has_block_mask:
@@ -179,9 +185,9 @@ def _checked(q, k, v, scale, kv_len, num_splits, score_mod, score_tensors, mask_
     q4 = _decode_operand("q", q, copy_ok=True)
     k4, v4 = _decode_operand("k", k, copy_ok=copy_kv), _decode_operand("v", v, copy_ok=copy_kv)
     kernel = _flex_decode_kernel(dqk, dv, DTYPE_NAMES[q.dtype], group, kv_len is not None, program, score_dtypes,
-                                 mask_program, mask_dtypes, sparse_block, kv_batch_broadcast)
+                                 mask_program, mask_dtypes, sparse_block, kv_batch_broadcast, unpacked)
     if num_splits is None:
-        num_splits = fdc.num_splits(batch, kv_heads, fdc.m_tiles(group, q_len), keys, kv_block,
+        num_splits = fdc.num_splits(batch, cta_heads, fdc.m_tiles(1 if unpacked else group, q_len), keys, kv_block,
                                     sm_count(q.device.index or 0))
     o_part = torch.empty(num_splits, batch, heads, q_len, dv, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(num_splits, batch, heads, q_len, device=q.device, dtype=torch.float32)
@@ -222,8 +228,9 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
     Qb[, C]) as torch builds them) and block sizes restrict the keys to its blocks: `mask_mod`, a
     mask program's text reading `mask_tensors` as t0, t1, ..., masks keys of the partial blocks
     (of all keys without block tensors). As in torch, batch b reads mask row b % Z and query head
-    h row h % H; H must be 1 unless Hq == Hkv, kv_block_size a multiple of the kernel's KV block,
-    and Lq at most q_block_size (every query in query block 0).
+    h row h % H; H is 1 or Hq (with GQA, a mask per query head runs a CTA per query head, K/V
+    read once per query head), kv_block_size a multiple of the kernel's KV block, and Lq at most
+    q_block_size (every query in query block 0).
     """
     out, lse, _ = _checked(q, k, v, scale, kv_len, num_splits, score_mod, score_tensors, mask_mod, mask_tensors,
                            (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), kv_block_size,

@@ -361,11 +361,36 @@ def test_matches_torch_flex_attention_with_a_block_mask():
     assert (lse - ref_lse).abs().max().item() < LSE_TOL * ref_lse.abs().max().item()
 
 
+PER_HEAD_PREFIX = sp.dumps([["w", "mul", "h", 250], ["lim", "add", "w", 300], ["o", "lt", "kv", "lim"]])
+
+
+@pytest.mark.parametrize("group, q_len, block", [(4, 1, 128), (8, 4, 128), (4, 2, 64)])
+def test_block_masks_per_query_head_under_gqa(group, q_len, block):
+    """The query heads of a KV head get different block lists: one CTA per query head (unpacked)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, hkv = 2, 2
+    heads = hkv * group
+
+    def mask_mod(b, h, m, n):
+        return n < 300 + 250 * h
+
+    bm = create_block_mask(mask_mod, None, heads, q_len, KV, device="cuda", BLOCK_SIZE=block)
+    blocks = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    shape = (batch, heads, q_len, KV)
+    keep = sp.reference_keep(shape, PER_HEAD_PREFIX, (), blocks, block, block, device="cuda")
+    idx = [torch.arange(n, device="cuda").view([-1 if i == d else 1 for i in range(4)]) for d, n in enumerate(shape)]
+    assert torch.equal(keep, mask_mod(*idx).expand(shape)), "program and mask_mod differ"
+    check(sharp(batch, heads, q_len, 128), rand(batch, hkv, KV, 128), rand(batch, hkv, KV, 128), keep=keep,
+          mask_mod=PER_HEAD_PREFIX, kv_num_blocks=blocks[0], kv_indices=blocks[1], full_kv_num_blocks=blocks[2],
+          full_kv_indices=blocks[3], kv_block_size=block, q_block_size=block)
+
+
 def test_block_masks_we_cannot_walk_are_refused():
     q, kv = rand(1, 8, 1, 128), rand(1, 2, 1024, 128)
     num, idx = torch.ones(1, 8, 1, device="cuda", dtype=torch.int32), torch.zeros(1, 8, 1, 8, device="cuda",
                                                                                   dtype=torch.int32)
-    with pytest.raises(UnsupportedError, match="per query head"):
-        ops.flex_decode(q, kv, kv, kv_num_blocks=num, kv_indices=idx)
+    with pytest.raises(UnsupportedError, match="the block mask has 2 heads; expected 1 or 8"):
+        ops.flex_decode(q, kv, kv, kv_num_blocks=num[:, :2], kv_indices=idx[:, :2])
     with pytest.raises(UnsupportedError, match="not a multiple"):
         ops.flex_decode(q, kv, kv, kv_num_blocks=num[:, :1], kv_indices=idx[:, :1], kv_block_size=16)

@@ -213,8 +213,7 @@ def _block_mask_reason(p: FlexProblem) -> str | None:
         problem = fpc.sparse_block_reason(kv_block_size, q_block_size, fpc.HEAD_DIMS[(p.head_dim_qk, p.head_dim_v)])
         return f"block mask: {problem}" if problem else None
     kv_block = fdc.kv_block_for(p.head_dim_qk, p.head_dim_v, kv_block_size)
-    problem = fdc.sparse_block_reason(kv_block_size, kv_block, q_block_size, p.q_len, p.mask_heads,
-                                      p.heads // p.kv_heads)
+    problem = fdc.sparse_block_reason(kv_block_size, kv_block, q_block_size, p.q_len)
     return f"block mask: {problem}" if problem else None
 
 

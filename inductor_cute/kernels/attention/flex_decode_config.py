@@ -3,7 +3,7 @@ configuration, limits and the split heuristic. Plain Python, usable without the 
 
 One CTA owns (64 packed query rows, batch, KV head, KV split). The packed rows are the
 `q_per_kv * Lq` queries that share one KV head, so K and V are read once per split, not once
-per query head.
+per query head; a block mask per query head under GQA runs unpacked, a CTA per query head.
 
 The family's protocol, as for the other kernel families: a FlexDecodeProblem says what is
 computed (head dims, dtype, GQA ratio, programs, block mask), a FlexDecodeConfig how (tuning
@@ -56,9 +56,23 @@ class FlexDecodeProblem:
     mask_dtypes: tuple[str, ...] = ()  # dtype names of the mask program's captured tensors
     sparse_block: int = 0  # a BlockMask's KV block size (a multiple of kv_block); 0: no block mask
     kv_batch_broadcast: bool = False  # K and V have batch 1, shared by every query batch (a paged cache)
+    # each query head in its own CTA instead of q_per_kv packed into one: a block mask per query
+    # head under GQA gives the heads of a KV head different block lists
+    gqa_unpacked: bool = False
 
     def as_params(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def pack_factor(problem: FlexDecodeProblem) -> int:
+    """Query heads whose rows share one CTA (PackGQA's group)."""
+    return 1 if problem.gqa_unpacked else problem.q_per_kv
+
+
+def unpacks_gqa(mask_heads: int, q_per_kv: int) -> bool:
+    """Whether a block mask of `mask_heads` heads needs one CTA per query head: torch indexes the
+    mask by query head, so under GQA only a broadcast mask (1 head) gives a KV head one list."""
+    return mask_heads != 1 and q_per_kv != 1
 
 
 @dataclass(frozen=True)
@@ -164,19 +178,15 @@ def default_config(problem: FlexDecodeProblem) -> FlexDecodeConfig:
     return config
 
 
-def sparse_block_reason(sparse_block: int, kv_block: int, q_block: int, q_len: int, mask_heads: int,
-                        q_per_kv: int) -> str | None:
+def sparse_block_reason(sparse_block: int, kv_block: int, q_block: int, q_len: int) -> str | None:
     """Why the kernel cannot walk a BlockMask of these sizes; None when it can. The kernel streams
-    kv_block keys per stage, so a mask block must be whole stages; a CTA serves all queries of one
-    KV head, so they must share one block list: every query in query block 0 (q_idx // q_block),
-    and the mask's head dim broadcast (1) unless each KV head has one query head (torch indexes
-    the mask by query head modulo its head dim)."""
+    kv_block keys per stage, so a mask block must be whole stages; a CTA's queries share one block
+    list, so every query must be in query block 0 (q_idx // q_block). (A mask per query head under
+    GQA runs unpacked: unpacks_gqa.)"""
     if sparse_block <= 0 or sparse_block % kv_block:
         return f"block mask KV block size {sparse_block} is not a multiple of the kernel's KV block {kv_block}"
     if q_len > q_block:
         return f"query length {q_len} spans more than one block mask query block ({q_block})"
-    if mask_heads != 1 and q_per_kv != 1:
-        return f"a block mask per query head ({mask_heads} heads) with {q_per_kv} query heads per KV head"
     return None
 
 
@@ -233,8 +243,9 @@ def from_params(params: dict) -> tuple[FlexDecodeProblem, FlexDecodeConfig]:
 def flex_decode_spec(head_dim_qk: int, head_dim_v: int, dtype_name: str, q_per_kv: int,
                      has_kv_len: bool = False, config: FlexDecodeConfig | None = None,
                      score_program: str = "", score_dtypes: tuple[str, ...] = (), mask_program: str = "",
-                     mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0, kv_batch_broadcast: bool = False):
+                     mask_dtypes: tuple[str, ...] = (), sparse_block: int = 0, kv_batch_broadcast: bool = False,
+                     gqa_unpacked: bool = False):
     """`spec` of the problem these arguments spell."""
     return spec(FlexDecodeProblem(head_dim_qk, head_dim_v, dtype_name, q_per_kv, has_kv_len, score_program,
                                   tuple(score_dtypes), mask_program, tuple(mask_dtypes), sparse_block,
-                                  kv_batch_broadcast), config)
+                                  kv_batch_broadcast, gqa_unpacked), config)

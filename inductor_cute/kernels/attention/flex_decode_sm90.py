@@ -24,11 +24,16 @@ scores are x = program(score = s * scale, b, h, q, kv) * log2(e) instead of s * 
 
 With a block mask (sparse_block > 0, flex_attention's BlockMask; block_sparse.py) a CTA walks a list of KV
 blocks instead of the whole sequence: the partial blocks kv_indices[z, hm, 0, :kv_num_blocks]
-then the full blocks full_kv_indices[z, hm, 0, :full_kv_num_blocks] (z = b % Z, hm = hkv % H, as
+then the full blocks full_kv_indices[z, hm, 0, :full_kv_num_blocks] (z = b % Z, hm = hg % H, as
 torch indexes a broadcast mask; query block 0), each mask block cut into sparse_block / kv_block
 kernel blocks, the list dealt over splits like the contiguous range. A mask program (the
 mask_mod) sets x = -inf where it is False, on partial blocks only (every block without a block
 mask); keys at and past the sequence end are masked in any block.
+
+A block mask per query head under GQA (gqa_unpacked) cannot share one block list among a KV
+head's query heads: then each CTA serves one query head (its Lq rows; hg, the CTA's head index,
+is that query head) and reads K/V head hg // G, once per query head, the query heads of one KV
+head running side by side so that L2 serves the repeats. Packed, hg is the KV head.
 
 Tensor conventions (torch order, any strides with the last dim contiguous, 16-byte aligned):
     q (B, Hq, Lq, Dqk)   k (B, Hkv, Lkv, Dqk)   v (B, Hkv, Lkv, Dv)   kv_len (B,) int32 or None
@@ -59,7 +64,8 @@ from ..common.programs.score import MAX_TENSORS
 from .accumulator import acc_as_operand_a, check_acc_layout, row_half
 from .block_sparse import BlockSparse, deal_over_splits
 from .combine import SplitCombine
-from .flex_decode_config import ROWS, FlexDecodeConfig, FlexDecodeProblem, config_error, from_params, smem_bytes
+from .flex_decode_config import (ROWS, FlexDecodeConfig, FlexDecodeProblem, config_error, from_params, pack_factor,
+                                 smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
 from .softmax import online_softmax, softmax_finalize, softmax_state
@@ -78,7 +84,7 @@ class FlexDecodeSm90:
         self.consumer_threads = 128 * self.wgs
         self.producer_regs = 40
         self.consumer_regs = 232 if self.wgs == 2 else 240
-        self.rows = PackGQA(problem.q_per_kv)
+        self.rows = PackGQA(pack_factor(problem))
         self.mods = ScoreMods(problem.score_program, problem.score_dtypes, problem.mask_program, problem.mask_dtypes,
                               self.kvb, self.rows)
         self.blocks = BlockSparse(problem.sparse_block, self.kvb)
@@ -129,12 +135,12 @@ class FlexDecodeSm90:
                                                 (self.kvb, self.dqk))
         tma_v, gV = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.slice_(self.sV_layout, (None, None, 0)),
                                                 (self.dv, self.kvb))
-        batch, kv_heads, q_len = mQ.shape[0], mK.shape[1], mQ.shape[2]
+        batch, q_len = mQ.shape[0], mQ.shape[2]
         row_tiles = cute.ceil_div(self.rows.rows(q_len), ROWS)
         self.split_kernel(mQ, tma_k, gK, tma_v, gV, mKvLen, mOp, mLp, scale_log2, scale, mT0, mT1, mT2, mT3,
                           mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.mma_qk, self.mma_pv,
                           self.sQ_layout, self.sK_layout, self.sV_layout
-                          ).launch(grid=[row_tiles, mOp.shape[0], batch * kv_heads],
+                          ).launch(grid=[row_tiles, mOp.shape[0], batch * (mQ.shape[1] // self.rows.group)],
                                    block=[128 + self.consumer_threads, 1, 1], min_blocks_per_mp=1, stream=stream)
         rows = batch * mQ.shape[1] * q_len
         self.combine_kernel(mOp, mLp, mOut, mLse).launch(
@@ -154,8 +160,11 @@ class FlexDecodeSm90:
         row_tile, split, bh = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-        kv_heads = gK_full.shape[2]
-        b, hkv = bh // kv_heads, bh % kv_heads
+        cta_heads = mQ.shape[1] // self.rows.group
+        b, hg = bh // cta_heads, bh % cta_heads  # hg: the KV head, or unpacked the query head
+        hkv = hg
+        if const_expr(self.problem.gqa_unpacked):
+            hkv = hg // self.problem.q_per_kv
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
@@ -180,9 +189,9 @@ class FlexDecodeSm90:
             seq_len = cutlass.max(cutlass.min(mKvLen[b], seq_len), 0)
         n_blocks = cute.ceil_div(seq_len, self.kvb)
         n_partial = Int32(0)
-        zm, hm = b, hkv
+        zm, hm = b, hg
         if const_expr(self.blocks.enabled):  # query block 0: every query of a decode CTA is in it
-            zm, hm = self.blocks.mask_row(mKvNum, b, hkv)
+            zm, hm = self.blocks.mask_row(mKvNum, b, hg)
             n_partial, n_blocks = self.blocks.count(mKvNum, mFullNum, zm, hm, 0)
         first_block, my_blocks = deal_over_splits(n_blocks, mOp.shape[0], split)
         cute.arch.sync_threads()
@@ -216,7 +225,7 @@ class FlexDecodeSm90:
             ctid = tidx - 128  # thread index among the consumers
             n_rows = self.rows.rows(mQ.shape[2])
             row0 = row_tile * ROWS
-            self._load_q(mQ, sQ, ctid, b, hkv, row0, n_rows)
+            self._load_q(mQ, sQ, ctid, b, hg, row0, n_rows)
 
             thr_qk = mma_qk.get_slice(ctid % 128)  # every consumer computes all of S
             thr_pv = mma_pv.get_slice(ctid)
@@ -247,7 +256,7 @@ class FlexDecodeSm90:
                     cute.gemm(mma_qk, acc_s, tSrQ[(None, None, kb)], tSrK[(None, None, kb, state.index)], acc_s)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                self.mods.apply(acc_s, tScS, scale_log2, scale, b, hkv, row0, n_rows, blk, partial,
+                self.mods.apply(acc_s, tScS, scale_log2, scale, b, hg, row0, n_rows, blk, partial,
                                 (mT0, mT1, mT2, mT3), (mM0, mM1, mM2, mM3))
                 mask_past_end(acc_s, tScS, self.kvb, blk, seq_len)
                 online_softmax(acc_s, acc_o, row_max, row_sum)
@@ -262,7 +271,7 @@ class FlexDecodeSm90:
                 kv_pipe.consumer_release(state)
                 state.advance()
 
-            self._store_partials(acc_o, tOcO, row_max, row_sum, mOp, mLp, split, b, hkv, row0, n_rows)
+            self._store_partials(acc_o, tOcO, row_max, row_sum, mOp, mLp, split, b, hg, row0, n_rows)
 
     @cute.jit
     def _zero_v_tail(self, sV: cute.Tensor, stage: Int32, valid: Int32, ctid: Int32):
@@ -279,7 +288,7 @@ class FlexDecodeSm90:
                               num_threads=self.consumer_threads).arrive_and_wait()
 
     @cute.jit
-    def _load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, ctid: Int32, b: Int32, hkv: Int32, row0: Int32,
+    def _load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, ctid: Int32, b: Int32, hg: Int32, row0: Int32,
                 n_rows: Int32):
         """Gather the tile's packed query rows into shared memory with 16-byte cp.async; rows past
         the last query keep stale data: their outputs are never written."""
@@ -294,7 +303,7 @@ class FlexDecodeSm90:
         for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
             p = row0 + tQcQ[(0, m, 0)][0]
             if p < n_rows:
-                head, pos = self.rows.unpack(p, hkv)
+                head, pos = self.rows.unpack(p, hg)
                 row = mQ[(b, head, pos, None)]
                 row = cute.make_tensor(cute.make_ptr(self.dtype, row.iterator.toint(), cute.AddressSpace.gmem,
                                                      assumed_align=16), cute.make_layout(self.dqk))
@@ -310,7 +319,7 @@ class FlexDecodeSm90:
 
     @cute.jit
     def _store_partials(self, acc_o: cute.Tensor, tOcO: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                        mOp: cute.Tensor, mLp: cute.Tensor, split: Int32, b: Int32, hkv: Int32, row0: Int32,
+                        mOp: cute.Tensor, mLp: cute.Tensor, split: Int32, b: Int32, hg: Int32, row0: Int32,
                         n_rows: Int32):
         """O_s = acc / rowsum and lse_s = m + log2(rowsum) for the tile's real rows; an empty row
         (empty split, or everything masked) gives O_s = 0 and lse_s = -inf."""
@@ -318,7 +327,7 @@ class FlexDecodeSm90:
             inv, lse2 = softmax_finalize(row_max, row_sum, h)
             p = row0 + tOcO[0][0] + 8 * h
             if p < n_rows:
-                head, pos = self.rows.unpack(p, hkv)
+                head, pos = self.rows.unpack(p, hg)
                 o_row = mOp[(split, b, head, pos, None)]
                 for v in row_half(cute.size(acc_o), h):
                     o_row[tOcO[v][1]] = acc_o[v] * inv
