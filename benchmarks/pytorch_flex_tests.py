@@ -34,6 +34,13 @@ _CURRENT = {"test": ""}
 # ---- the plugin half (runs inside the pytest processes)
 
 def pytest_configure(config):
+    if _MODE is None:
+        return
+    import torch
+
+    # every graph lowered in this run, none loaded from a cache: the decisions are counted there
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     if _MODE != "enabled":
         return
     import inductor_cute
