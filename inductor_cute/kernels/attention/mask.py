@@ -81,3 +81,17 @@ def mask_past_end(acc_s: cute.Tensor, tScS: cute.Tensor, kv_block: int, blk: Int
         for v in cutlass.range(cute.size(acc_s), unroll_full=True):
             if blk * kv_block + tScS[v][1] >= seq_len:
                 acc_s[v] = Float32(NEG_INF)
+
+
+@cute.jit
+def mask_keys_by_queries(mods: ScoreMods, acc_t: cute.Tensor, tTcT: cute.Tensor, b: Int32, head: Int32, key0: Int32,
+                         kv_len: Int32, q0: Int32, q_len: Int32, tensors: tuple):
+    """A transposed tile (rows keys from key0, columns queries from q0, as a backward's S^T) at
+    -inf where mods' mask program is False for query head `head`; elements past either length
+    are left alone (the caller's padding keeps them out) and never index the captured tensors."""
+    tensors = [t for t in tensors if t is not None]
+    for v in cutlass.range(cute.size(acc_t), unroll_full=True):
+        kv, q = key0 + tTcT[v][0], q0 + tTcT[v][1]
+        if kv < kv_len and q < q_len:
+            keep = mods.mask_fn(b, head, q, kv, tensors)
+            acc_t[v] = Float32(cutlass.select_(keep, acc_t[v], Float32(NEG_INF)))
