@@ -60,7 +60,7 @@ from .block_sparse import BlockSparse
 from .flex_backward_config import (CONSUMER_WARPGROUPS, KV_BLOCK, Q_STEP, FlexBackwardConfig, FlexBackwardProblem,
                                    config_error, from_params, smem_bytes)
 from .flex_prefill_sm90 import CUTE_DTYPES, SCORE_TENSOR_DTYPES
-from .mask import ScoreMods, mask_keys_by_queries
+from .mask import ScoreMods
 from .pack_gqa import PackGQA
 
 K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -287,8 +287,7 @@ class FlexBackwardSm90:
         q0 = blk * Q_STEP
         if const_expr(self.mods.mask_fn is not None):
             if partial:
-                mask_keys_by_queries(self.mods, acc_s, tScS, b, head, kv_blk * KV_BLOCK, seq_len, q0, q_len,
-                                     mask_tensors)
+                self.mods.mask_transposed(acc_s, tScS, b, head, kv_blk * KV_BLOCK, seq_len, q0, q_len, mask_tensors)
         for v in cutlass.range(cute.size(acc_s), unroll_full=True):
             q = q0 + tScS[v][1]
             p = cute.math.exp2(acc_s[v] - mLse2[(b, head, q)], fastmath=True)
