@@ -28,7 +28,10 @@ PROBLEMS = {
     "d64-document-block256-q256": FlexBackwardProblem(64, 64, "bfloat16", mask_program=DOCUMENT,
                                                       mask_dtypes=("int32",), sparse_block=256, sparse_q_block=256),
 }
-MAIN_VARIANTS = [(kernel, name) for kernel in ("dkdv", "dq") for name in sorted(PROBLEMS)]
+OVERLAP = {"dkdv": dict(overlap=True), "dq": dict(dq_overlap=True)}
+# (kernel, problem name, overlapped schedule)
+MAIN_VARIANTS = ([(kernel, name, False) for kernel in ("dkdv", "dq") for name in sorted(PROBLEMS)] +
+                 [("dkdv", "d64-fp16", True), ("dq", "d128-causal-block128", True)])
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +39,13 @@ def compiled_all():
     return {}
 
 
-@pytest.fixture(scope="module", params=MAIN_VARIANTS, ids=[f"{k}-{n}" for k, n in MAIN_VARIANTS])
+@pytest.fixture(scope="module", params=MAIN_VARIANTS,
+                ids=[f"{k}-{n}" + ("-overlap" if o else "") for k, n, o in MAIN_VARIANTS])
 def compiled(request, compiled_all):
-    kernel, name = request.param
-    obj = compile_spec(specs(PROBLEMS[name])[kernel], "sm_90a", keep_ptx=True)
+    kernel, name, overlap = request.param
+    problem = PROBLEMS[name]
+    config = dataclasses.replace(default_config(problem), **(OVERLAP[kernel] if overlap else {}))
+    obj = compile_spec(specs(problem, config)[kernel], "sm_90a", keep_ptx=True)
     compiled_all[request.param] = obj
     return obj
 
@@ -71,21 +77,23 @@ def test_main_kernels_have_no_spills_and_balance_setmaxnreg(compiled):
 
 def test_two_products_from_shared_memory_and_the_gradients_from_registers(compiled_all, compiled):
     # dK/dV: S^T and dP^T (SS: both descriptors), dV and dK (RS: {A registers}); dQ: S and dP
-    # (SS), dQ (RS). One k16 WGMMA per 16 of the contracted dim: for 128/128 dK/dV 8 + 8 + 4 + 4
+    # (SS), dQ (RS). One k16 WGMMA per 16 of the contracted dim: for 128/128 dK/dV 8 + 8 + 4 + 4.
+    # The overlapped schedule issues each at two sites (the first block's S, the last's gradients)
     lines = [line for line in compiled.ptx.splitlines() if "wgmma.mma_async" in line]
     ss = [line for line in lines if line.count("{") == 1]
     rs = [line for line in lines if line.count("{") == 2]
     assert ss and rs and len(ss) + len(rs) == len(lines)
-    kernel, name = next(key for key, obj in compiled_all.items() if obj is compiled)
+    kernel, name, overlap = next(key for key, obj in compiled_all.items() if obj is compiled)
     d = PROBLEMS[name].head_dim_qk
+    sites = 2 if overlap else 1
     if kernel == "dkdv":
-        assert (len(ss), len(rs)) == (2 * d // 16, 2 * 64 // 16)
+        assert (len(ss), len(rs)) == (sites * 2 * d // 16, sites * 2 * 64 // 16)
     else:
-        assert (len(ss), len(rs)) == (2 * d // 16, 64 // 16)
+        assert (len(ss), len(rs)) == (sites * 2 * d // 16, sites * 64 // 16)
 
 
 def test_masks_reach_the_main_kernels(compiled_all):
-    needed = [(k, n) for k in ("dkdv", "dq") for n in ("d128", "d128-causal-block128")]
+    needed = [(k, n, False) for k in ("dkdv", "dq") for n in ("d128", "d128-causal-block128")]
     if not all(n in compiled_all for n in needed):
         pytest.skip("needs the module's compiled variants (run the whole file)")
 
@@ -93,7 +101,8 @@ def test_masks_reach_the_main_kernels(compiled_all):
         return len(re.findall(r"setp\.(?:ge|lt|le|gt)\.s32", ptx))
 
     for kernel in ("dkdv", "dq"):
-        plain, causal = compiled_all[(kernel, "d128")].ptx, compiled_all[(kernel, "d128-causal-block128")].ptx
+        plain = compiled_all[(kernel, "d128", False)].ptx
+        causal = compiled_all[(kernel, "d128-causal-block128", False)].ptx
         # the block lists are read from global memory; the mask program compares each element's
         # query and key (32 per thread and 64 x 64 tile)
         assert causal.count("ld.global") > plain.count("ld.global")
@@ -129,6 +138,11 @@ def test_unsupported_problems_and_configs_are_named():
     p = FlexBackwardProblem(128, 128, "bfloat16")
     assert "stages must be in 1..4" in config_error(FlexBackwardConfig(0, 2), p)
     assert "dq_stages" in config_error(FlexBackwardConfig(2, 5), p)
+    assert "overlap (dK/dV) spills registers at head dims 128/128" in config_error(FlexBackwardConfig(2, 2, True), p)
+    assert config_error(FlexBackwardConfig(2, 2, False, True), p) is None
+    assert config_error(FlexBackwardConfig(2, 2, True, True), dataclasses.replace(p, head_dim_qk=64, head_dim_v=64)) \
+        is None
+    assert "dq_overlap needs at least 2 stages" in config_error(FlexBackwardConfig(2, 1, False, True), p)
     assert "KV block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))
     assert "query block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_q_block=64))
     assert "canonical" in config_error(default_config(p), dataclasses.replace(p, mask_program=CAUSAL + " "))
@@ -146,7 +160,7 @@ def test_specs_spell_problem_and_config_and_read_back():
     assert {k: v.module for k, v in s.items()} == KERNEL_MODULES
     assert s["preprocess"].kwargs == {"head_dim_v": 128, "dtype_name": "bfloat16"}
     for kernel in ("dkdv", "dq"):
-        assert set(s[kernel].kwargs) == set(problem.as_params()) | {"stages", "dq_stages"}
+        assert set(s[kernel].kwargs) == set(problem.as_params()) | {"stages", "dq_stages", "overlap", "dq_overlap"}
         assert from_params(s[kernel].kwargs) == (problem, default_config(problem))
 
 
@@ -217,7 +231,7 @@ def test_host_runs_the_three_kernels_with_their_arguments(host_on_cpu):
                           kv_indices=fwd[1], q_num_blocks=bwd[0], q_indices=bwd[1], kv_block_size=256)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert [name for name, _ in recorder.calls] == ["preprocess", "dkdv", "dq"]
-    assert params == [(128, 128, "bfloat16", CAUSAL, (), 256, 128)]
+    assert params == [(128, 128, "bfloat16", CAUSAL, (), 256, 128, None)]
     (_, pre), (_, dkdv), (_, dqk) = recorder.calls
     delta, lse2 = pre[3], pre[4]
     assert delta.shape == lse2.shape == (2, 8, 384) and delta.dtype == torch.float32
@@ -265,6 +279,7 @@ def test_host_refuses_what_the_kernels_cannot_take(host_on_cpu):
                                                             "kv_indices": idx[:, :, :2]}), "do not cover 300"),
         (lambda: backward(q, k, v, out, lse, grad_out, kv_block_size=64, **lists), "KV block size 64"),
         (lambda: backward(q, k, v, out, lse, grad_out, q_block_size=64, **lists), "query block size 64"),
+        (lambda: backward(q, k, v, out, lse, grad_out, config=FlexBackwardConfig(2, 2, overlap=True)), "spills"),
     ]
     for call, message in cases:
         with pytest.raises(UnsupportedError, match=message) as e:

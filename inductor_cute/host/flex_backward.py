@@ -24,12 +24,12 @@ MAX_GRID_YZ = 65535  # heads and batch are the grids' y and z
 
 @functools.lru_cache(maxsize=256)
 def _flex_backward_kernels(head_dim_qk: int, head_dim_v: int, dtype_name: str, mask_program: str,
-                           mask_dtypes: tuple[str, ...], sparse_block: int, sparse_q_block: int) -> dict:
+                           mask_dtypes: tuple[str, ...], sparse_block: int, sparse_q_block: int, config=None) -> dict:
     from ..kernels.attention.flex_backward_config import FlexBackwardProblem, specs
 
     problem = FlexBackwardProblem(head_dim_qk, head_dim_v, dtype_name, mask_program, mask_dtypes, sparse_block,
                                   sparse_q_block)
-    return {name: get_kernel(s) for name, s in specs(problem).items()}
+    return {name: get_kernel(s) for name, s in specs(problem, config).items()}
 
 
 def _block_lists(names: tuple[str, ...], lists: tuple, batch: int, heads: int, rows: int, row_block: int,
@@ -65,7 +65,7 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
                             full_kv_indices: torch.Tensor | None = None, q_num_blocks: torch.Tensor | None = None,
                             q_indices: torch.Tensor | None = None, full_q_num_blocks: torch.Tensor | None = None,
                             full_q_indices: torch.Tensor | None = None, kv_block_size: int = 128,
-                            q_block_size: int = 128):
+                            q_block_size: int = 128, config=None):
     """(dq, dk, dv) of out = softmax(scale q k^T) v per query head, given the forward's out and
     lse (fp32 (B, Hq, Lq), natural-log units as flex_attention and flex_prefill return it) and
     grad_out = dL/dout.
@@ -78,7 +78,8 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     kv_indices, full_kv_num_blocks, full_kv_indices: per query block its KV blocks, walked for dq)
     and the backward's (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: per KV block
     its query blocks, walked for dk and dv); kv_block_size and q_block_size multiples of 128.
-    Rows with nothing to attend (lse -inf) get zero gradients.
+    Rows with nothing to attend (lse -inf) get zero gradients. `config`: a FlexBackwardConfig in
+    place of the default one (stages, overlapped schedules).
     """
     from ..kernels.attention import flex_backward_config as fbc
 
@@ -118,13 +119,19 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
         # the dK/dV kernel may walk every query block the mask has: lse2 and delta cover them
         padded = max(padded, fwd_slots[0].shape[2] * q_block_size)
 
+    if config is not None:
+        error = fbc.config_error(config, fbc.FlexBackwardProblem(dqk, dv, DTYPE_NAMES[q.dtype], mask_program,
+                                                                 mask_dtypes, sparse_block, sparse_q_block))
+        if error:
+            raise UnsupportedError(f"{NAME}: {config}: {error}")
+
     dq = torch.empty(batch, heads, q_len, dqk, device=q.device, dtype=q.dtype)
     dk = torch.empty(batch, kv_heads, kv_len, dqk, device=q.device, dtype=q.dtype)
     dv_ = torch.empty(batch, kv_heads, kv_len, dv, device=q.device, dtype=q.dtype)
     if q_len == 0 or kv_len == 0 or batch == 0 or heads == 0:
         return dq.zero_(), dk.zero_(), dv_.zero_()
     kernels = _flex_backward_kernels(dqk, dv, DTYPE_NAMES[q.dtype], mask_program, mask_dtypes, sparse_block,
-                                     sparse_q_block)
+                                     sparse_q_block, config)
     scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
     delta = torch.empty(batch, heads, padded, device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)

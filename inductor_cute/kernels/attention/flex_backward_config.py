@@ -47,6 +47,7 @@ MAX_STAGES = 4
 # Per dK/dV consumer thread: dK and dV take (Dqk + Dv) / 2 fp32 registers, S^T and dP^T 16 each,
 # so 128/128 holds 160 before P^T and dS^T; 192/128 (208) is left for later.
 HEAD_DIMS = ((64, 64), (128, 128))
+MAX_OVERLAP_DIMS = 128  # Dqk + Dv up to which the dK/dV kernel's overlapped schedule fits in registers
 
 KERNELS = ("preprocess", "dkdv", "dq")
 KERNEL_MODULES = {
@@ -79,6 +80,11 @@ class FlexBackwardConfig:
 
     stages: int  # dK/dV: (Q, dO) blocks of Q_STEP rows in flight
     dq_stages: int  # dQ: (K, V) blocks of DQ_KV_STEP keys in flight
+    # Block j's S and dP products issued with block j - 1's gradient products, j's elementwise
+    # math under them (dK/dV: `overlap`, dQ: `dq_overlap`); off (strictly in sequence) until the
+    # plain schedule is checked on a GPU. dK/dV's spills registers past 64/64.
+    overlap: bool = False
+    dq_overlap: bool = False
 
     @property
     def threads(self) -> int:
@@ -152,6 +158,13 @@ def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> st
     for name, stages in (("stages", config.stages), ("dq_stages", config.dq_stages)):
         if not 1 <= stages <= MAX_STAGES:
             return f"{name} must be in 1..{MAX_STAGES}, got {stages}"
+    for name, on, stages in (("overlap", config.overlap, config.stages),
+                             ("dq_overlap", config.dq_overlap, config.dq_stages)):
+        if on and stages < 2:
+            return f"{name} needs at least 2 stages (block j - 1's stays in use while j is read)"
+    if config.overlap and problem.head_dim_qk + problem.head_dim_v > MAX_OVERLAP_DIMS:
+        return (f"overlap (dK/dV) spills registers at head dims {problem.head_dim_qk}/{problem.head_dim_v}: dK, dV, "
+                "S^T, dP^T and both 16-bit operands would be live at once")
     for kernel in ("dkdv", "dq"):
         if smem_bytes(problem, config, kernel) > SMEM_BUDGET:
             return (f"{kernel}: {smem_bytes(problem, config, kernel)} bytes of shared memory exceed the "

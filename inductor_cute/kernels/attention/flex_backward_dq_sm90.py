@@ -15,7 +15,9 @@ laid out as the forward's (flex_prefill_sm90.py):
     operand of dQ += dS K (RS WGMMA, K read MN-major from the same shared memory).
   * the epilogue scales dQ by `scale` and stores the rows below the query length.
 
-A first version: the products and the elementwise math run one after the other.
+A first version: by default the products and the elementwise math run one after the other;
+with config.dq_overlap block j's S and dP are issued with block j - 1's dQ product and j's math
+runs under it.
 
 A block mask (sparse_block > 0): the forward's lists, kv_indices[z, hm, r, :kv_num_blocks] then
 full_kv_indices (r the mask query block of the CTA's rows), each mask block cut into
@@ -232,28 +234,77 @@ class FlexBackwardDqSm90:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_pipe.consumer_wait(q_state)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.dq_stages)
-            for j in range(n_blocks):
-                blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
-                kv_pipe.consumer_wait(read)
-                gemm_ss(self._make_mma_s(), acc_s, tSrQ, tSrK, read.index)
-                gemm_ss(self._make_mma_s(), acc_dp, tPrdO, tPrV, read.index)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                self.mods.apply(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, (None,) * 4,
-                                mask_tensors)
-                mask_past_end(acc_s, tScS, DQ_KV_STEP, blk, seq_len)
-                self._softmax_grad(acc_s, acc_dp, lse2, delta)
-                r_ds.store(acc_dp.load().to(self.dtype))
-                gemm_rs(self._make_mma_dq(), acc_dq, tQrdS, tQrK, read.index)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                kv_pipe.consumer_release(read)
-                read.advance()
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.dq_stages)
+            operands = (tSrQ, tSrK, tPrdO, tPrV, tQrdS, tQrK)
+            if const_expr(not self.config.dq_overlap):
+                for j in range(n_blocks):
+                    blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                    kv_pipe.consumer_wait(read)
+                    self._issue_s_dp(acc_s, acc_dp, operands, read.index)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,
+                                      mask_tensors, lse2, delta)
+                    r_ds.store(acc_dp.load().to(self.dtype))
+                    self._issue_dq(acc_dq, operands, read.index)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    kv_pipe.consumer_release(read)
+                    read.advance()
+            else:
+                # block j's S and dP are issued with block j - 1's dQ product, j's math under it
+                if n_blocks > 0:
+                    blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                    kv_pipe.consumer_wait(read)
+                    self._issue_s_dp(acc_s, acc_dp, operands, read.index)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,
+                                      mask_tensors, lse2, delta)
+                    r_ds.store(acc_dp.load().to(self.dtype))
+                    read.advance()
+                    for j in range(1, n_blocks):
+                        blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                        kv_pipe.consumer_wait(read)
+                        self._issue_s_dp(acc_s, acc_dp, operands, read.index)
+                        warpgroup.commit_group()
+                        self._issue_dq(acc_dq, operands, release.index)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)  # S and dP of block j
+                        self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial,
+                                          seq_len, mask_tensors, lse2, delta)
+                        warpgroup.wait_group(0)  # dQ of block j - 1: r_ds and its stage are free
+                        kv_pipe.consumer_release(release)
+                        release.advance()
+                        r_ds.store(acc_dp.load().to(self.dtype))
+                        read.advance()
+                    self._issue_dq(acc_dq, operands, release.index)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    kv_pipe.consumer_release(release)
             store_rows(acc_dq, tQcQ, scale, self.dtype, mdQ, b, head, row0, q_len)
 
+    def _issue_s_dp(self, acc_s, acc_dp, operands: tuple, stage):
+        """Issue S = Q K^T and dP = dO V^T of the (K, V) block in ring stage `stage`."""
+        tSrQ, tSrK, tPrdO, tPrV = operands[:4]
+        gemm_ss(self._make_mma_s(), acc_s, tSrQ, tSrK, stage)
+        gemm_ss(self._make_mma_s(), acc_dp, tPrdO, tPrV, stage)
+
+    def _issue_dq(self, acc_dq, operands: tuple, stage):
+        """Issue dQ += dS K (dS in registers) of the K block in ring stage `stage`."""
+        tQrdS, tQrK = operands[4:]
+        gemm_rs(self._make_mma_dq(), acc_dq, tQrdS, tQrK, stage)
+
     @cute.jit
-    def _softmax_grad(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, lse2: cute.Tensor, delta: cute.Tensor):
-        """dP becomes dS = P (dP - delta) with P = 2^(x - lse2) of the masked scores x."""
+    def _scores_grad(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, b: Int32,
+                     head: Int32, row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32, mask_tensors: tuple,
+                     lse2: cute.Tensor, delta: cute.Tensor):
+        """S of KV block `blk` masked as in the forward (mask program on partial blocks, keys past
+        the end), then dP becomes dS = P (dP - delta) with P = 2^(x - lse2)."""
+        # no score program: apply's natural-units scale goes unused
+        self.mods.apply(acc_s, tScS, scale_log2, scale_log2, b, head, row0, q_len, blk, partial, (None,) * 4,
+                        mask_tensors)
+        mask_past_end(acc_s, tScS, DQ_KV_STEP, blk, seq_len)
         for h in cutlass.range_constexpr(2):
             for v in row_half(cute.size(acc_s), h):
                 p = cute.math.exp2(acc_s[v] - lse2[h], fastmath=True)

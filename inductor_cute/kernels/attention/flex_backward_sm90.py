@@ -17,8 +17,10 @@ One CTA per (KV_BLOCK = 128 keys, KV head, batch), 384 threads in three warp gro
     read MN-major from the same shared memory, backward_tiles.transpose_view).
   * the epilogue scales dK by `scale` and stores dK and dV rows below the sequence length.
 
-A first version: the two SS products, the softmax-gradient math and the two RS products run one
-after the other (no overlap between them or between the consumers).
+A first version: by default the two SS products, the softmax-gradient math and the two RS
+products run one after the other. With config.overlap (64/64 only: 128/128 spills) block j's SS
+products are issued together with block j - 1's RS products and j's math runs under the latter,
+as in the forward; the two consumers never take turns.
 
 lse2 and delta come from the preprocess kernel, padded (lse2 +inf, delta 0) to at least every
 query block the CTA walks, so padding rows give P = 0 without bounds checks; Q and dO rows past
@@ -253,29 +255,78 @@ class FlexBackwardSm90:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_pipe.consumer_wait(kv_state)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
+            operands = (tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdO, tKrdS, tKrQ)
             for g in range(group):
                 head = hkv * group + g
                 zm, hm, n_partial, n_blocks = self._walk(mQNum, mFullNum, b, head, r, q_len)
-                for j in range(n_blocks):
-                    blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mQIdx, mFullIdx)
-                    q_pipe.consumer_wait(read)
-                    gemm_ss(self._make_mma_t(), acc_s, tSrK, tSrQ, read.index)
-                    gemm_ss(self._make_mma_t(), acc_dp, tPrV, tPrdO, read.index)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk, seq_len,
-                                       blk, q_len, partial, mask_tensors)
-                    r_p.store(acc_s.load().to(self.dtype))
-                    r_ds.store(acc_dp.load().to(self.dtype))
-                    gemm_rs(self._make_mma_grad(self.dv), acc_dv, tVrP, tVrdO, read.index)
-                    gemm_rs(self._make_mma_grad(self.dqk), acc_dk, tKrdS, tKrQ, read.index)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    q_pipe.consumer_release(read)
-                    read.advance()
+                if const_expr(not self.config.overlap):
+                    for j in range(n_blocks):
+                        blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mQIdx, mFullIdx)
+                        q_pipe.consumer_wait(read)
+                        self._issue_s_dp(acc_s, acc_dp, operands, read.index)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk, seq_len,
+                                           blk, q_len, partial, mask_tensors)
+                        r_p.store(acc_s.load().to(self.dtype))
+                        r_ds.store(acc_dp.load().to(self.dtype))
+                        self._issue_dv_dk(acc_dv, acc_dk, operands, read.index)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        q_pipe.consumer_release(read)
+                        read.advance()
+                else:
+                    # block j's S^T and dP^T are issued with block j - 1's dV and dK; j's
+                    # elementwise math runs while those accumulate (fp32 in place: P^T and dS^T
+                    # of j - 1 stay in r_p and r_ds until their products are done)
+                    if n_blocks > 0:
+                        blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mQIdx, mFullIdx)
+                        q_pipe.consumer_wait(read)
+                        self._issue_s_dp(acc_s, acc_dp, operands, read.index)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk, seq_len,
+                                           blk, q_len, partial, mask_tensors)
+                        r_p.store(acc_s.load().to(self.dtype))
+                        r_ds.store(acc_dp.load().to(self.dtype))
+                        read.advance()
+                        for j in range(1, n_blocks):
+                            blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mQIdx, mFullIdx)
+                            q_pipe.consumer_wait(read)
+                            self._issue_s_dp(acc_s, acc_dp, operands, read.index)
+                            warpgroup.commit_group()
+                            self._issue_dv_dk(acc_dv, acc_dk, operands, release.index)
+                            warpgroup.commit_group()
+                            warpgroup.wait_group(1)  # S^T and dP^T of block j
+                            self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk,
+                                               seq_len, blk, q_len, partial, mask_tensors)
+                            warpgroup.wait_group(0)  # dV and dK of block j - 1: r_p, r_ds and its stage are free
+                            q_pipe.consumer_release(release)
+                            release.advance()
+                            r_p.store(acc_s.load().to(self.dtype))
+                            r_ds.store(acc_dp.load().to(self.dtype))
+                            read.advance()
+                        self._issue_dv_dk(acc_dv, acc_dk, operands, release.index)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        q_pipe.consumer_release(release)
+                        release.advance()
             row0 = kv_blk * KV_BLOCK
             store_rows(acc_dk, tKcK, scale, self.dtype, mdK, b, hkv, row0, seq_len)
             store_rows(acc_dv, tVcV, Float32(1.0), self.dtype, mdV, b, hkv, row0, seq_len)
+
+    def _issue_s_dp(self, acc_s, acc_dp, operands: tuple, stage):
+        """Issue S^T = K Q^T and dP^T = V dO^T of the (Q, dO) block in ring stage `stage`."""
+        tSrK, tSrQ, tPrV, tPrdO = operands[:4]
+        gemm_ss(self._make_mma_t(), acc_s, tSrK, tSrQ, stage)
+        gemm_ss(self._make_mma_t(), acc_dp, tPrV, tPrdO, stage)
+
+    def _issue_dv_dk(self, acc_dv, acc_dk, operands: tuple, stage):
+        """Issue dV += P^T dO and dK += dS^T Q (P^T, dS^T in registers) of ring stage `stage`."""
+        tVrP, tVrdO, tKrdS, tKrQ = operands[4:]
+        gemm_rs(self._make_mma_grad(self.dv), acc_dv, tVrP, tVrdO, stage)
+        gemm_rs(self._make_mma_grad(self.dqk), acc_dk, tKrdS, tKrQ, stage)
 
     @cute.jit
     def _softmax_grad(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32,
