@@ -50,12 +50,12 @@ def check(q, k, v, scale=None, keep=None, lse_from="reference", grad_out=None, *
     grad_out = torch.randn_like(q[..., :v.shape[3]]) if grad_out is None else grad_out
     ref_out, ref_lse, *ref_grads = reference(q, k, v, grad_out, scale, keep)
     _, _, *low_grads = reference(q, k, v, grad_out, scale, keep, dtype=q.dtype)
-    fwd_kwargs = {key: val for key, val in kwargs.items() if key != "q_lists"}  # the forward's lists only
+    fwd_kwargs = {key: val for key, val in kwargs.items() if key not in ("q_lists", "config")}
     if lse_from == "kernel":
         out, lse = flex_prefill(q, k, v, scale=scale, return_lse=True, **fwd_kwargs)
     else:
         out, lse = ref_out.to(q.dtype), ref_lse
-    bwd_kwargs = {**fwd_kwargs, **kwargs.get("q_lists", {})}
+    bwd_kwargs = {**fwd_kwargs, **kwargs.get("q_lists", {}), "config": kwargs.get("config")}
     poison_allocator(8 * (q.numel() + k.numel() + v.numel()) + (1 << 20))
     grads = flex_attention_backward(q, k, v, out, lse, grad_out, scale=scale, **bwd_kwargs)
     for name, got, ref, low, like in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads, (q, k, v)):
@@ -211,3 +211,14 @@ def test_unsupported_inputs_are_refused_in_one_line():
         with pytest.raises(UnsupportedError, match=message) as e:
             call()
         assert "\n" not in str(e.value) and str(e.value).startswith("flex_backward: ")
+
+
+@pytest.mark.parametrize("d, overlap", [(64, True), (128, False)])
+def test_overlapped_schedules(d, overlap):
+    # dq_overlap at both head dims, the dK/dV kernel's overlap where it fits (64/64)
+    from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardConfig
+
+    config = FlexBackwardConfig(4, 4, overlap=overlap, dq_overlap=True)
+    check(rand(2, 8, 1000, d), rand(2, 2, 1000, d), rand(2, 2, 1000, d), config=config)
+    check_block_mask(rand(1, 8, 777, d), rand(1, 2, 777, d), rand(1, 2, 777, d), lambda b, h, m, n: m >= n, CAUSAL,
+                     config=config)
