@@ -90,6 +90,12 @@ def test_two_products_from_shared_memory_and_the_gradients_from_registers(compil
         assert (len(ss), len(rs)) == (sites * 2 * d // 16, sites * 2 * 64 // 16)
     else:
         assert (len(ss), len(rs)) == (sites * 2 * d // 16, sites * 64 // 16)
+    # S (S^T) and dP (dP^T) are 64 x 64 per warp group with both operands K-major (no transpose
+    # flags); the gradient products read their B (dO, Q or K) MN-major through the transposed
+    # view: the transpose-B flag is set and N is the head dim
+    dtype = "f16" if "fp16" in name else "bf16"
+    assert all(re.search(rf"\.m64n64k16\.f32\.{dtype}\.{dtype} .*, p, 1,\s+1, 0, 0;$", line) for line in ss)
+    assert all(re.search(rf"\.m64n{d}k16\.f32\.{dtype}\.{dtype} .*, p, 1,\s+1, 1;$", line) for line in rs)
 
 
 def test_masks_reach_the_main_kernels(compiled_all):
