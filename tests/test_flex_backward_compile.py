@@ -302,3 +302,21 @@ def test_host_answers_empty_problems_without_the_kernels(host_on_cpu):
     empty = q[:, :, :0]
     dq, dk, dv = backward(q, empty, empty, q, torch.zeros(1, 2, 5), q)
     assert (dq == 0).all() and dk.shape == (1, 2, 0, 64) and not recorder.calls
+
+
+def test_host_takes_torch_block_masks_as_built(host_on_cpu):
+    # both list sets of a BlockMask torch builds (on the CPU here), GQA with a per-head mask
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    backward, recorder, params = host_on_cpu
+    q, k, v, out, lse, grad_out = _inputs(q_len=300, kv_len=500)
+    bm = create_block_mask(lambda b, h, m, n: m >= n, 2, 8, 300, 500, device="cpu", BLOCK_SIZE=128)
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+             "full_q_num_blocks", "full_q_indices")
+    backward(q, k, v, out, lse, grad_out, mask_mod=CAUSAL, **{n: getattr(bm, n) for n in names})
+    (_, pre), (_, dkdv), (_, dq) = recorder.calls
+    assert params[0][5:7] == (128, 128)
+    assert all(torch.equal(a, getattr(bm, n)) for a, n in zip(dkdv[10:14], names[4:]))
+    assert all(torch.equal(a, getattr(bm, n)) for a, n in zip(dq[9:13], names[:4]))
+    assert pre[3].shape == (2, 8, 384)
