@@ -72,6 +72,21 @@ class ScoreMods:
             keep = self.mask_fn(b, head, pos, blk * self.kvb + tScS[v][1], tensors)
             acc_s[v] = Float32(cutlass.select_(keep, acc_s[v], Float32(NEG_INF)))
 
+    @cute.jit
+    def mask_transposed(self, acc_t: cute.Tensor, tTcT: cute.Tensor, b: Int32, head: Int32, key0: Int32,
+                        kv_len: Int32, q0: Int32, q_len: Int32, tensors: tuple):
+        """A transposed tile (rows keys from key0, columns queries from q0, as a backward's S^T)
+        at -inf where mask_mod(b, head, q, kv) is False; elements past either length are left
+        alone (the caller's padding keeps them out) and never index the captured tensors."""
+        for v in cutlass.range_constexpr(cute.size(acc_t)):
+            kv, q = key0 + tTcT[v][0], q0 + tTcT[v][1]
+            if kv < kv_len and q < q_len:
+                self._mask_element(acc_t, v, b, head, q, kv, tensors)
+
+    def _mask_element(self, acc: cute.Tensor, v: int, b: Int32, head: Int32, q: Int32, kv: Int32, tensors: tuple):
+        keep = self.mask_fn(b, head, q, kv, [t for t in tensors if t is not None])
+        acc[v] = Float32(cutlass.select_(keep, acc[v], Float32(NEG_INF)))
+
 
 @cute.jit
 def mask_past_end(acc_s: cute.Tensor, tScS: cute.Tensor, kv_block: int, blk: Int32, seq_len: Int32):
@@ -81,3 +96,4 @@ def mask_past_end(acc_s: cute.Tensor, tScS: cute.Tensor, kv_block: int, blk: Int
         for v in cutlass.range(cute.size(acc_s), unroll_full=True):
             if blk * kv_block + tScS[v][1] >= seq_len:
                 acc_s[v] = Float32(NEG_INF)
+

@@ -1,0 +1,81 @@
+"""First speeds of the flex attention backward (issue 15) against its floor and SDPA's backward.
+
+    python3 benchmarks/flex_backward_speed.py [--quick]
+
+Per case: our three kernels (host.flex_backward, eager; the default schedule and the overlapped
+ones where they compile), SDPA's backward (is_causal, enable_gqa; its forward runs untimed once
+and the backward is replayed with retain_graph) and the floor, the backward's 5 matmuls at the
+H200's 790 TFLOP/s (flex_backward_config.backward_flops). Device times from bench.timing,
+interleaved. Causal cases pass the BlockMask torch builds (both list sets) with the causal mask
+program. Not a bench suite yet: no record is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from inductor_cute.bench.timing import time_side_by_side
+from inductor_cute.host.flex_backward import flex_attention_backward
+from inductor_cute.host.flex_prefill import flex_prefill
+from inductor_cute.kernels.attention.flex_backward_config import (FlexBackwardProblem, backward_flops, config_error,
+                                                                  default_config)
+from inductor_cute.kernels.common.programs import score as sp
+
+CEILING_TFLOPS = 790.0
+CAUSAL = sp.dumps([["o", "ge", "q", "kv"]])
+# (name, batch, query heads, KV heads, length, head dim, causal)
+CASES = [
+    ("B1 H16 S8192 d128", 1, 16, 16, 8192, 128, False),
+    ("llama B1 H32/8 S4096 d128 causal", 1, 32, 8, 4096, 128, True),
+    ("llama B8 H32/8 S2048 d128 causal", 8, 32, 8, 2048, 128, True),
+    ("B1 H32 S4096 d64 causal", 1, 32, 32, 4096, 64, True),
+]
+LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+         "full_q_num_blocks", "full_q_indices")
+
+
+def run_case(name, b, hq, hkv, s, d, causal):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    grad_out = torch.randn_like(q)
+    kwargs = {}
+    if causal:
+        bm = create_block_mask(lambda bb, h, m, n: m >= n, None, None, s, s, device="cuda")
+        kwargs = dict(mask_mod=CAUSAL, **{n: getattr(bm, n) for n in LISTS})
+    fwd = {key: val for key, val in kwargs.items() if not key.startswith(("q_", "full_q_"))}
+    out, lse = flex_prefill(q, k, v, return_lse=True, **fwd)
+    problem = FlexBackwardProblem(d, d, "bfloat16", CAUSAL if causal else "", (), 128 if causal else 0)
+    plain = default_config(problem)
+    configs = {"ours": plain}
+    for label, change in (("ours dq_overlap", dict(dq_overlap=True)),
+                          ("ours overlap", dict(overlap=True, dq_overlap=True))):
+        config = dataclasses.replace(plain, **change)
+        if config_error(config, problem) is None:
+            configs[label] = config
+    fns = {label: (lambda c=c: flex_attention_backward(q, k, v, out, lse, grad_out, config=c, **kwargs))
+           for label, c in configs.items()}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sdpa_out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=hq != hkv)
+    fns["sdpa"] = lambda: torch.autograd.grad(sdpa_out, leaves, grad_out, retain_graph=True)
+    times = time_side_by_side(fns, reps=30, rounds=3)
+    floor = backward_flops(b, hq, s, s, d, d, causal) / (CEILING_TFLOPS * 1e6)
+    flops = backward_flops(b, hq, s, s, d, d, causal)
+    row = ", ".join(f"{label} {t:.0f} us ({flops / t / 1e6:.0f} TFLOP/s)" for label, t in times.items())
+    print(f"{name}: floor {floor:.0f} us; {row}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first two cases only")
+    args = parser.parse_args()
+    for case in CASES[:2] if args.quick else CASES:
+        run_case(*case)
+
+
+if __name__ == "__main__":
+    main()

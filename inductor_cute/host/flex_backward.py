@@ -1,0 +1,142 @@
+"""Eager flex attention backward: dq, dk, dv of a forward with a mask program and a block mask.
+
+Not wired into the Inductor lowering yet (inductor/flex/): that waits for its first GPU run.
+Three kernels (kernels/attention/flex_backward_config.py): the preprocess (delta and lse in log2
+units per query row), dK/dV and dQ.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import UnsupportedError
+from ..kernels.common.units import LOG2E
+from ..runtime import get_kernel
+from .common import DTYPE_NAMES, attention_shapes, check_cuda
+from .flex import _score_mod_operands
+from .flex_prefill import _operand
+
+NAME = "flex_backward"
+MAX_GRID_YZ = 65535  # heads and batch are the grids' y and z
+
+
+@functools.lru_cache(maxsize=256)
+def _flex_backward_kernels(head_dim_qk: int, head_dim_v: int, dtype_name: str, mask_program: str,
+                           mask_dtypes: tuple[str, ...], sparse_block: int, sparse_q_block: int, config=None) -> dict:
+    from ..kernels.attention.flex_backward_config import FlexBackwardProblem, specs
+
+    problem = FlexBackwardProblem(head_dim_qk, head_dim_v, dtype_name, mask_program, mask_dtypes, sparse_block,
+                                  sparse_q_block)
+    return {name: get_kernel(s) for name, s in specs(problem, config).items()}
+
+
+def _block_lists(names: tuple[str, ...], lists: tuple, batch: int, heads: int, rows: int, row_block: int,
+                 device) -> list:
+    """One of a BlockMask's two list sets (num, indices, full_num, full_indices), named `names`,
+    whose row blocks of `row_block` must cover `rows`: int32 and contiguous, zero full counts over
+    the indices when the full lists are absent."""
+    num, idx, full_num, full_idx = lists
+    if num is None or idx is None or (full_num is None) != (full_idx is None):
+        raise UnsupportedError(f"{NAME}: a block mask needs {names[0]} and {names[1]}, and {names[2]} and "
+                               f"{names[3]} together or not at all")
+    if full_num is None:
+        full_num, full_idx = torch.zeros_like(num), idx
+    for name, t, dim in zip(names, (num, idx, full_num, full_idx), (3, 4, 3, 4)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.device != device or \
+                t.dtype not in (torch.int32, torch.int64) or t.shape[:3] != num.shape or 0 in t.shape:
+            raise UnsupportedError(f"{NAME}: {name} must be a non-empty {dim}-D int32 tensor on {device} sharing "
+                                   f"{names[0]}' (batch, heads, blocks) dims")
+    z, h, blocks = num.shape
+    if z not in (1, batch) or h not in (1, heads):
+        raise UnsupportedError(f"{NAME}: the block mask has (batch, heads) ({z}, {h}); expected 1 or ({batch}, "
+                               f"{heads}) each")
+    if blocks * row_block < rows:
+        raise UnsupportedError(f"{NAME}: {names[0]} has {blocks} blocks of {row_block}, which do not cover {rows}")
+    return [t.to(torch.int32).contiguous() for t in (num, idx, full_num, full_idx)]
+
+
+def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            lse: torch.Tensor, grad_out: torch.Tensor, *, scale: float | None = None,
+                            score_mod: str | None = None, mask_mod: str | None = None, mask_tensors=(),
+                            kv_num_blocks: torch.Tensor | None = None, kv_indices: torch.Tensor | None = None,
+                            full_kv_num_blocks: torch.Tensor | None = None,
+                            full_kv_indices: torch.Tensor | None = None, q_num_blocks: torch.Tensor | None = None,
+                            q_indices: torch.Tensor | None = None, full_q_num_blocks: torch.Tensor | None = None,
+                            full_q_indices: torch.Tensor | None = None, kv_block_size: int = 128,
+                            q_block_size: int = 128, config=None):
+    """(dq, dk, dv) of out = softmax(scale q k^T) v per query head, given the forward's out and
+    lse (fp32 (B, Hq, Lq), natural-log units as flex_attention and flex_prefill return it) and
+    grad_out = dL/dout.
+
+    Shapes and dtypes as flex_prefill: q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv),
+    out and grad_out (B, Hq, Lq, Dv), bf16 or fp16, Hq a multiple of Hkv (dk and dv sum over the
+    query heads of a KV head); head dims 64/64 and 128/128. `scale` defaults to 1/sqrt(Dqk).
+    `mask_mod` is a mask program's text reading `mask_tensors`. No score_mod: its gradients are
+    not supported yet. A BlockMask comes as both its list sets: the forward's (kv_num_blocks,
+    kv_indices, full_kv_num_blocks, full_kv_indices: per query block its KV blocks, walked for dq)
+    and the backward's (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: per KV block
+    its query blocks, walked for dk and dv); kv_block_size and q_block_size multiples of 128.
+    Rows with nothing to attend (lse -inf) get zero gradients. `config`: a FlexBackwardConfig in
+    place of the default one (stages, overlapped schedules).
+    """
+    from ..kernels.attention import flex_backward_config as fbc
+
+    check_cuda(NAME, q, k, v, out, lse, grad_out)
+    if score_mod is not None:
+        raise UnsupportedError(f"{NAME}: score_mod (score program) gradients are not supported; only mask_mod "
+                               "and block masks")
+    batch, heads, q_len, dqk, kv_heads, kv_len, dv, _ = attention_shapes(NAME, q, k, v)
+    problem = fbc.unsupported_reason(dqk, dv, DTYPE_NAMES[q.dtype])
+    if problem:
+        raise UnsupportedError(f"{NAME}: {problem}")
+    for name, t in (("out", out), ("grad_out", grad_out)):
+        if t.shape != (batch, heads, q_len, dv) or t.dtype != q.dtype:
+            raise UnsupportedError(f"{NAME}: {name} must be {tuple((batch, heads, q_len, dv))} in {q.dtype}, got "
+                                   f"{tuple(t.shape)} in {t.dtype}")
+    if lse.shape != (batch, heads, q_len) or lse.dtype != torch.float32:
+        raise UnsupportedError(f"{NAME}: lse must be {(batch, heads, q_len)} in torch.float32, got {tuple(lse.shape)} "
+                               f"in {lse.dtype}")
+    if heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        raise UnsupportedError(f"{NAME}: {heads} heads or batch {batch} exceed the grid's {MAX_GRID_YZ}")
+    mask_program, mask_dtypes, mask_slots = _score_mod_operands(mask_mod, mask_tensors, q.device, "mask", name=NAME)
+
+    forward_lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    backward_lists = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
+    sparse_block, sparse_q_block = 0, 128
+    fwd_slots, bwd_slots = [None] * 4, [None] * 4
+    padded = fbc.padded_rows(q_len)
+    if any(t is not None for t in forward_lists + backward_lists):
+        problem = fbc.sparse_block_reason(kv_block_size, q_block_size)
+        if problem:
+            raise UnsupportedError(f"{NAME}: {problem}")
+        fwd_slots = _block_lists(("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"),
+                                 forward_lists, batch, heads, q_len, q_block_size, q.device)
+        bwd_slots = _block_lists(("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"),
+                                 backward_lists, batch, heads, kv_len, kv_block_size, q.device)
+        sparse_block, sparse_q_block = kv_block_size, q_block_size
+        # the dK/dV kernel may walk every query block the mask has: lse2 and delta cover them
+        padded = max(padded, fwd_slots[0].shape[2] * q_block_size)
+
+    if config is not None:
+        error = fbc.config_error(config, fbc.FlexBackwardProblem(dqk, dv, DTYPE_NAMES[q.dtype], mask_program,
+                                                                 mask_dtypes, sparse_block, sparse_q_block))
+        if error:
+            raise UnsupportedError(f"{NAME}: {config}: {error}")
+
+    dq = torch.empty(batch, heads, q_len, dqk, device=q.device, dtype=q.dtype)
+    dk = torch.empty(batch, kv_heads, kv_len, dqk, device=q.device, dtype=q.dtype)
+    dv_ = torch.empty(batch, kv_heads, kv_len, dv, device=q.device, dtype=q.dtype)
+    if q_len == 0 or kv_len == 0 or batch == 0 or heads == 0:
+        return dq.zero_(), dk.zero_(), dv_.zero_()
+    kernels = _flex_backward_kernels(dqk, dv, DTYPE_NAMES[q.dtype], mask_program, mask_dtypes, sparse_block,
+                                     sparse_q_block, config)
+    scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
+    delta = torch.empty(batch, heads, padded, device=q.device, dtype=torch.float32)
+    lse2 = torch.empty_like(delta)
+    q_, k_, v_, do_ = _operand(q), _operand(k), _operand(v), _operand(grad_out)
+    kernels["preprocess"](_operand(out), do_, lse.contiguous(), delta, lse2)
+    kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots)
+    kernels["dq"](q_, k_, v_, do_, lse2, delta, dq, scale * LOG2E, scale, *fwd_slots, *mask_slots)
+    return dq, dk, dv_

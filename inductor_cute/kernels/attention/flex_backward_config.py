@@ -1,0 +1,228 @@
+"""Attention backward (FlexAttention backward) on Hopper: the problem, the compile-time
+configuration and its limits. Plain Python, usable without the CuTe DSL.
+
+    dV = P^T dO    dP = dO V^T    dS = P * (dP - delta)    dK = scale dS^T Q    dQ = scale dS K
+    with P = exp(scale q k^T - lse) recomputed and delta[i] = sum_d dO[i, d] O[i, d]
+
+Three kernels, run in this order:
+
+  * preprocess (flex_backward_preprocess.py): delta and the logsumexp in log2 units per query row,
+    padded to whole Q_PAD rows (padding: delta 0, lse +inf, so P = 0 there without a bounds check;
+    a row with nothing to attend, lse -inf, also gets +inf: its gradients are 0).
+  * dK/dV (flex_backward_sm90.py): one CTA per (KV_BLOCK keys, KV head, batch); two consumer warp
+    groups own 64 keys each and walk the query blocks (Q_STEP rows) of every query head of the KV
+    head, holding dK and dV in registers: S^T = K Q^T and dP^T = V dO^T (SS WGMMA), then
+    dV += P^T dO and dK += dS^T Q (RS WGMMA: P^T and dS^T straight from registers).
+  * dQ (flex_backward_dq_sm90.py): one CTA per (DQ_Q_BLOCK query rows, query head, batch) walking
+    the KV blocks (DQ_KV_STEP keys) like the forward: S = Q K^T, dP = dO V^T (SS), dQ += dS K (RS).
+
+dQ gets its own kernel rather than fp32 atomics from the dK/dV CTAs: S and dP are recomputed
+(7 matmuls of the forward's size instead of 5, 1.4x the floor's flops), for no dQ accumulator,
+no atomics, no transposition of dS through shared memory and a deterministic result. The
+five-matmul schedule (dQ from the dK/dV CTA through shared memory and TMA reduce-add) is the
+next step once this one is measured.
+
+Same protocol as flex_prefill_config: a FlexBackwardProblem says what is computed, a
+FlexBackwardConfig how; `unsupported_reason`, `default_config`, `config_error`, and `specs` makes
+the three KernelSpecs (`from_params` reads one back in a kernel module's build).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ...runtime.arch import SUPPORTED
+
+DTYPES = ("bfloat16", "float16")
+CONSUMER_WARPGROUPS = 2
+KV_BLOCK = 128  # keys per dK/dV CTA: 64 per consumer warp group (one m64 WGMMA row tile)
+Q_STEP = 64  # query rows per dK/dV pipeline stage (the N of S^T and dP^T)
+DQ_Q_BLOCK = 128  # query rows per dQ CTA: 64 per consumer warp group
+DQ_KV_STEP = 64  # keys per dQ pipeline stage
+Q_PAD = 128  # preprocess rows are padded to a multiple of every kernel's query tile
+SMEM_BUDGET = SUPPORTED[(9, 0)].smem_per_block
+MAX_STAGES = 4
+
+# Per dK/dV consumer thread: dK and dV take (Dqk + Dv) / 2 fp32 registers, S^T and dP^T 16 each,
+# so 128/128 holds 160 before P^T and dS^T; 192/128 (208) is left for later.
+HEAD_DIMS = ((64, 64), (128, 128))
+MAX_OVERLAP_DIMS = 128  # Dqk + Dv up to which the dK/dV kernel's overlapped schedule fits in registers
+
+KERNELS = ("preprocess", "dkdv", "dq")
+KERNEL_MODULES = {
+    "preprocess": "inductor_cute.kernels.attention.flex_backward_preprocess",
+    "dkdv": "inductor_cute.kernels.attention.flex_backward_sm90",
+    "dq": "inductor_cute.kernels.attention.flex_backward_dq_sm90",
+}
+
+
+@dataclass(frozen=True)
+class FlexBackwardProblem:
+    """What the backward kernels compute; batch, heads, lengths and the GQA ratio stay dynamic.
+    No score program: gradients through a score_mod are not supported yet."""
+
+    head_dim_qk: int
+    head_dim_v: int
+    dtype_name: str
+    mask_program: str = ""  # a mask program's text (the mask_mod); "" for none
+    mask_dtypes: tuple[str, ...] = ()  # dtype names of the mask program's captured tensors
+    sparse_block: int = 0  # the BlockMask's KV block size (a multiple of KV_BLOCK); 0: no block mask
+    sparse_q_block: int = 128  # the BlockMask's query block size (a multiple of DQ_Q_BLOCK)
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FlexBackwardConfig:
+    """How the backward kernels run a problem: the depths of their TMA rings."""
+
+    stages: int  # dK/dV: (Q, dO) blocks of Q_STEP rows in flight
+    dq_stages: int  # dQ: (K, V) blocks of DQ_KV_STEP keys in flight
+    # Block j's S and dP products issued with block j - 1's gradient products, j's elementwise
+    # math under them (dK/dV: `overlap`, dQ: `dq_overlap`); off (strictly in sequence) until the
+    # plain schedule is checked on a GPU. dK/dV's spills registers past 64/64.
+    overlap: bool = False
+    dq_overlap: bool = False
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + CONSUMER_WARPGROUPS)  # one producer warp group + consumers
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def smem_bytes(problem: FlexBackwardProblem, config: FlexBackwardConfig, kernel: str = "dkdv") -> int:
+    """Shared memory of one CTA of `kernel` ("dkdv" or "dq"): mbarriers (ring and the resident
+    tiles), the resident tiles (K and V of the CTA's keys, or Q and dO of its rows) and the ring
+    (Q and dO, or K and V, blocks), each buffer 1 KB aligned."""
+    dqk, dv = problem.head_dim_qk, problem.head_dim_v
+    if kernel == "dkdv":
+        resident_rows, ring_rows, stages = KV_BLOCK, Q_STEP, config.stages
+    elif kernel == "dq":
+        resident_rows, ring_rows, stages = DQ_Q_BLOCK, DQ_KV_STEP, config.dq_stages
+    else:
+        return 0  # the preprocess kernel uses none
+    return (_align(16 * stages + 16, 1024) + _align(resident_rows * dqk * 2, 1024) +
+            _align(resident_rows * dv * 2, 1024) + _align(stages * ring_rows * dqk * 2, 1024) +
+            stages * ring_rows * dv * 2)
+
+
+def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str) -> str | None:
+    """Why a problem of these sizes has no backward kernel, in one line; None when supported."""
+    if dtype_name not in DTYPES:
+        return f"dtype {dtype_name} is not supported (use bfloat16 or float16)"
+    if (head_dim_qk, head_dim_v) not in HEAD_DIMS:
+        dims = ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS)
+        return f"head dims {head_dim_qk}/{head_dim_v} (qk/v) are not supported by the backward (supported: {dims})"
+    return None
+
+
+def sparse_block_reason(kv_block_size: int, q_block_size: int) -> str | None:
+    """Why the kernels cannot walk a BlockMask of these block sizes; None when they can: a dK/dV
+    CTA's keys must lie in one mask KV block and a dQ CTA's rows in one mask query block."""
+    if kv_block_size <= 0 or kv_block_size % KV_BLOCK:
+        return f"block mask KV block size {kv_block_size} is not a multiple of the backward's {KV_BLOCK} keys"
+    if q_block_size <= 0 or q_block_size % DQ_Q_BLOCK:
+        return f"block mask query block size {q_block_size} is not a multiple of the backward's {DQ_Q_BLOCK} rows"
+    return None
+
+
+def problem_error(p: FlexBackwardProblem) -> str | None:
+    """Why a problem cannot be compiled (sizes, block sizes, a mask program not in canonical form)."""
+    problem = unsupported_reason(p.head_dim_qk, p.head_dim_v, p.dtype_name)
+    if problem:
+        return problem
+    if p.sparse_block:
+        problem = sparse_block_reason(p.sparse_block, p.sparse_q_block)
+        if problem:
+            return problem
+    elif p.sparse_q_block <= 0 or p.sparse_q_block % DQ_Q_BLOCK:
+        return f"block mask query block size {p.sparse_q_block} is not a multiple of {DQ_Q_BLOCK}"
+    from ..common.programs.score import programs_error
+
+    return programs_error("", (), p.mask_program, p.mask_dtypes)
+
+
+def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> str | None:
+    """Why `config` cannot compile `problem` (the problem's own errors first); None when it can."""
+    error = problem_error(problem)
+    if error:
+        return error
+    for name, stages in (("stages", config.stages), ("dq_stages", config.dq_stages)):
+        if not 1 <= stages <= MAX_STAGES:
+            return f"{name} must be in 1..{MAX_STAGES}, got {stages}"
+    for name, on, stages in (("overlap", config.overlap, config.stages),
+                             ("dq_overlap", config.dq_overlap, config.dq_stages)):
+        if on and stages < 2:
+            return f"{name} needs at least 2 stages (block j - 1's stays in use while j is read)"
+    if config.overlap and problem.head_dim_qk + problem.head_dim_v > MAX_OVERLAP_DIMS:
+        return (f"overlap (dK/dV) spills registers at head dims {problem.head_dim_qk}/{problem.head_dim_v}: dK, dV, "
+                "S^T, dP^T and both 16-bit operands would be live at once")
+    for kernel in ("dkdv", "dq"):
+        if smem_bytes(problem, config, kernel) > SMEM_BUDGET:
+            return (f"{kernel}: {smem_bytes(problem, config, kernel)} bytes of shared memory exceed the "
+                    f"{SMEM_BUDGET} available")
+    return None
+
+
+def default_config(problem: FlexBackwardProblem) -> FlexBackwardConfig:
+    """As many stages (from 2, up to MAX_STAGES) as each kernel's shared memory holds."""
+    config = FlexBackwardConfig(2, 2)
+    for field, kernel in (("stages", "dkdv"), ("dq_stages", "dq")):
+        while getattr(config, field) < MAX_STAGES:
+            bigger = dataclasses.replace(config, **{field: getattr(config, field) + 1})
+            if smem_bytes(problem, bigger, kernel) > SMEM_BUDGET:
+                break
+            config = bigger
+    return config
+
+
+def padded_rows(q_len: int) -> int:
+    """Rows of the preprocess outputs (delta, lse in log2 units) for q_len queries."""
+    return _align(max(q_len, 1), Q_PAD)
+
+
+def backward_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim_qk: int, head_dim_v: int,
+                   causal: bool = False) -> float:
+    """The floor's matmul flops of a backward: 5 products (S = Q K^T and dK = dS^T Q, dQ = dS K
+    of Dqk; dP = dO V^T and dV = P^T dO of Dv), 2.5x the forward's two; causal halves them."""
+    flops = 2.0 * batch * heads * q_len * kv_len * (3 * head_dim_qk + 2 * head_dim_v)
+    return flops / 2 if causal else flops
+
+
+_PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(FlexBackwardProblem))
+
+
+def specs(problem: FlexBackwardProblem, config: FlexBackwardConfig | None = None) -> dict:
+    """{kernel name: KernelSpec} of the three backward kernels, with `config` or the default one;
+    the preprocess kernel's spec carries only what it depends on (head dim and dtype)."""
+    from ...runtime.spec import KernelSpec
+
+    error = problem_error(problem)
+    if error:
+        raise ValueError(error)
+    config = config or default_config(problem)
+    error = config_error(config, problem)
+    if error:
+        raise ValueError(error)
+    params = {**problem.as_params(), **config.as_params()}
+    return {"preprocess": KernelSpec.make(KERNEL_MODULES["preprocess"], head_dim_v=problem.head_dim_v,
+                                          dtype_name=problem.dtype_name),
+            "dkdv": KernelSpec.make(KERNEL_MODULES["dkdv"], **params),
+            "dq": KernelSpec.make(KERNEL_MODULES["dq"], **params)}
+
+
+def from_params(params: dict) -> tuple[FlexBackwardProblem, FlexBackwardConfig]:
+    """The (problem, config) of a dK/dV or dQ spec's parameters: the inverse of `specs`."""
+    problem = {k: v for k, v in params.items() if k in _PROBLEM_FIELDS}
+    if "mask_dtypes" in problem:
+        problem["mask_dtypes"] = tuple(problem["mask_dtypes"])
+    config = {k: v for k, v in params.items() if k not in _PROBLEM_FIELDS}
+    return FlexBackwardProblem(**problem), FlexBackwardConfig(**config)

@@ -1,0 +1,322 @@
+"""The backward kernels (preprocess, dK/dV, dQ) compiled for sm_90a on the CPU: head dims, dtypes,
+mask programs and block masks, checked in PTX and in ptxas's resource report; the configuration
+limits, the specs and the eager entry's input checks."""
+
+import dataclasses
+import math
+import re
+
+import pytest
+
+from inductor_cute.kernels.attention.flex_backward_config import (HEAD_DIMS, KERNEL_MODULES, SMEM_BUDGET,
+                                                                  FlexBackwardConfig, FlexBackwardProblem,
+                                                                  backward_flops, config_error, default_config,
+                                                                  from_params, padded_rows, smem_bytes, specs,
+                                                                  sparse_block_reason, unsupported_reason)
+from inductor_cute.kernels.attention.flex_prefill_config import attention_flops
+from inductor_cute.kernels.common.programs.score import dumps
+from inductor_cute.runtime.compiler import compile_spec
+
+CAUSAL = dumps([["o", "ge", "q", "kv"]])
+DOCUMENT = dumps([["qd", "load", "t0", "q"], ["kd", "load", "t0", "kv"], ["o", "eq", "qd", "kd"]])
+SOFTCAP = dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
+
+PROBLEMS = {
+    "d128": FlexBackwardProblem(128, 128, "bfloat16"),
+    "d64-fp16": FlexBackwardProblem(64, 64, "float16"),
+    "d128-causal-block128": FlexBackwardProblem(128, 128, "bfloat16", mask_program=CAUSAL, sparse_block=128),
+    "d64-document-block256-q256": FlexBackwardProblem(64, 64, "bfloat16", mask_program=DOCUMENT,
+                                                      mask_dtypes=("int32",), sparse_block=256, sparse_q_block=256),
+}
+OVERLAP = {"dkdv": dict(overlap=True), "dq": dict(dq_overlap=True)}
+# (kernel, problem name, overlapped schedule)
+MAIN_VARIANTS = ([(kernel, name, False) for kernel in ("dkdv", "dq") for name in sorted(PROBLEMS)] +
+                 [("dkdv", "d64-fp16", True), ("dq", "d128-causal-block128", True)])
+
+
+@pytest.fixture(scope="module")
+def compiled_all():
+    return {}
+
+
+@pytest.fixture(scope="module", params=MAIN_VARIANTS,
+                ids=[f"{k}-{n}" + ("-overlap" if o else "") for k, n, o in MAIN_VARIANTS])
+def compiled(request, compiled_all):
+    kernel, name, overlap = request.param
+    problem = PROBLEMS[name]
+    config = dataclasses.replace(default_config(problem), **(OVERLAP[kernel] if overlap else {}))
+    obj = compile_spec(specs(problem, config)[kernel], "sm_90a", keep_ptx=True)
+    compiled_all[request.param] = obj
+    return obj
+
+
+def assert_no_spills(compiled):
+    report = compiled.ptxas_report
+    assert report and report.count("Used") == 1
+    assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report)
+    assert not re.search(r"[1-9]\d* bytes spill", report)
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+
+
+def test_main_kernels_use_tma_wgmma_setmaxnreg_and_exp2(compiled):
+    ptx = compiled.ptx
+    assert re.search(r"^\.target sm_90a\b", ptx, re.M)
+    assert len(re.findall(r"^\.visible \.entry ", ptx, re.M)) == 1
+    # the resident tiles and the ring's blocks come by TMA on mbarriers
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.tile\.mbarrier", ptx)
+    assert "ex2.approx" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
+
+
+def test_main_kernels_have_no_spills_and_balance_setmaxnreg(compiled):
+    assert_no_spills(compiled)
+    # 384 threads launch with 168 registers; 24 * 128 + 240 * 256 = 168 * 384
+    assert "Used 168 registers" in compiled.ptxas_report
+    assert "setmaxnreg' ignored" not in compiled.ptxas_report.replace("''", "'")
+
+
+def test_two_products_from_shared_memory_and_the_gradients_from_registers(compiled_all, compiled):
+    # dK/dV: S^T and dP^T (SS: both descriptors), dV and dK (RS: {A registers}); dQ: S and dP
+    # (SS), dQ (RS). One k16 WGMMA per 16 of the contracted dim: for 128/128 dK/dV 8 + 8 + 4 + 4.
+    # The overlapped schedule issues each at two sites (the first block's S, the last's gradients)
+    lines = [line for line in compiled.ptx.splitlines() if "wgmma.mma_async" in line]
+    ss = [line for line in lines if line.count("{") == 1]
+    rs = [line for line in lines if line.count("{") == 2]
+    assert ss and rs and len(ss) + len(rs) == len(lines)
+    kernel, name, overlap = next(key for key, obj in compiled_all.items() if obj is compiled)
+    d = PROBLEMS[name].head_dim_qk
+    sites = 2 if overlap else 1
+    if kernel == "dkdv":
+        assert (len(ss), len(rs)) == (sites * 2 * d // 16, sites * 2 * 64 // 16)
+    else:
+        assert (len(ss), len(rs)) == (sites * 2 * d // 16, sites * 64 // 16)
+    # S (S^T) and dP (dP^T) are 64 x 64 per warp group with both operands K-major (no transpose
+    # flags); the gradient products read their B (dO, Q or K) MN-major through the transposed
+    # view: the transpose-B flag is set and N is the head dim
+    dtype = "f16" if "fp16" in name else "bf16"
+    assert all(re.search(rf"\.m64n64k16\.f32\.{dtype}\.{dtype} .*, p, 1,\s+1, 0, 0;$", line) for line in ss)
+    assert all(re.search(rf"\.m64n{d}k16\.f32\.{dtype}\.{dtype} .*, p, 1,\s+1, 1;$", line) for line in rs)
+
+
+def test_masks_reach_the_main_kernels(compiled_all):
+    needed = [(k, n, False) for k in ("dkdv", "dq") for n in ("d128", "d128-causal-block128")]
+    if not all(n in compiled_all for n in needed):
+        pytest.skip("needs the module's compiled variants (run the whole file)")
+
+    def compares(ptx):
+        return len(re.findall(r"setp\.(?:ge|lt|le|gt)\.s32", ptx))
+
+    for kernel in ("dkdv", "dq"):
+        plain = compiled_all[(kernel, "d128", False)].ptx
+        causal = compiled_all[(kernel, "d128-causal-block128", False)].ptx
+        # the block lists are read from global memory; the mask program compares each element's
+        # query and key (32 per thread and 64 x 64 tile)
+        assert causal.count("ld.global") > plain.count("ld.global")
+        assert compares(causal) >= compares(plain) + 32
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(128, "bfloat16"), (64, "float16")])
+def test_preprocess_compiles_without_spills_and_reduces_over_a_warp(head_dim, dtype):
+    spec = specs(FlexBackwardProblem(head_dim, head_dim, dtype))["preprocess"]
+    compiled = compile_spec(spec, "sm_90a", keep_ptx=True)
+    assert_no_spills(compiled)
+    assert "shfl.sync.bfly" in compiled.ptx
+    assert "wgmma" not in compiled.ptx
+
+
+def test_shared_memory_fits_and_matches_the_kernel_layouts():
+    # the kernels assert at trace time that their shared storage is smem_bytes: compiling checks it
+    for dims in HEAD_DIMS:
+        problem = FlexBackwardProblem(*dims, "bfloat16")
+        cfg = default_config(problem)
+        assert config_error(cfg, problem) is None
+        assert smem_bytes(problem, cfg, "dkdv") <= SMEM_BUDGET and smem_bytes(problem, cfg, "dq") <= SMEM_BUDGET
+    # 128/128: K and V (64 KB) + 4 stages of Q and dO (4 x 32 KB) + barriers
+    assert smem_bytes(FlexBackwardProblem(128, 128, "bfloat16"), FlexBackwardConfig(4, 4)) == 1024 + 65536 + 131072
+    assert default_config(FlexBackwardProblem(128, 128, "bfloat16")) == FlexBackwardConfig(4, 4)
+
+
+def test_unsupported_problems_and_configs_are_named():
+    assert "dtype float32" in unsupported_reason(128, 128, "float32")
+    assert "head dims 192/128" in unsupported_reason(192, 128, "bfloat16")
+    assert "head dims 256/256" in unsupported_reason(256, 256, "bfloat16")
+    assert unsupported_reason(64, 64, "float16") is None and unsupported_reason(128, 128, "bfloat16") is None
+    p = FlexBackwardProblem(128, 128, "bfloat16")
+    assert "stages must be in 1..4" in config_error(FlexBackwardConfig(0, 2), p)
+    assert "dq_stages" in config_error(FlexBackwardConfig(2, 5), p)
+    assert "overlap (dK/dV) spills registers at head dims 128/128" in config_error(FlexBackwardConfig(2, 2, True), p)
+    assert config_error(FlexBackwardConfig(2, 2, False, True), p) is None
+    assert config_error(FlexBackwardConfig(2, 2, True, True), dataclasses.replace(p, head_dim_qk=64, head_dim_v=64)) \
+        is None
+    assert "dq_overlap needs at least 2 stages" in config_error(FlexBackwardConfig(2, 1, False, True), p)
+    assert "KV block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))
+    assert "query block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_q_block=64))
+    assert "canonical" in config_error(default_config(p), dataclasses.replace(p, mask_program=CAUSAL + " "))
+    assert "unknown argument 'score'" in config_error(default_config(p), dataclasses.replace(p, mask_program=SOFTCAP))
+    with pytest.raises(ValueError, match="not supported"):
+        specs(FlexBackwardProblem(96, 96, "bfloat16"))
+    assert sparse_block_reason(128, 128) is None and sparse_block_reason(256, 512) is None
+    assert "KV block" in sparse_block_reason(64, 128) and "query block" in sparse_block_reason(128, 64)
+
+
+def test_specs_spell_problem_and_config_and_read_back():
+    problem = FlexBackwardProblem(128, 128, "bfloat16", DOCUMENT, ("int32",), 256, 128)
+    s = specs(problem)
+    assert set(s) == {"preprocess", "dkdv", "dq"}
+    assert {k: v.module for k, v in s.items()} == KERNEL_MODULES
+    assert s["preprocess"].kwargs == {"head_dim_v": 128, "dtype_name": "bfloat16"}
+    for kernel in ("dkdv", "dq"):
+        assert set(s[kernel].kwargs) == set(problem.as_params()) | {"stages", "dq_stages", "overlap", "dq_overlap"}
+        assert from_params(s[kernel].kwargs) == (problem, default_config(problem))
+
+
+def test_floor_counts_five_products_two_and_a_half_forwards():
+    # S, dP, dV, dK, dQ: with Dqk = Dv, 2.5x the forward's S and O = P V
+    assert backward_flops(2, 8, 1000, 3000, 128, 128) == 2.5 * attention_flops(2, 8, 1000, 3000, 128, 128)
+    assert backward_flops(1, 16, 8192, 8192, 128, 128, causal=True) == 8192 ** 2 * 16 * 128 * 5
+    assert padded_rows(1) == 128 and padded_rows(300) == 384 and padded_rows(0) == 128
+
+
+def test_flex_backward_refuses_cpu_tensors():
+    import torch
+
+    from inductor_cute import UnsupportedError
+    from inductor_cute.host.flex_backward import flex_attention_backward
+
+    q = torch.randn(1, 2, 100, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 100)
+    with pytest.raises(UnsupportedError, match="^flex_backward: tensors must be on a CUDA device, got cpu$"):
+        flex_attention_backward(q, q, q, q, lse, q)
+
+
+class KernelStandIn:
+    """Records the exported kernels' arguments in place of the compiled kernels."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, name):
+        return lambda *args: self.calls.append((name, args))
+
+
+@pytest.fixture
+def host_on_cpu(monkeypatch):
+    """The eager entry on CPU tensors: the device check passes and the kernels are stand-ins."""
+    from inductor_cute.host import flex_backward as fb
+
+    recorder = KernelStandIn()
+    params = []
+
+    def kernels(*p):
+        params.append(p)
+        return {name: recorder(name) for name in ("preprocess", "dkdv", "dq")}
+
+    monkeypatch.setattr(fb, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(fb, "_flex_backward_kernels", kernels)
+    return fb.flex_attention_backward, recorder, params
+
+
+def _inputs(batch=2, heads=8, kv_heads=2, q_len=300, kv_len=500, d=128):
+    import torch
+
+    q = torch.randn(batch, heads, q_len, d).bfloat16()
+    k = torch.randn(batch, kv_heads, kv_len, d).bfloat16()
+    v = torch.randn(batch, kv_heads, kv_len, d).bfloat16()
+    out, grad_out = torch.randn_like(q), torch.randn_like(q)
+    return q, k, v, out, torch.zeros(batch, heads, q_len), grad_out
+
+
+def test_host_runs_the_three_kernels_with_their_arguments(host_on_cpu):
+    import torch
+
+    backward, recorder, params = host_on_cpu
+    q, k, v, out, lse, grad_out = _inputs()
+    fwd = (torch.ones(1, 1, 3, dtype=torch.int64), torch.zeros(1, 1, 3, 4, dtype=torch.int64))
+    bwd = (torch.ones(1, 1, 2, dtype=torch.int64), torch.zeros(1, 1, 2, 3, dtype=torch.int64))
+    dq, dk, dv = backward(q, k, v, out, lse, grad_out, scale=0.5, mask_mod=CAUSAL, kv_num_blocks=fwd[0],
+                          kv_indices=fwd[1], q_num_blocks=bwd[0], q_indices=bwd[1], kv_block_size=256)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert [name for name, _ in recorder.calls] == ["preprocess", "dkdv", "dq"]
+    assert params == [(128, 128, "bfloat16", CAUSAL, (), 256, 128, None)]
+    (_, pre), (_, dkdv), (_, dqk) = recorder.calls
+    delta, lse2 = pre[3], pre[4]
+    assert delta.shape == lse2.shape == (2, 8, 384) and delta.dtype == torch.float32
+    assert len(dkdv) == 18 and dkdv[4] is lse2 and dkdv[5] is delta and dkdv[6] is dk and dkdv[7] is dv
+    assert math.isclose(dkdv[8], 0.5 / math.log(2)) and dkdv[9] == 0.5
+    assert torch.equal(dkdv[10], bwd[0].int()) and torch.equal(dkdv[12], torch.zeros(1, 1, 2, dtype=torch.int32))
+    assert len(dqk) == 17 and dqk[6] is dq and torch.equal(dqk[10], fwd[1].int())
+    assert all(t is None for t in dkdv[14:] + dqk[13:])
+
+
+def test_host_pads_lse_and_delta_over_every_query_block_the_mask_has(host_on_cpu):
+    import torch
+
+    backward, recorder, _ = host_on_cpu
+    q, k, v, out, lse, grad_out = _inputs(q_len=300)
+    lists = dict(kv_num_blocks=torch.ones(1, 1, 2, dtype=torch.int32), kv_indices=torch.zeros(1, 1, 2, 2),
+                 q_num_blocks=torch.ones(1, 1, 4, dtype=torch.int32), q_indices=torch.zeros(1, 1, 4, 2))
+    lists["kv_indices"], lists["q_indices"] = lists["kv_indices"].int(), lists["q_indices"].int()
+    backward(q, k, v, out, lse, grad_out, q_block_size=256, **lists)
+    assert recorder.calls[0][1][3].shape == (2, 8, 512)  # 2 mask query blocks of 256 rows
+
+
+def test_host_refuses_what_the_kernels_cannot_take(host_on_cpu):
+    import torch
+
+    from inductor_cute import UnsupportedError
+
+    backward, recorder, _ = host_on_cpu
+    q, k, v, out, lse, grad_out = _inputs(batch=1, heads=4, kv_heads=4, kv_len=300)
+    num = torch.ones(1, 1, 3, dtype=torch.int32)
+    idx = torch.zeros(1, 1, 3, 4, dtype=torch.int32)
+    lists = dict(kv_num_blocks=num, kv_indices=idx, q_num_blocks=num, q_indices=idx)
+    d96 = [t[..., :96] if t.dim() == 4 else t for t in (q, k, v, out, lse, grad_out)]
+    cases = [
+        (lambda: backward(*d96), "head dims 96/96"),
+        (lambda: backward(q, k, v, out, lse, grad_out, score_mod=SOFTCAP), "score_mod"),
+        (lambda: backward(q, k[:, :3], v[:, :3], out, lse, grad_out), "not a multiple of 3 KV heads"),
+        (lambda: backward(q, k, v, out[:, :, :10], lse, grad_out), "out must be"),
+        (lambda: backward(q, k, v, out, lse, grad_out.half()), "grad_out must be"),
+        (lambda: backward(q, k, v, out, lse.double(), grad_out), "lse must be"),
+        (lambda: backward(q, k, v, out, lse, grad_out, mask_tensors=(num.flatten(),)), "without a mask_mod"),
+        (lambda: backward(q, k, v, out, lse, grad_out, mask_mod=SOFTCAP), "mask_mod: "),
+        (lambda: backward(q, k, v, out, lse, grad_out, kv_num_blocks=num, kv_indices=idx), "q_num_blocks"),
+        (lambda: backward(q, k, v, out, lse, grad_out, **{**lists, "kv_num_blocks": num[..., :2],
+                                                            "kv_indices": idx[:, :, :2]}), "do not cover 300"),
+        (lambda: backward(q, k, v, out, lse, grad_out, kv_block_size=64, **lists), "KV block size 64"),
+        (lambda: backward(q, k, v, out, lse, grad_out, q_block_size=64, **lists), "query block size 64"),
+        (lambda: backward(q, k, v, out, lse, grad_out, config=FlexBackwardConfig(2, 2, overlap=True)), "spills"),
+    ]
+    for call, message in cases:
+        with pytest.raises(UnsupportedError, match=message) as e:
+            call()
+        assert "\n" not in str(e.value) and str(e.value).startswith("flex_backward: ")
+    assert not recorder.calls
+
+
+def test_host_answers_empty_problems_without_the_kernels(host_on_cpu):
+    import torch
+
+    backward, recorder, _ = host_on_cpu
+    q = torch.randn(1, 2, 5, 64).half()
+    empty = q[:, :, :0]
+    dq, dk, dv = backward(q, empty, empty, q, torch.zeros(1, 2, 5), q)
+    assert (dq == 0).all() and dk.shape == (1, 2, 0, 64) and not recorder.calls
+
+
+def test_host_takes_torch_block_masks_as_built(host_on_cpu):
+    # both list sets of a BlockMask torch builds (on the CPU here), GQA with a per-head mask
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    backward, recorder, params = host_on_cpu
+    q, k, v, out, lse, grad_out = _inputs(q_len=300, kv_len=500)
+    bm = create_block_mask(lambda b, h, m, n: m >= n, 2, 8, 300, 500, device="cpu", BLOCK_SIZE=128)
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+             "full_q_num_blocks", "full_q_indices")
+    backward(q, k, v, out, lse, grad_out, mask_mod=CAUSAL, **{n: getattr(bm, n) for n in names})
+    (_, pre), (_, dkdv), (_, dq) = recorder.calls
+    assert params[0][5:7] == (128, 128)
+    assert all(torch.equal(a, getattr(bm, n)) for a, n in zip(dkdv[10:14], names[4:]))
+    assert all(torch.equal(a, getattr(bm, n)) for a, n in zip(dq[9:13], names[:4]))
+    assert pre[3].shape == (2, 8, 384)
