@@ -147,6 +147,8 @@ def _wgrad_decline_reason(call: GroupedCall) -> str | None:
     groups = call.offs_size[0] if len(call.offs_size) == 1 else None
     if None in (m, n, groups):
         return "M, N and the group count must be static"
+    if len(call.out_size) != 3:
+        return f"the output of shape {call.out_size} is not (groups, M, N)"
     if tokens == 0:
         return "no tokens"
     reason = grouped_wgrad_config.unsupported_reason(grouped_wgrad_config.WgradProblem(), m=m, n=n, groups=groups)
