@@ -70,11 +70,14 @@ def cpu_kernels(monkeypatch):
     launches = []
 
     def get_kernel(spec):
-        def kernel(a, b, offs, out):  # weight-gradient views: a (M, T), b (N, T), out (M, N, E)
+        def kernel(a, b, offs, out):
             launches.append((spec, (a, b, offs, out)))
             start = 0
             for g, end in enumerate(offs.tolist()):
-                out[:, :, g] = (a[:, start:end].float() @ b[:, start:end].float().t()).to(out.dtype)
+                if b.dim() == 2:  # weight gradient: a (M, T), b (N, T), out (M, N, E)
+                    out[:, :, g] = (a[:, start:end].float() @ b[:, start:end].float().t()).to(out.dtype)
+                else:  # forward: a (T, K), b (N, K, E), out (T, N)
+                    out[start:end] = (a[start:end].float() @ b[:, :, g].float().t()).to(out.dtype)
                 start = end
         return kernel
 
@@ -120,3 +123,36 @@ def test_weight_gradients_we_cannot_take_are_refused(cpu_kernels, a_shape, b_sha
     with pytest.raises(UnsupportedError, match="out must be"):
         ops.grouped_mm_wgrad(torch.randn(16, 32).bfloat16(), torch.randn(32, 8).bfloat16(),
                              torch.tensor([16, 32], dtype=torch.int32), torch.empty(2, 8, 16, dtype=torch.bfloat16))
+
+
+class OpsGroupedMM(torch.autograd.Function):
+    """torch._grouped_mm's forward form with both gradients through ops.grouped_mm (as
+    tests/gpu/test_grouped_wgrad_gpu.py runs it on the GPU)."""
+
+    @staticmethod
+    def forward(ctx, x, b, offs):
+        ctx.save_for_backward(x, b, offs)
+        return ops.grouped_mm(x, b, offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, b, offs = ctx.saved_tensors
+        return ops.grouped_mm(grad, b.transpose(-2, -1), offs), ops.grouped_mm(x.t(), grad, offs), None
+
+
+def test_moe_gradients_through_ops_match_eager_autograd(cpu_kernels):
+    sizes = [40, 0, 70, 18]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x0, w0 = torch.randn(128, 64).bfloat16(), torch.randn(4, 32, 64).div(8).bfloat16()  # w (E, N, K)
+    grad = torch.randn(128, 32).bfloat16()
+    results = []
+    for grouped_mm_fn in (OpsGroupedMM.apply, torch._grouped_mm):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        grouped_mm_fn(x, w.transpose(-2, -1), offs).backward(grad)
+        results.append((x.grad, w.grad))
+    (dx, dw), (dx_ref, dw_ref) = results
+    kinds = [(spec.module.rsplit(".", 1)[-1], spec.kwargs["b_major"]) for spec, _ in cpu_kernels]
+    assert kinds == [("grouped_sm90", "k"), ("grouped_sm90", "n"), ("grouped_wgrad_sm90", "n")]
+    torch.testing.assert_close(dx.float(), dx_ref.float(), atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(dw.float(), dw_ref.float(), atol=5e-2, rtol=2e-2)
+    assert (dw[1] == 0).all()
