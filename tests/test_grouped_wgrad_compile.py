@@ -24,7 +24,9 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def compiled(request):
     problem, config = VARIANTS[request.param]
-    return compile_spec(spec(problem, config), "sm_90a", keep_ptx=True)
+    result = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True)
+    result.problem = problem
+    return result
 
 
 def test_uses_wgmma_tma_and_the_boundary_mask(compiled):
@@ -34,7 +36,11 @@ def test_uses_wgmma_tma_and_the_boundary_mask(compiled):
     assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "fence.proxy.async.shared::cta" in ptx  # the mask's writes, before the WGMMA reads them
-    assert len(re.findall(r"st\.shared\.b16\s+\[[^\]]+\], 0x0000", ptx)) >= 2  # zeros into A and B stages
+    # zeros into the A and B stages: 16-byte stores where tokens are not contiguous, else 2-byte
+    vector_zeros = len(re.findall(r"st\.shared\.v4\.b32\s+\[[^\]]+\], \{0, 0, 0, 0\}", ptx))
+    scalar_zeros = len(re.findall(r"st\.shared\.b16\s+\[[^\]]+\], 0x0000", ptx))
+    mn_major = [compiled.problem.a_major == "m", compiled.problem.b_major == "n"]
+    assert (vector_zeros, scalar_zeros) == (sum(mn_major), 2 - sum(mn_major))
 
 
 def test_ptxas_reports_no_spills_and_no_serialized_wgmma(compiled):

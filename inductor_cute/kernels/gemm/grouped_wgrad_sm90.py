@@ -55,6 +55,7 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
 
     def __init__(self, config: GroupedConfig, a_major: str, b_major: str, num_sms: int = SM_COUNT):
         super().__init__(config, b_major, num_sms=num_sms, a_major=a_major)
+        self.a_major_mn, self.b_major_mn = a_major == "m", b_major == "n"  # tokens are not contiguous
 
     def _shared_storage(self):
         st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
@@ -100,15 +101,23 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
         return start, cutlass.max(end - start, 0)
 
     @cute.jit
-    def _zero_tokens(self, stage: cute.Tensor, rows: cutlass.Constexpr, first, ctid):
+    def _zero_tokens(self, stage: cute.Tensor, rows: cutlass.Constexpr, mn_major: cutlass.Constexpr, first, ctid):
         """Zero tokens first.. of one (rows, tile_k) operand stage, spread over the consumer
-        threads (a trip count that is the same for all of them, predicated stores)."""
+        threads (a trip count that is the same for all of them, predicated stores). M/N-major
+        stages take 16-byte stores of 8 rows of one token (contiguous under the swizzle),
+        token-major ones single elements (8 tokens may straddle `first`)."""
         tk = self.tile_mnk[2]
-        begin = first * rows
-        for i in range(begin, tk * rows, self.epi_threads):
+        vec = 8 if mn_major else 1
+        chunks = cute.zipped_divide(stage, (vec, 1))  # ((vec, 1), (rows // vec, tk))
+        zeros = cute.make_rmem_tensor(cute.make_layout(vec), self.ab_dtype)
+        zeros.fill(0.0)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype,
+                                    num_bits_per_copy=vec * self.ab_dtype.width)
+        per_token = rows // vec
+        for i in range(first * per_token, tk * per_token, self.epi_threads):
             idx = i + ctid
-            if idx < tk * rows:
-                stage[idx % rows, idx // rows] = self.ab_dtype(0.0)  # rows fastest: M/N-major stays contiguous
+            if idx < tk * per_token:
+                cute.copy(store, zeros, chunks[(None, (idx % per_token, idx // per_token))])
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom, tB: cute.Tensor,
@@ -213,8 +222,8 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                     ab_pipe.consumer_wait(read_state)
                     if kt == k_tiles - 1:
                         if tail < tk:
-                            self._zero_tokens(sA[(None, None, read_state.index)], tm, tail, ctid)
-                            self._zero_tokens(sB[(None, None, read_state.index)], tn, tail, ctid)
+                            self._zero_tokens(sA[(None, None, read_state.index)], tm, self.a_major_mn, tail, ctid)
+                            self._zero_tokens(sB[(None, None, read_state.index)], tn, self.b_major_mn, tail, ctid)
                             cute.arch.fence_proxy("async.shared", space="cta")  # before WGMMA reads them
                             epi_barrier.arrive_and_wait()
                     for kb in cutlass.range_constexpr(k_blocks):
