@@ -103,6 +103,15 @@ def test_the_weight_gradient_runs_on_the_right_views(cpu_kernels):
     assert out.shape == (4, 40, 64) and (out[1] == 0).all()
 
 
+def test_token_major_operands_need_a_token_count_of_multiples_of_8(cpu_kernels):
+    for tokens, majors in ((96, ("k", "k")), (90, ("m", "n"))):
+        a = torch.randn(16, 96).bfloat16()[:, :tokens]  # tokens contiguous, rows 192 bytes apart
+        b = torch.randn(8, 96).bfloat16()[:, :tokens].t()
+        ops.grouped_mm(a, b, torch.tensor([tokens // 2, tokens], dtype=torch.int32))
+        spec, _ = cpu_kernels[-1]
+        assert (spec.kwargs["a_major"], spec.kwargs["b_major"]) == majors
+
+
 def test_no_tokens_give_zero_gradients_without_a_launch(cpu_kernels):
     out = torch.full((3, 16, 8), float("nan"), dtype=torch.bfloat16)
     got = ops.grouped_mm_wgrad(torch.empty(16, 0, dtype=torch.bfloat16), torch.empty(0, 8, dtype=torch.bfloat16),

@@ -338,6 +338,8 @@ def test_the_weight_gradient_in_either_operand_layout_is_served():
     ({"offs_size": (600,), "out_size": (600, K, N)}, "groups"),
     ({"a_stride": (2, 2 * K)}, "a of strides"),
     ({"b_stride": (N + 4, 1)}, "b of strides"),
+    ({"a_size": (K, 250), "a_stride": (256, 1), "b_size": (250, N)}, "a of strides"),  # tokens contiguous, 250
+    ({"a_size": (K, None), "a_stride": (256, 1), "b_size": (None, N)}, "a of strides"),
     ({"out_stride": (K * N, 1, K)}, "output"),
     ({"has_bias": True}, "bias"),
     ({"out_dtype": torch.float32}, "bfloat16 throughout"),

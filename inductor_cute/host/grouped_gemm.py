@@ -142,8 +142,9 @@ def grouped_mm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: 
                                f"{tuple(out.stride())}")
     if tokens == 0:  # no token descriptor to build: every group is empty
         return out.zero_()
-    a_view, a_major = _operand(a, ((0, "m"), (1, "k")))  # (M, tokens)
-    b_view, b_major = _operand(b, ((1, "n"), (0, "k")))  # (tokens, N)
+    token_major = tokens % 8 == 0  # the kernel's contiguous extents are multiples of 16 bytes
+    a_view, a_major = _operand(a, ((0, "m"), (1, "k"))[:1 + token_major])  # (M, tokens)
+    b_view, b_major = _operand(b, ((1, "n"), (0, "k"))[:1 + token_major])  # (tokens, N)
     problem = WgradProblem("bfloat16", "bfloat16", a_major, b_major)
     num_sms = sm_count(a.device.index or 0)
     config = config or default_config(problem, m, n, tokens, groups, num_sms)

@@ -94,9 +94,12 @@ def is_wgrad(call: GroupedCall) -> bool:
 
 def wgrad_majors(call: GroupedCall) -> tuple[str, str] | None:
     """How the weight-gradient kernel reads a (M, tokens) and b (tokens, N) in place, as
-    ops.grouped_mm picks it: (a_major "m" or "k", b_major "n" or "k"); None when it would copy."""
-    a_mode = _tma_mode(call.a_size, call.a_stride, (0, 1))
-    b_mode = _tma_mode(call.b_size, call.b_stride, (1, 0))
+    ops.grouped_mm picks it: (a_major "m" or "k", b_major "n" or "k"); None when it would copy.
+    Tokens contiguous only when their count is a static multiple of 8, as ops.grouped_mm takes them."""
+    tokens = call.b_size[0]
+    token_major = tokens is not None and tokens % 8 == 0
+    a_mode = _tma_mode(call.a_size, call.a_stride, (0, 1)[:1 + token_major])
+    b_mode = _tma_mode(call.b_size, call.b_stride, (1, 0)[:1 + token_major])
     if a_mode is None or b_mode is None:
         return None
     return ("m" if a_mode == 0 else "k"), ("n" if b_mode == 1 else "k")
@@ -154,10 +157,9 @@ def _wgrad_decline_reason(call: GroupedCall) -> str | None:
     reason = grouped_wgrad_config.unsupported_reason(grouped_wgrad_config.WgradProblem(), m=m, n=n, groups=groups)
     if reason:
         return reason
-    if _tma_mode(call.a_size, call.a_stride, (0, 1)) is None:
-        return f"a of strides {call.a_stride} has no unit-stride mode with 16-byte other strides (it would be copied)"
-    if _tma_mode(call.b_size, call.b_stride, (1, 0)) is None:
-        return f"b of strides {call.b_stride} has no unit-stride mode with 16-byte other strides (it would be copied)"
+    if wgrad_majors(call) is None:
+        return (f"a of strides {call.a_stride} or b of strides {call.b_stride} cannot be read in place by TMA "
+                f"(it would be copied)")
     if _tma_mode(call.out_size, call.out_stride, (2,)) is None:
         return f"the output of strides {call.out_stride} is not row-major with 16-byte rows"
     return None
