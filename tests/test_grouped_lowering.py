@@ -5,6 +5,7 @@ offsets, and that output code defines a launcher for the chosen call site whose 
 ops.grouped_mm on the right views (a recorded kernel computing on CPU tensors).
 GPU runs: tests/gpu/test_grouped_gemm_compile_gpu.py."""
 
+import contextlib
 import dataclasses
 import re
 from contextlib import ExitStack
@@ -34,6 +35,7 @@ from inductor_cute.kernels.gemm.grouped_wgrad_config import WgradProblem
 from inductor_cute.kernels.gemm.grouped_wgrad_config import candidates as wgrad_candidates
 
 BF16 = torch.bfloat16
+
 
 # ---- the decision, on plain values
 
@@ -376,16 +378,20 @@ def moe_training_step(x, w, offs, grad):
     return torch.autograd.grad(y, (x, w), grad)
 
 
-def test_every_grouped_mm_of_the_moe_backward_gets_our_choices():
-    specs = [((TOKENS, K), BF16), ((E, N, K), BF16), ((E,), torch.int32), ((TOKENS, N), BF16)]
-    # autograd's graph, traced on CPU tensors (its engine cannot run fake CUDA ones without CUDA),
-    # then lowered on fake CUDA tensors
+def autograd_graph():
+    """moe_training_step as autograd computes it, traced on fake CPU tensors (autograd's engine
+    cannot run fake CUDA ones without CUDA); `lower` then lowers it on fake CUDA tensors."""
     x, w = torch.zeros(TOKENS, K, dtype=BF16, requires_grad=True), torch.zeros(E, N, K, dtype=BF16, requires_grad=True)
     offs, grad = torch.tensor([64, 128, 192, 256], dtype=torch.int32), torch.zeros(TOKENS, N, dtype=BF16)
     with torch.enable_grad():
-        graph = make_fx(moe_training_step)(x, w, offs, grad)
+        graph = make_fx(moe_training_step, tracing_mode="fake")(x, w, offs, grad)
     assert sum(n.target is torch.ops.aten._grouped_mm.default for n in graph.graph.nodes) == 3
-    calls, _ = lower(graph, specs)
+    return graph
+
+
+def test_every_grouped_mm_of_the_moe_backward_gets_our_choices():
+    specs = [((TOKENS, K), BF16), ((E, N, K), BF16), ((E,), torch.int32), ((TOKENS, N), BF16)]
+    calls, _ = lower(autograd_graph(), specs)
     problems = [ours(choices)[0].problem for choices, _ in calls]
     assert len(calls) == 3 and all(ours(choices) for choices, _ in calls)
     assert sorted(map(repr, problems)) == sorted(map(repr, [
@@ -393,6 +399,35 @@ def test_every_grouped_mm_of_the_moe_backward_gets_our_choices():
         GroupedProblem("bfloat16", "bfloat16", "k", "n"),  # input gradient: w itself, row-major
         WgradProblem("bfloat16", "bfloat16", "m", "n"),  # weight gradient: grad.t() x x
     ]))
+
+
+def test_the_moe_backwards_output_code_computes_autograds_gradients(cpu_grouped_kernels, monkeypatch):
+    """The backward's whole output code (both gradients through our launchers, the views Inductor
+    passes them) run on CPU tensors with a kernel computing from the views it is given, against
+    the fp32 gradients: dx[rows of g] = grad[rows] @ w[g], dw[g] = grad[rows].t() @ x[rows]."""
+    x, w = torch.randn(TOKENS, K).bfloat16(), torch.randn(E, N, K).div(K ** 0.5).bfloat16()
+    sizes = [100, 0, 120, 36]  # an empty group
+    offs, grad = torch.tensor(sizes).cumsum(0).to(torch.int32), torch.randn(TOKENS, N).bfloat16()
+    ends = offs.tolist()
+    rows = list(zip([0, *ends[:-1]], ends))
+    want_dx = torch.cat([grad[s:e].float() @ w[g].float() for g, (s, e) in enumerate(rows)])
+    want_dw = torch.stack([grad[s:e].float().t() @ x[s:e].float() for s, e in rows])
+    specs = [((TOKENS, K), BF16), ((E, N, K), BF16), ((E,), torch.int32), ((TOKENS, N), BF16)]
+    _, code = lower(autograd_graph(), specs, backends="ICUTE", configs=[GroupedConfig(64, 128, 64, 4, 1)],
+                    codegen=True)
+    assert code.count(f"{runtime.MODULE}.GroupedLauncher(") == 2 and "extern_kernels._grouped_mm" not in code
+    module = {}
+    exec(compile(code, "<output code>", "exec"), module)
+    module["empty_strided_cuda"] = lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype).fill_(
+        float("nan"))
+    monkeypatch.setattr(torch.cuda, "_DeviceGuard", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    dx, dw = module["call"]([x, w, offs, grad])
+    forms = sorted(spec.module.rsplit(".", 1)[-1] for spec, _ in cpu_grouped_kernels)
+    assert forms == ["grouped_sm90", "grouped_wgrad_sm90"]
+    torch.testing.assert_close(dx.float(), want_dx, atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(dw.float(), want_dw, atol=5e-2, rtol=2e-2)
+    assert (dw[1] == 0).all()
 
 
 def test_the_input_gradient_of_a_row_major_weight_is_k_major():
