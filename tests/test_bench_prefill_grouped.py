@@ -171,11 +171,12 @@ def test_grouped_cases_and_names(quick):
     assert names == [f.args[0].name for f in factories] and len(set(names)) == len(names)
     if quick:
         assert names == ["DeepSeek-V3 fwd up T16384 balanced", "Qwen3-30B-A3B fwd up T16384 skewed",
-                         "Mixtral-8x7B fwd up T4096 balanced"]
+                         "Mixtral-8x7B fwd up T4096 balanced", "Qwen3-30B-A3B wgrad up T16384 skewed",
+                         "DeepSeek-V3 wgrad down T4096 balanced"]
         return
-    assert len(names) == 5 * 2 * 2 * 2
+    assert len(names) == 2 * 5 * 2 * 2 * 2
     for c, name in zip(gg.CASES, names):
-        assert name.startswith(c.model.name + " fwd ")
+        assert name.startswith(f"{c.model.name} {c.form} ")
         assert f" {c.projection} " in name and f"T{c.tokens}" in name and name.endswith(c.routing)
     assert {c.model.name for c in gg.CASES} == {"DeepSeek-V3", "Qwen3-30B-A3B", "Qwen3-235B-A22B", "Mixtral-8x7B",
                                                  "gpt-oss-120b"}
@@ -225,6 +226,17 @@ def test_grouped_cost():
     assert flops == 2 * 16384 * 8 * 4096 * 7168
     used = 256 - sizes.count(0)
     assert n_bytes == 2 * (16384 * 8 * 7168 + used * 7168 * 4096 + 16384 * 8 * 4096)
+
+
+def test_wgrad_cases_are_autograds_weight_gradient():
+    tiny = gg.MoeModel("tiny", 6, 2, 64, 40)
+    case = gg.Grouped(tiny, "up", 50, "skewed", "wgrad")
+    sizes = gg.group_sizes(case)
+    a, b, offs = gg.make_inputs(case, sizes, device="cpu")
+    assert a.shape == (80, 100) and a.stride() == (1, 80)  # grad_out.t()
+    assert b.shape == (100, 64) and b.is_contiguous() and int(offs[-1]) == 100
+    flops, n_bytes = gg.cost(case, sizes)
+    assert flops == 2 * 100 * 80 * 64 and n_bytes == 2 * (100 * (64 + 80) + 6 * 64 * 80)
 
 
 def test_grouped_inputs_are_transposed_weights_and_match_per_group_matmuls():

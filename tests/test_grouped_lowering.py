@@ -5,6 +5,7 @@ offsets, and that output code defines a launcher for the chosen call site whose 
 ops.grouped_mm on the right views (a recorded kernel computing on CPU tensors).
 GPU runs: tests/gpu/test_grouped_gemm_compile_gpu.py."""
 
+import contextlib
 import dataclasses
 import re
 from contextlib import ExitStack
@@ -28,10 +29,13 @@ from inductor_cute.host import grouped_gemm as host_grouped
 from inductor_cute.inductor.gemm.extern import CuteGemmCaller
 from inductor_cute.inductor.grouped import runtime
 from inductor_cute.inductor.grouped.extern import CuteGroupedCaller
-from inductor_cute.inductor.grouped.lowering import GroupedCall, b_major, decline_reason
+from inductor_cute.inductor.grouped.lowering import GroupedCall, b_major, decline_reason, wgrad_majors
 from inductor_cute.kernels.gemm.grouped_config import GroupedConfig, GroupedProblem, candidates
+from inductor_cute.kernels.gemm.grouped_wgrad_config import WgradProblem
+from inductor_cute.kernels.gemm.grouped_wgrad_config import candidates as wgrad_candidates
 
 BF16 = torch.bfloat16
+
 
 # ---- the decision, on plain values
 
@@ -58,7 +62,7 @@ def test_the_moe_forward_in_either_weight_layout_is_served():
     ({"output_code": "cpp_wrapper"}, "cpp_wrapper output code"),
     ({"device_type": "cpu"}, "not CUDA"),
     ({"a_size": (4, 64, 128), "a_stride": (8192, 128, 1)}, "2-D a x 3-D b"),
-    ({"b_size": (128, 64), "b_stride": (1, 128)}, "2-D a x 3-D b"),
+    ({"b_size": (128,), "b_stride": (1,)}, "2-D a x 3-D b"),
     ({"offs_size": None}, "no offsets"),
     ({"has_bias": True}, "bias"),
     ({"a_dtype": torch.float16, "b_dtype": torch.float16, "out_dtype": torch.float16}, "bfloat16 throughout"),
@@ -123,8 +127,9 @@ def lower(fn, specs, *, backends="ATEN,ICUTE", enabled=True, max_autotune=True, 
         stack.enter_context(mock.patch("inductor_cute.runtime.arch.device_arch", lambda *a: None))
         stack.enter_context(mock.patch("inductor_cute.inductor.gemm.specs.precompile", precompile))
         if configs is not None:
-            stack.enter_context(mock.patch("inductor_cute.kernels.gemm.grouped_config.candidates",
-                                           lambda *a, **k: list(configs)))
+            for module in ("grouped_config", "grouped_wgrad_config"):
+                stack.enter_context(mock.patch(f"inductor_cute.kernels.gemm.{module}.candidates",
+                                               lambda *a, **k: list(configs)))
         if enabled:
             stack.enter_context(inductor_cute.enable())
         stack.enter_context(inductor_config.patch(max_autotune=max_autotune, max_autotune_gemm_backends=backends,
@@ -177,8 +182,6 @@ def test_our_choices_are_bound_to_the_stock_input_nodes_and_layout():
 
 @pytest.mark.parametrize("name,fn,specs", [
     ("3-D x 3-D", lambda a, b: torch._grouped_mm(a, b), [((E, 64, K), BF16), ((E, K, N), BF16)]),
-    ("2-D x 2-D (weight gradient)", lambda a, b, offs: torch._grouped_mm(a, b, offs),
-     [((K, TOKENS), BF16, (1, K)), ((TOKENS, N), BF16), ((E,), torch.int32)]),
 ])
 def test_other_forms_keep_the_stock_choices(name, fn, specs, caplog):
     stock_calls, _ = lower(fn, specs, enabled=False)
@@ -227,12 +230,16 @@ def test_benchmarking_never_passes_invalid_offsets(monkeypatch):
 
 def reference_kernel(spec):
     """A grouped GEMM kernel computing on the CPU from exactly the views it is given: a (tokens,
-    K), b (N, K, groups), offs, out (tokens, N)."""
+    K), b (N, K, groups), offs, out (tokens, N); or, the weight-gradient form, a (M, tokens),
+    b (N, tokens), offs, out (M, N, groups)."""
     def kernel(a, b, offs, out):
         reference_kernel.launches.append((spec, (a, b, offs, out)))
         start = 0
         for g, end in enumerate(offs.tolist()):
-            out[start:end] = (a[start:end].float() @ b[:, :, g].float().t()).to(out.dtype)
+            if b.dim() == 2:
+                out[:, :, g] = (a[:, start:end].float() @ b[:, start:end].float().t()).to(out.dtype)
+            else:
+                out[start:end] = (a[start:end].float() @ b[:, :, g].float().t()).to(out.dtype)
             start = end
 
     return kernel
@@ -305,3 +312,156 @@ def test_our_extern_kernel_is_what_autotuning_times(cpu_grouped_kernels):
     assert list(runtime._LAUNCHERS) == [config]  # one launcher per config, reused
     assert cpu_grouped_kernels[-1][0].kwargs["b_major"] == "n"
     torch.testing.assert_close(out[:30].float(), a[:30].float() @ b[0].float(), atol=2e-2, rtol=2e-2)
+
+
+# ---- the MoE backward: the input gradient (the forward form, b the transposed weight) and the
+# weight gradient (2-D a x 2-D b, groups splitting the reduction)
+
+# a (M=128, tokens=256) as autograd passes it (grad_out.t(): M-major), b (tokens, N=64) row-major
+WGRAD = GroupedCall(a_size=(K, TOKENS), a_stride=(1, K), b_size=(TOKENS, N), b_stride=(N, 1),
+                    offs_size=(E,), out_size=(E, K, N), out_stride=(K * N, N, 1))
+
+
+def test_the_weight_gradient_in_either_operand_layout_is_served():
+    assert decline_reason(WGRAD) is None and wgrad_majors(WGRAD) == ("m", "n")
+    token_major = dataclasses.replace(WGRAD, a_stride=(TOKENS, 1), b_stride=(1, TOKENS))
+    assert decline_reason(token_major) is None and wgrad_majors(token_major) == ("k", "k")
+    dynamic_tokens = dataclasses.replace(WGRAD, a_size=(K, None), b_size=(None, N))
+    assert decline_reason(dynamic_tokens) is None
+
+
+@pytest.mark.parametrize("changes,reason", [
+    ({"a_size": (None, TOKENS), "out_size": (E, None, N)}, "static"),
+    ({"offs_size": (None,)}, "static"),
+    ({"a_size": (0, TOKENS)}, "M=0"),
+    ({"a_size": (K, 0), "b_size": (0, N)}, "no tokens"),
+    ({"a_size": (100, TOKENS), "out_size": (E, 100, N), "out_stride": (100 * N, N, 1)}, "M=100"),
+    ({"b_size": (TOKENS, 60), "b_stride": (60, 1), "out_size": (E, K, 60)}, "N=60"),
+    ({"offs_size": (600,), "out_size": (600, K, N)}, "groups"),
+    ({"a_stride": (2, 2 * K)}, "a of strides"),
+    ({"b_stride": (N + 4, 1)}, "b of strides"),
+    ({"a_size": (K, 250), "a_stride": (256, 1), "b_size": (250, N)}, "a of strides"),  # tokens contiguous, 250
+    ({"a_size": (K, None), "a_stride": (256, 1), "b_size": (None, N)}, "a of strides"),
+    ({"out_stride": (K * N, 1, K)}, "output"),
+    ({"has_bias": True}, "bias"),
+    ({"out_dtype": torch.float32}, "bfloat16 throughout"),
+])
+def test_weight_gradients_we_cannot_serve_are_declined(changes, reason):
+    got = decline_reason(dataclasses.replace(WGRAD, **changes))
+    assert got is not None and reason in got, got
+
+
+def wgrad(a, b, offs):  # what autograd calls for an MoE weight: a = grad.t(), b = x
+    return torch._grouped_mm(a.t(), b, offs)
+
+
+WGRAD_SPECS = [((TOKENS, K), BF16), ((TOKENS, N), BF16), ((E,), torch.int32)]
+
+
+def test_our_weight_gradient_configs_join_the_stock_choices(caplog):
+    (stock_choices, stock_kwargs), = lower(wgrad, WGRAD_SPECS, enabled=False)[0]
+    with caplog.at_level("INFO", logger="inductor_cute"):
+        (choices, kwargs), = lower(wgrad, WGRAD_SPECS)[0]
+    assert [str(c) for c in choices[:len(stock_choices)]] == [str(c) for c in stock_choices]
+    problem = WgradProblem("bfloat16", "bfloat16", "m", "n")
+    want = wgrad_candidates(problem, K, N, TOKENS, E, 132)
+    assert [c.kwargs["config"] for c in ours(choices)] == [runtime.as_tuple(cfg) for cfg in want]
+    assert all(c.problem == problem for c in ours(choices))
+    assert kwargs.keys() == stock_kwargs.keys() and 2 in kwargs["input_gen_fns"]
+    assert "(weight gradient) (a m-major, b n-major)" in caplog.text
+
+
+def moe_training_step(x, w, offs, grad):
+    """An MoE expert GEMM's forward and both gradients as autograd computes them: w (E, N, K) as MoE
+    layers store it."""
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs)
+    return torch.autograd.grad(y, (x, w), grad)
+
+
+def autograd_graph():
+    """moe_training_step as autograd computes it, traced on fake CPU tensors (autograd's engine
+    cannot run fake CUDA ones without CUDA); `lower` then lowers it on fake CUDA tensors."""
+    x, w = torch.zeros(TOKENS, K, dtype=BF16, requires_grad=True), torch.zeros(E, N, K, dtype=BF16, requires_grad=True)
+    offs, grad = torch.tensor([64, 128, 192, 256], dtype=torch.int32), torch.zeros(TOKENS, N, dtype=BF16)
+    with torch.enable_grad():
+        graph = make_fx(moe_training_step, tracing_mode="fake")(x, w, offs, grad)
+    assert sum(n.target is torch.ops.aten._grouped_mm.default for n in graph.graph.nodes) == 3
+    return graph
+
+
+def test_every_grouped_mm_of_the_moe_backward_gets_our_choices():
+    specs = [((TOKENS, K), BF16), ((E, N, K), BF16), ((E,), torch.int32), ((TOKENS, N), BF16)]
+    calls, _ = lower(autograd_graph(), specs)
+    problems = [ours(choices)[0].problem for choices, _ in calls]
+    assert len(calls) == 3 and all(ours(choices) for choices, _ in calls)
+    assert sorted(map(repr, problems)) == sorted(map(repr, [
+        GroupedProblem("bfloat16", "bfloat16", "k", "k"),  # forward: the transposed view of w
+        GroupedProblem("bfloat16", "bfloat16", "k", "n"),  # input gradient: w itself, row-major
+        WgradProblem("bfloat16", "bfloat16", "m", "n"),  # weight gradient: grad.t() x x
+    ]))
+
+
+def test_the_moe_backwards_output_code_computes_autograds_gradients(cpu_grouped_kernels, monkeypatch):
+    """The backward's whole output code (both gradients through our launchers, the views Inductor
+    passes them) run on CPU tensors with a kernel computing from the views it is given, against
+    the fp32 gradients: dx[rows of g] = grad[rows] @ w[g], dw[g] = grad[rows].t() @ x[rows]."""
+    x, w = torch.randn(TOKENS, K).bfloat16(), torch.randn(E, N, K).div(K ** 0.5).bfloat16()
+    sizes = [100, 0, 120, 36]  # an empty group
+    offs, grad = torch.tensor(sizes).cumsum(0).to(torch.int32), torch.randn(TOKENS, N).bfloat16()
+    ends = offs.tolist()
+    rows = list(zip([0, *ends[:-1]], ends))
+    want_dx = torch.cat([grad[s:e].float() @ w[g].float() for g, (s, e) in enumerate(rows)])
+    want_dw = torch.stack([grad[s:e].float().t() @ x[s:e].float() for s, e in rows])
+    specs = [((TOKENS, K), BF16), ((E, N, K), BF16), ((E,), torch.int32), ((TOKENS, N), BF16)]
+    _, code = lower(autograd_graph(), specs, backends="ICUTE", configs=[GroupedConfig(64, 128, 64, 4, 1)],
+                    codegen=True)
+    assert code.count(f"{runtime.MODULE}.GroupedLauncher(") == 2 and "extern_kernels._grouped_mm" not in code
+    module = {}
+    exec(compile(code, "<output code>", "exec"), module)
+    module["empty_strided_cuda"] = lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype).fill_(
+        float("nan"))
+    monkeypatch.setattr(torch.cuda, "_DeviceGuard", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    dx, dw = module["call"]([x, w, offs, grad])
+    forms = sorted(spec.module.rsplit(".", 1)[-1] for spec, _ in cpu_grouped_kernels)
+    assert forms == ["grouped_sm90", "grouped_wgrad_sm90"]
+    torch.testing.assert_close(dx.float(), want_dx, atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(dw.float(), want_dw, atol=5e-2, rtol=2e-2)
+    assert (dw[1] == 0).all()
+
+
+def test_the_input_gradient_of_a_row_major_weight_is_k_major():
+    # forward b = w (E, K, N) row-major; autograd's input gradient takes b = w.transpose(-2, -1)
+    dgrad = call(a_size=(TOKENS, N), a_stride=(N, 1), b_size=(E, N, K), b_stride=(N * K, 1, N),
+                 out_size=(TOKENS, K), out_stride=(K, 1))
+    assert decline_reason(dgrad) is None and b_major(dgrad) == "k"
+
+
+def test_output_code_runs_the_weight_gradient_on_the_call_sites_tensors(cpu_grouped_kernels):
+    config = GroupedConfig(64, 128, 64, 4, 1)
+    _, code = lower(wgrad, WGRAD_SPECS, backends="ICUTE", configs=[config], codegen=True)
+    assert "extern_kernels._grouped_mm" not in code
+    x, dy = torch.randn(TOKENS, K).bfloat16(), torch.randn(TOKENS, N).bfloat16()
+    sizes = [100, 0, 120, 20]  # an empty group, and 16 tokens past the last offset
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    out = torch.full((E, K, N), float("nan"), dtype=BF16)
+    run_output_code(code, {"a_1": x, "b_1": dy, "offs_1": offs}, out)
+    spec, (a_view, b_view, _, out_view) = cpu_grouped_kernels[-1]
+    assert spec.module.endswith("grouped_wgrad_sm90") and (spec.kwargs["a_major"], spec.kwargs["b_major"]) == ("m", "n")
+    assert a_view.data_ptr() == x.data_ptr() and a_view.shape == (K, TOKENS) and a_view.stride() == (1, K)
+    assert b_view.data_ptr() == dy.data_ptr() and b_view.shape == (N, TOKENS) and b_view.stride() == (1, N)
+    assert out_view.shape == (K, N, E) and out_view.data_ptr() == out.data_ptr()
+    starts = [0, *offs.tolist()[:-1]]
+    want = torch.stack([x[s:e].float().t() @ dy[s:e].float() for s, e in zip(starts, offs.tolist())])
+    torch.testing.assert_close(out.float(), want, atol=5e-2, rtol=2e-2)
+    assert (out[1] == 0).all(), "the empty group's gradient is not zero"
+
+
+def test_benchmarking_the_weight_gradient_splits_the_tokens(monkeypatch):
+    (choices, _), = lower(wgrad, WGRAD_SPECS, configs=[GroupedConfig(64, 128, 64, 4, 1)])[0]
+    mine, = ours(choices)
+    timed = []
+    monkeypatch.setattr(CuteGemmCaller, "benchmark", lambda self, *args, out: timed.append(args[2].tolist()) or 1.0)
+    a, b = torch.randn(TOKENS, K).bfloat16().t(), torch.randn(TOKENS, N).bfloat16()
+    assert mine.benchmark(a, b, torch.tensor([77, -3, 900, 12], dtype=torch.int32), out=None) == 1.0
+    assert timed == [[64, 128, 192, 256]]  # over b's rows (the tokens), not a's

@@ -1,6 +1,8 @@
-"""Eager grouped GEMM for MoE (the forward form of `torch._grouped_mm`): input checks, TMA views of
-the operands, one persistent launch over all groups. The group offsets stay on the device: no
-host sync, so a call can be captured in a CUDA graph and replayed with new routing."""
+"""Eager grouped GEMM for MoE (`torch._grouped_mm` with offsets): the forward form (2-D a x 3-D b,
+groups of tokens) and the weight-gradient form (2-D a x 2-D b, groups splitting the reduction).
+Input checks, TMA views of the operands, one persistent launch over all groups. The group offsets
+stay on the device: no host sync, so a call can be captured in a CUDA graph and replayed with new
+routing."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ NAME = "grouped_mm"
 
 @functools.lru_cache(maxsize=256)
 def _grouped_kernel(problem, config, num_sms: int):
-    from ..kernels.gemm.grouped_config import spec
+    from ..kernels.gemm import grouped_config, grouped_wgrad_config
 
-    return get_kernel(spec(problem, config, num_sms))
+    module = grouped_wgrad_config if isinstance(problem, grouped_wgrad_config.WgradProblem) else grouped_config
+    return get_kernel(module.spec(problem, config, num_sms))
 
 
 def _b_operand(b: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -38,18 +41,21 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.
                config=None) -> torch.Tensor:
     """out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g] (offs[-1] taken as 0), bf16 with fp32
     accumulation: a (tokens, K), b (groups, K, N), offs int32 (groups,) cumulative group ends.
+    With a 2-D b, the weight-gradient form: see `grouped_mm_wgrad`.
 
     Rows of `out` past offs[-1] are not written (left as they are; uninitialized when `out` is
     None). Offsets must be non-decreasing and at most `tokens`: they are read on the device only,
     so they are not checked."""
     from ..kernels.gemm.grouped_config import GroupedProblem, default_config, unsupported_reason
 
+    if a.dim() == 2 and b.dim() == 2:
+        return grouped_mm_wgrad(a, b, offs, out, config=config)
     check_cuda(NAME, a, b, offs, *([] if out is None else [out]))
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise UnsupportedError(f"{NAME}: dtypes {a.dtype} and {b.dtype} are not supported (use bfloat16)")
     if a.dim() != 2 or b.dim() != 3:
-        raise UnsupportedError(f"{NAME}: expected a (tokens, K) and b (groups, K, N), got shapes "
-                               f"{tuple(a.shape)} and {tuple(b.shape)}")
+        raise UnsupportedError(f"{NAME}: expected a (tokens, K) and b (groups, K, N), or a (M, tokens) and "
+                               f"b (tokens, N), got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     tokens, k = a.shape
     groups, kb, n = b.shape
     if kb != k:
@@ -82,4 +88,66 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.
     config = config or default_config(problem, tokens, n, k, groups, num_sms)
     kernel = _grouped_kernel(problem, config, num_sms)
     kernel(a_view, b_view, offs.contiguous(), out_view)
+    return out
+
+
+def _operand(t: torch.Tensor, modes: tuple[tuple[int, str], ...]) -> tuple[torch.Tensor, str]:
+    """A TMA view of 2-D `t` with the first of `modes` ((unit-stride mode, major) pairs) that
+    fits in place, else a copy with the first mode contiguous."""
+    for mode, major in modes:
+        view = _tma_view(t, mode)
+        if view is not None:
+            return view, major
+    mode, major = modes[0]
+    fresh = (t.t() if mode == 0 else t).clone(memory_format=torch.contiguous_format)  # an aligned copy
+    return _tma_view(fresh.t() if mode == 0 else fresh, mode), major
+
+
+def grouped_mm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None = None, *,
+                     config=None) -> torch.Tensor:
+    """out[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g], :] (offs[-1] taken as 0), bf16 with
+    fp32 accumulation: a (M, tokens), b (tokens, N), offs int32 (groups,) cumulative group ends
+    over the tokens; out (groups, M, N). The weight gradient of an MoE layer: autograd of
+    `_grouped_mm(x, w.transpose(-2, -1), offs)` asks for a = grad.t(), b = x.
+
+    Every group's output is written, zeros for an empty one. Tokens past offs[-1] do not
+    contribute; offsets must be non-decreasing (they are read on the device only, not checked;
+    offsets past `tokens` count as `tokens`)."""
+    from ..kernels.gemm.grouped_wgrad_config import WgradProblem, default_config, unsupported_reason
+
+    check_cuda(NAME, a, b, offs, *([] if out is None else [out]))
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise UnsupportedError(f"{NAME}: dtypes {a.dtype} and {b.dtype} are not supported (use bfloat16)")
+    if a.dim() != 2 or b.dim() != 2:
+        raise UnsupportedError(f"{NAME}: expected a (M, tokens) and b (tokens, N), got shapes "
+                               f"{tuple(a.shape)} and {tuple(b.shape)}")
+    m, tokens = a.shape
+    tokens_b, n = b.shape
+    if tokens_b != tokens:
+        raise UnsupportedError(f"{NAME}: a has {tokens} tokens but b has {tokens_b}")
+    if offs.dtype != torch.int32 or offs.dim() != 1:
+        raise UnsupportedError(f"{NAME}: offs must be 1-D int32, got {offs.dtype} of shape {tuple(offs.shape)}")
+    groups = offs.shape[0]
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (groups, m, n)):
+        raise UnsupportedError(f"{NAME}: out must be bfloat16 of shape {(groups, m, n)}, got {out.dtype} "
+                               f"of shape {tuple(out.shape)}")
+    reason = unsupported_reason(WgradProblem(), config, m=m, n=n, groups=groups)
+    if reason:
+        raise UnsupportedError(f"{NAME}: {reason}")
+    if out is None:
+        out = torch.empty(groups, m, n, device=a.device, dtype=torch.bfloat16)
+    out_view = _tma_view(out, 2)
+    if out_view is None:
+        raise UnsupportedError(f"{NAME}: out must be row-major with 16-byte aligned rows, got strides "
+                               f"{tuple(out.stride())}")
+    if tokens == 0:  # no token descriptor to build: every group is empty
+        return out.zero_()
+    token_major = tokens % 8 == 0  # the kernel's contiguous extents are multiples of 16 bytes
+    a_view, a_major = _operand(a, ((0, "m"), (1, "k"))[:1 + token_major])  # (M, tokens)
+    b_view, b_major = _operand(b, ((1, "n"), (0, "k"))[:1 + token_major])  # (tokens, N)
+    problem = WgradProblem("bfloat16", "bfloat16", a_major, b_major)
+    num_sms = sm_count(a.device.index or 0)
+    config = config or default_config(problem, m, n, tokens, groups, num_sms)
+    kernel = _grouped_kernel(problem, config, num_sms)
+    kernel(a_view, b_view.t(), offs.contiguous(), out_view.permute(1, 2, 0))
     return out

@@ -1,9 +1,12 @@
-"""Grouped GEMMs of mixture-of-experts layers (issue 14), forward: ours (host.grouped_mm, eager) vs
-Inductor's grouped-mm Triton template vs eager torch._grouped_mm, bf16, beside the matmul bound.
+"""Grouped GEMMs of mixture-of-experts layers (issue 14), forward and weight gradient: ours
+(host.grouped_mm, eager) vs Inductor's grouped-mm Triton template vs eager torch._grouped_mm, bf16,
+beside the matmul bound.
 
 Per model, token count (4096, 16384) and routing, the two expert projections of the forward pass:
   up    (tokens * topk, hidden) x (E, hidden, 2 * ffn): gate and up fused
   down  (tokens * topk, ffn) x (E, ffn, hidden)
+and their weight gradients (form "wgrad") as autograd asks for them: grad_out.t() (N, rows) x
+x (rows, K) -> (E, N, K), the groups splitting the reduction over the routed rows.
 The routed rows are sorted by expert; `offs` (int32, on the device) holds each expert's cumulative
 end. Routing: `balanced` gives every expert tokens * topk / E rows; `skewed` draws each token's
 topk distinct experts with Zipf popularity (exponent ZIPF_EXPONENT over a seeded shuffle of the
@@ -18,10 +21,11 @@ Runners (same a, b, offs):
                  (on its own evenly split offsets), cold caches; left out with a note where it
                  fails or its output code holds no Triton template
   aten           eager torch._grouped_mm (CUTLASS); the harness checks the others against it
-flops: 2 * tokens * topk * N * K (every routed row, whatever the routing). Bytes: a, the weights
-of the experts that have rows (an empty group's weight need not be read) and the output, once.
-The backward forms (dgrad: (tokens, N) x (E, N, K); wgrad: groups along the reduction) need
-kernels we do not have yet: their cases are left out until those exist.
+flops: 2 * tokens * topk * N * K (every routed row, whatever the routing). Bytes, forward: a, the
+weights of the experts that have rows (an empty group's weight need not be read) and the output,
+once; wgrad: both token operands and every expert's gradient (zeros for an empty one), once.
+The input gradient ((tokens, N) x (E, N, K)) is the forward form with another weight layout: its
+cases would repeat the forward's at swapped N and K.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ..case import Case, named
 
 TOKENS = (4096, 16384)
 ROUTINGS = ("balanced", "skewed")
+FORMS = ("fwd", "wgrad")
 PROJECTIONS = ("up", "down")
 ZIPF_EXPONENT = 1.0
 EMPTY_FRACTION = 1 / 8  # of the experts, at least one, get no token in skewed routing
@@ -66,10 +71,11 @@ class Grouped:
     projection: str  # up, down
     tokens: int
     routing: str  # balanced, skewed
+    form: str = "fwd"  # or "wgrad": the projection's weight gradient
 
     @property
     def name(self) -> str:
-        return f"{self.model.name} fwd {self.projection} T{self.tokens} {self.routing}"
+        return f"{self.model.name} {self.form} {self.projection} T{self.tokens} {self.routing}"
 
     @property
     def rows(self) -> int:
@@ -81,10 +87,13 @@ class Grouped:
         return (2 * m.ffn, m.hidden) if self.projection == "up" else (m.hidden, m.ffn)
 
 
-CASES = [Grouped(m, proj, t, r) for m in MODELS for t in TOKENS for r in ROUTINGS for proj in PROJECTIONS]
+CASES = [Grouped(m, proj, t, r, form) for form in FORMS for m in MODELS for t in TOKENS for r in ROUTINGS
+         for proj in PROJECTIONS]
 QUICK = [Grouped(_MODEL["DeepSeek-V3"], "up", 16384, "balanced"),
          Grouped(_MODEL["Qwen3-30B-A3B"], "up", 16384, "skewed"),
-         Grouped(_MODEL["Mixtral-8x7B"], "up", 4096, "balanced")]
+         Grouped(_MODEL["Mixtral-8x7B"], "up", 4096, "balanced"),
+         Grouped(_MODEL["Qwen3-30B-A3B"], "up", 16384, "skewed", "wgrad"),
+         Grouped(_MODEL["DeepSeek-V3"], "down", 4096, "balanced", "wgrad")]
 
 
 def balanced_sizes(tokens: int, topk: int, experts: int) -> list[int]:
@@ -121,17 +130,24 @@ def offsets(sizes: list[int], device="cpu") -> torch.Tensor:
 
 
 def cost(case: Grouped, sizes: list[int]) -> tuple[int, int]:
-    """(flops, bytes), bf16: a, the weights of the experts with rows, and the output."""
+    """(flops, bytes), bf16: a, the weights of the experts with rows, and the output; wgrad: both
+    token operands and every expert's gradient."""
     n, k = case.n_k
+    if case.form == "wgrad":
+        return 2 * case.rows * n * k, 2 * (case.rows * (k + n) + len(sizes) * k * n)
     used = sum(1 for s in sizes if s)
     return 2 * case.rows * n * k, 2 * (case.rows * k + used * k * n + case.rows * n)
 
 
 def make_inputs(case: Grouped, sizes: list[int], device="cuda", seed: int = SEED):
-    """a (rows, K), b (E, K, N) the transposed view of an (E, N, K) weight, offs int32 (E,)."""
+    """a (rows, K), b (E, K, N) the transposed view of an (E, N, K) weight, offs int32 (E,); wgrad:
+    a = grad_out.t() (N, rows), b = x (rows, K), offs, as autograd passes them."""
     n, k = case.n_k
     g = torch.Generator(device=device).manual_seed(seed)
     a = torch.randn(case.rows, k, generator=g, device=device, dtype=torch.bfloat16)
+    if case.form == "wgrad":
+        grad = torch.randn(case.rows, n, generator=g, device=device, dtype=torch.bfloat16)
+        return grad.mul_(case.rows ** -0.5).t(), a, offsets(sizes, device)
     weight = torch.randn(case.model.experts, n, k, generator=g, device=device, dtype=torch.bfloat16)
     weight.mul_(k ** -0.5)
     return a, weight.transpose(1, 2), offsets(sizes, device)
@@ -157,10 +173,15 @@ def triton_runner(a, b, offs):
 
 def _default_config_note(case: Grouped) -> str:
     from ...host.common import sm_count
+    from ...kernels.gemm import grouped_wgrad_config
     from ...kernels.gemm.grouped_config import GroupedProblem, default_config
 
     n, k = case.n_k
-    cfg = default_config(GroupedProblem(b_major="k"), case.rows, n, k, case.model.experts, sm_count(0))
+    if case.form == "wgrad":
+        cfg = grouped_wgrad_config.default_config(grouped_wgrad_config.WgradProblem(), n, k, case.rows,
+                                                  case.model.experts, sm_count(0))
+    else:
+        cfg = default_config(GroupedProblem(b_major="k"), case.rows, n, k, case.model.experts, sm_count(0))
     return f"ours default config {cfg.describe()}"
 
 
@@ -181,7 +202,8 @@ def _case(case: Grouped) -> Case:
         name=case.name,
         params={"model": m.name, "experts": m.experts, "topk": m.topk, "hidden": m.hidden, "ffn": m.ffn,
                 "projection": case.projection, "tokens": case.tokens, "routing": case.routing, "M": case.rows,
-                "N": n, "K": k, "empty_groups": empty, "max_group": max(sizes), "b_major": "k", "dtype": "bfloat16"},
+                "N": n, "K": k, "empty_groups": empty, "max_group": max(sizes), "form": case.form,
+                "b_major": "n" if case.form == "wgrad" else "k", "dtype": "bfloat16"},
         flops=flops, bytes=n_bytes, matmul=True, notes=notes,
         runners={"inductor_cute": lambda: grouped_mm(a, b, offs), "triton": triton,
                  "aten": lambda: torch._grouped_mm(a, b, offs)},

@@ -44,7 +44,7 @@ class CuteGroupedCaller(CuteGemmCaller):
         # make it read and write out of bounds, so such offsets are replaced by an even split.
         try:
             a, b, offs = args
-            args = (a, b, runtime.valid_offsets(offs, a.shape[0]))
+            args = (a, b, runtime.valid_offsets(offs, runtime.token_count(a, b)))
         except Exception as e:
             log.warning("inductor-cute %s dropped: its benchmark inputs: %s", self.description, first_line(e))
             return float("inf")

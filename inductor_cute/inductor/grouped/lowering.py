@@ -1,5 +1,8 @@
 """`aten._grouped_mm` under torch.compile: our grouped GEMM's configurations join the stock
-lowering's autotuning, beside ATen's `_grouped_mm` and Inductor's Triton template.
+lowering's autotuning, beside ATen's `_grouped_mm` and Inductor's Triton template. Two forms are
+served: the forward (2-D a x 3-D b, groups of tokens; the MoE backward's input gradient is this
+form too, with b the transposed weight) and the weight gradient (2-D a x 2-D b, groups splitting
+the reduction over tokens).
 
 The stock lowering (torch/_inductor/kernel/mm_grouped.py) builds its choices and hands them to
 `autotune_select_algorithm` with offsets its `input_gen_fns` make valid; it asks InductorChoices
@@ -27,7 +30,7 @@ from torch._inductor.virtualized import V
 
 from ...errors import first_line
 from ...host.common import sm_count
-from ...kernels.gemm import grouped_config
+from ...kernels.gemm import grouped_config, grouped_wgrad_config
 from ..gemm.choices import _static, backend_requested
 
 log = logging.getLogger(__name__)
@@ -84,16 +87,35 @@ def b_major(call: GroupedCall) -> str | None:
     return None if mode is None else ("k" if mode == 1 else "n")
 
 
+def is_wgrad(call: GroupedCall) -> bool:
+    """The weight-gradient form: 2-D a (M, tokens) x 2-D b (tokens, N) -> (groups, M, N)."""
+    return len(call.a_size) == 2 and len(call.b_size) == 2
+
+
+def wgrad_majors(call: GroupedCall) -> tuple[str, str] | None:
+    """How the weight-gradient kernel reads a (M, tokens) and b (tokens, N) in place, as
+    ops.grouped_mm picks it: (a_major "m" or "k", b_major "n" or "k"); None when it would copy.
+    Tokens contiguous only when their count is a static multiple of 8, as ops.grouped_mm takes them."""
+    tokens = call.b_size[0]
+    token_major = tokens is not None and tokens % 8 == 0
+    a_mode = _tma_mode(call.a_size, call.a_stride, (0, 1)[:1 + token_major])
+    b_mode = _tma_mode(call.b_size, call.b_stride, (1, 0)[:1 + token_major])
+    if a_mode is None or b_mode is None:
+        return None
+    return ("m" if a_mode == 0 else "k"), ("n" if b_mode == 1 else "k")
+
+
 def decline_reason(call: GroupedCall) -> str | None:
     """Why our grouped GEMM does not serve this call, in one line; None when it does: the forward
-    form (2-D a, 3-D b, offsets, no bias) in bf16, K, N and the group count static, every operand
-    read in place by TMA. The token count may be dynamic."""
+    form (2-D a, 3-D b) or the weight-gradient form (2-D a, 2-D b), with offsets and no bias, in
+    bf16, every size but the token count static, every operand read in place by TMA."""
     if call.output_code != "python":
         return f"{call.output_code} output code is not supported"
     if call.device_type != "cuda":
         return f"device {call.device_type} is not CUDA"
-    if len(call.a_size) != 2 or len(call.b_size) != 3:
-        return f"only 2-D a x 3-D b (MoE forward) is supported, got {len(call.a_size)}-D x {len(call.b_size)}-D"
+    if len(call.a_size) != 2 or len(call.b_size) not in (2, 3):
+        return (f"only 2-D a x 3-D b (MoE forward) and 2-D a x 2-D b (weight gradient) are supported, got "
+                f"{len(call.a_size)}-D x {len(call.b_size)}-D")
     if call.offs_size is None:
         return "no offsets"
     if call.has_bias:
@@ -102,6 +124,8 @@ def decline_reason(call: GroupedCall) -> str | None:
         return f"dtypes {call.a_dtype} x {call.b_dtype} -> {call.out_dtype} (need bfloat16 throughout)"
     if call.offs_dtype != torch.int32:
         return f"offsets of dtype {call.offs_dtype} (need int32)"
+    if is_wgrad(call):
+        return _wgrad_decline_reason(call)
     tokens, k = call.a_size
     groups, _, n = call.b_size
     if None in (k, n, groups) or call.offs_size != (groups,):
@@ -116,6 +140,27 @@ def decline_reason(call: GroupedCall) -> str | None:
     if b_major(call) is None:
         return f"b of strides {call.b_stride} is neither K- nor N-major with 16-byte rows (it would be copied)"
     if _tma_mode(call.out_size, call.out_stride, (1,)) is None:
+        return f"the output of strides {call.out_stride} is not row-major with 16-byte rows"
+    return None
+
+
+def _wgrad_decline_reason(call: GroupedCall) -> str | None:
+    m, tokens = call.a_size
+    n = call.b_size[1]
+    groups = call.offs_size[0] if len(call.offs_size) == 1 else None
+    if None in (m, n, groups):
+        return "M, N and the group count must be static"
+    if len(call.out_size) != 3:
+        return f"the output of shape {call.out_size} is not (groups, M, N)"
+    if tokens == 0:
+        return "no tokens"
+    reason = grouped_wgrad_config.unsupported_reason(grouped_wgrad_config.WgradProblem(), m=m, n=n, groups=groups)
+    if reason:
+        return reason
+    if wgrad_majors(call) is None:
+        return (f"a of strides {call.a_stride} or b of strides {call.b_stride} cannot be read in place by TMA "
+                f"(it would be copied)")
+    if _tma_mode(call.out_size, call.out_stride, (2,)) is None:
         return f"the output of strides {call.out_stride} is not row-major with 16-byte rows"
     return None
 
@@ -144,8 +189,23 @@ def grouped_call(input_nodes, layout, has_bias: bool) -> GroupedCall:
 # ------------------------------------------------------------------------------ our choices
 
 def _describe(call: GroupedCall, tokens: int) -> str:
+    if is_wgrad(call):
+        (m, _), (_, n), (groups,) = call.a_size, call.b_size, call.offs_size
+        return f"{m}x{n} over {tokens} tokens in {groups} groups (weight gradient)"
     groups, k, n = call.b_size
     return f"{tokens}x{n}x{k} in {groups} groups"
+
+
+def _problem_and_configs(call: GroupedCall, tokens: int, num_sms: int, exhaustive: bool):
+    """(problem, candidate configs, config module) of a call we serve."""
+    if is_wgrad(call):
+        m, n, groups = call.a_size[0], call.b_size[1], call.offs_size[0]
+        problem = grouped_wgrad_config.WgradProblem("bfloat16", "bfloat16", *wgrad_majors(call))
+        return (problem, grouped_wgrad_config.candidates(problem, m, n, tokens, groups, num_sms, exhaustive),
+                grouped_wgrad_config)
+    groups, k, n = call.b_size
+    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", b_major(call))
+    return problem, grouped_config.candidates(problem, tokens, n, k, groups, num_sms, exhaustive), grouped_config
 
 
 def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
@@ -167,19 +227,19 @@ def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
     from .extern import grouped_choice
     from .runtime import as_tuple
 
-    groups, k, n = call.b_size
-    tokens = V.graph.sizevars.optimization_hint(input_nodes[0].get_size()[0])
-    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", b_major(call))
+    tokens_mode = 1 if is_wgrad(call) else 0  # a (M, tokens) or (tokens, K)
+    tokens = V.graph.sizevars.optimization_hint(input_nodes[0].get_size()[tokens_mode])
     num_sms = sm_count(layout.device.index or 0)  # what ops.grouped_mm compiles for
     exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
-    configs = grouped_config.candidates(problem, tokens, n, k, groups, num_sms, exhaustive)
-    ready = precompile_choices(problem, configs, num_sms, spec_of=grouped_config.spec)
+    problem, configs, config_module = _problem_and_configs(call, tokens, num_sms, exhaustive)
+    ready = precompile_choices(problem, configs, num_sms, spec_of=config_module.spec)
     choice = grouped_choice()
     choices = [choice.bind(input_nodes, layout, spec_key=spec_key, description=cfg.describe(), problem=problem,
                            num_sms=num_sms, config=as_tuple(cfg))
                for cfg, spec_key in ready]
-    log.info("inductor-cute offers %d of %d choices for grouped_mm %s (b %s-major)", len(choices), len(configs),
-             _describe(call, tokens), problem.b_major)
+    majors = f"a {problem.a_major}-major, b {problem.b_major}-major" if is_wgrad(call) else f"b {problem.b_major}-major"
+    log.info("inductor-cute offers %d of %d choices for grouped_mm %s (%s)", len(choices), len(configs),
+             _describe(call, tokens), majors)
     return choices
 
 

@@ -29,7 +29,8 @@ def as_tuple(config: GroupedConfig) -> tuple:
 
 
 class GroupedLauncher:
-    """out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g] with one GroupedConfig (as `as_tuple`
+    """out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g] (or, for a 2-D b, the weight gradient
+    out[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]) with one GroupedConfig (as `as_tuple`
     spells it). Output code calls the bound `launch` with (a, b, offs, out) positionally."""
 
     __slots__ = ("config", "_config")
@@ -55,6 +56,12 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, out: tor
     if launcher is None:
         launcher = _LAUNCHERS.setdefault(config, GroupedLauncher(config))
     launcher.launch(a, b, offs, out)
+
+
+def token_count(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The extent the offsets split: a's rows in the forward form, b's rows (the reduction) in the
+    weight-gradient form (2-D b)."""
+    return b.shape[0] if b.dim() == 2 else a.shape[0]
 
 
 def valid_offsets(offs: torch.Tensor, tokens: int) -> torch.Tensor:

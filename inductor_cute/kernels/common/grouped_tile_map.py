@@ -159,3 +159,19 @@ def write_tables(mOffs: cute.Tensor, sEnds: cute.Tensor, sPrefix: cute.Tensor, t
         for g in range(first, last):
             running += sPrefix[g + 1]
             sPrefix[g + 1] = running
+
+
+@cute.jit
+def write_group_ends(mOffs: cute.Tensor, sEnds: cute.Tensor, tokens: Int32, tidx: Int32,
+                     threads: cutlass.Constexpr):
+    """sEnds[0] = 0, sEnds[g + 1] = min(offs[g], tokens): the token range of group g is
+    [sEnds[g], sEnds[g + 1]) (empty when the second is not larger). For kernels whose groups split
+    the reduction (a dense tile map over groups, no tile prefix); all `threads` threads call it
+    and then the caller syncs them."""
+    groups = mOffs.shape[0]
+    if tidx == 0:
+        sEnds[0] = Int32(0)
+    for base in range(0, groups, threads):  # a thread-independent trip count, as in write_tables
+        g = base + tidx
+        if g < groups:
+            sEnds[g + 1] = cutlass.min(mOffs[g], tokens)

@@ -57,10 +57,12 @@ def table_bytes(max_groups: int = MAX_GROUPS) -> int:
     return 2 * 4 * (max_groups + 1)
 
 
-def smem_bytes(cfg: GroupedConfig, ab_bytes: int = 2, out_bytes: int = 2) -> int:
+def smem_bytes(cfg: GroupedConfig, ab_bytes: int = 2, out_bytes: int = 2, tables: int = 2) -> int:
+    """Shared memory of one CTA with `tables` group tables (the forward keeps 2, the weight
+    gradient 1)."""
     ab = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes * cfg.stages
     epi = 64 * cfg.consumer_warpgroups * EPI_N * out_bytes * EPI_STAGES  # outgoing D subtiles
-    total = 1024 + ab + epi + table_bytes()  # 1 KB for mbarriers
+    total = 1024 + ab + epi + table_bytes() * tables // 2  # 1 KB for mbarriers
     return -(-total // 1024) * 1024  # the shared-storage struct is 1 KB aligned
 
 

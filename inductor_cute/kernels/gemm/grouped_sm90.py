@@ -45,11 +45,40 @@ from .sm90 import CUTE_DTYPES, HopperGemm
 class GroupedHopperGemm(HopperGemm):
     """The dense GEMM's CTA over a grouped tile map; cooperative consumers, no cluster."""
 
-    def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT):
+    def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT, a_major: str = "k"):
         dense = GemmConfig(config.tile_m, config.tile_n, config.tile_k, 1, 1, config.stages,
                            config.consumer_warpgroups, True, False)
-        super().__init__(dense, "k", b_major, False, False, None, num_sms=num_sms)
+        super().__init__(dense, a_major, b_major, False, False, None, num_sms=num_sms)
         self.grouped_cfg = config
+
+    def _epilogue_fragments(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, sD: cute.Tensor, ctid):
+        """A consumer thread's epilogue pieces: the stmatrix-shaped register-to-smem copy, its
+        smem destination, the accumulator retiled for it, each value's (m, n) in a subtile, and
+        fp32 / output-dtype registers of one subtile."""
+        c_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
+        tiled_copy_c = cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
+        r2s = cute.make_tiled_copy_S(
+            sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, Float32), tiled_copy_c)
+        thr_r2s = r2s.get_slice(ctid)
+        tRS_cD = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))
+        return (r2s, thr_r2s.partition_D(sD), r2s.retile(acc), tRS_cD,
+                cute.make_rmem_tensor(tRS_cD.shape, Float32), cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype))
+
+    @cute.jit
+    def _tma_store_subtile(self, r2s: cute.TiledCopy, tRS_rOut: cute.Tensor, tRS_sD_buf: cute.Tensor,
+                           tma_d: cute.CopyAtom, bsD_buf: cute.Tensor, bgD_e: cute.Tensor,
+                           epi_barrier: pipeline.NamedBarrier, store_pipe: pipeline.PipelineTmaStore,
+                           is_store_warp):
+        """Registers -> staging buffer (stmatrix) -> one TMA store by the store warp."""
+        cute.copy(r2s, tRS_rOut, tRS_sD_buf)
+        # make the generic-proxy smem writes visible to the TMA unit
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_barrier.arrive_and_wait()
+        if is_store_warp:
+            cute.copy(tma_d, bsD_buf, bgD_e)
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        epi_barrier.arrive_and_wait()
 
     def _shared_storage(self):
         st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
@@ -170,16 +199,7 @@ class GroupedHopperGemm(HopperGemm):
             acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tm, tn))).shape, Float32)
             k_blocks = cute.size(tCrA, mode=[2])
 
-            c_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
-            tiled_copy_c = cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
-            r2s = cute.make_tiled_copy_S(
-                sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, Float32), tiled_copy_c)
-            thr_r2s = r2s.get_slice(ctid)
-            tRS_sD = thr_r2s.partition_D(sD)
-            tRS_acc = r2s.retile(acc)
-            tRS_cD = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))  # (m, n) of each value
-            tRS_rD = cute.make_rmem_tensor(tRS_cD.shape, Float32)
-            tRS_rOut = cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype)
+            r2s, tRS_sD, tRS_acc, tRS_cD, tRS_rD, tRS_rOut = self._epilogue_fragments(tiled_mma, acc, sD, ctid)
             n_vals = cute.size(tRS_rD)
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
@@ -228,15 +248,9 @@ class GroupedHopperGemm(HopperGemm):
                     tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
                     if whole:
                         buf = n_stored % EPI_STAGES
-                        cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)])
-                        # make the generic-proxy smem writes visible to the TMA unit
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_barrier.arrive_and_wait()
-                        if is_store_warp:
-                            cute.copy(tma_d, bsD[(None, buf)], bgD[(None, e_coord)])
-                            store_pipe.producer_commit()
-                            store_pipe.producer_acquire()
-                        epi_barrier.arrive_and_wait()
+                        self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d,
+                                                bsD[(None, buf)], bgD[(None, e_coord)], epi_barrier, store_pipe,
+                                                is_store_warp)
                         n_stored += 1
                     else:
                         r_base = first_row + e_coord[0] * self.epi_tile[0]

@@ -1,0 +1,107 @@
+"""The weight-gradient form of `torch._grouped_mm` (MoE backward): problem, limits, candidates and
+kernel specs. Plain Python, usable without the CuTe DSL.
+
+    out[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g], :]      (offs[-1] taken as 0)
+
+a (M, T), b (T, N), offs int32 (E,) cumulative group ends over the tokens T on the device, out
+(E, M, N) row-major: the groups split the reduction, so every group has a whole (M, N) output
+(zeros for an empty group). Autograd of `_grouped_mm(x, w.transpose(-2, -1), offs)` calls it with
+a = grad_out.t() (M-major) and b = x (N-major). Tiles and stages are the forward's GroupedConfig;
+tile_k counts tokens. Same names as grouped_config.py: Problem, Config, unsupported_reason,
+candidates, default_config, spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from . import grouped_config
+from .config import SM_COUNT
+from .grouped_config import MAX_GROUPS, MAX_STAGES, GroupedConfig
+
+KERNEL_MODULE = "inductor_cute.kernels.gemm.grouped_wgrad_sm90"
+
+
+@dataclass(frozen=True)
+class WgradProblem:
+    """What a compiled weight-gradient kernel is specialised on; sizes and the group count stay
+    dynamic."""
+
+    dtype_name: str = "bfloat16"  # a and b
+    out_dtype_name: str = "bfloat16"
+    a_major: str = "m"  # "m": a (M, T) is the transposed view of a row-major (T, M); "k": tokens contiguous
+    b_major: str = "n"  # "n": b (T, N) row-major; "k": tokens contiguous
+
+    def as_params(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = None, *,
+                       m: int | None = None, n: int | None = None, groups: int | None = None) -> str | None:
+    """Why the weight-gradient kernel cannot run `problem` (with `config`; at these sizes where
+    given), in one line; None when it can."""
+    p = problem
+    if p.dtype_name not in grouped_config.INPUT_DTYPES or p.out_dtype_name not in grouped_config.INPUT_DTYPES:
+        return f"dtypes {p.dtype_name} -> {p.out_dtype_name} are not supported (use bfloat16)"
+    if p.a_major not in ("m", "k") or p.b_major not in ("n", "k"):
+        return "a_major must be 'm' or 'k' and b_major 'n' or 'k'"
+    if m is not None and (m < 1 or m % 8):
+        return f"M={m} must be a positive multiple of 8 (16-byte rows of the output for TMA)"
+    if n is not None and (n < 1 or n % 8):
+        return f"N={n} must be a positive multiple of 8 (16-byte rows of the output for TMA)"
+    if groups is not None and not 1 <= groups <= MAX_GROUPS:
+        return f"{groups} groups: between 1 and {MAX_GROUPS} are supported"
+    if config is None:
+        return None
+    # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
+    return grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name), config)
+
+
+def _deepest(cfg: GroupedConfig, p: WgradProblem) -> GroupedConfig | None:
+    for stages in range(MAX_STAGES, 1, -1):
+        candidate = dataclasses.replace(cfg, stages=stages)
+        if unsupported_reason(p, candidate) is None:
+            return candidate
+    return None
+
+
+def work_units(m: int, n: int, groups: int, tile_m: int, tile_n: int) -> int:
+    """Output tiles of all groups: every group has a whole (M, N) output, empty groups included."""
+    return groups * -(-m // tile_m) * -(-n // tile_n)
+
+
+def default_config(problem: WgradProblem, m: int, n: int, tokens: int | None = None, groups: int = 1,
+                   num_sms: int = SM_COUNT) -> GroupedConfig:
+    """Untuned: the largest tile that still gives every SM a work unit. Tokens do not change the
+    tile count (they are the reduction)."""
+    shapes = grouped_config._SHAPES
+    chosen = shapes[-1]
+    for shape in shapes:
+        if work_units(m, n, groups, shape[0], shape[1]) >= num_sms:
+            chosen = shape
+            break
+    return _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2]), problem)
+
+
+def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None, groups: int = 1,
+               num_sms: int = SM_COUNT, exhaustive: bool = False) -> list[GroupedConfig]:
+    """Valid configs: the default first, then the other tile shapes at their deepest pipelines
+    (and tile_k 128 with `exhaustive`)."""
+    out = [default_config(problem, m, n, tokens, groups, num_sms)]
+    for tm, tn, wg in grouped_config._SHAPES:
+        for tk in ((64, 128) if exhaustive else (64,)):
+            cfg = _deepest(GroupedConfig(tm, tn, tk, MAX_STAGES, wg), problem)
+            if cfg is not None and cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def spec(problem: WgradProblem, config: GroupedConfig, num_sms: int = SM_COUNT):
+    """The KernelSpec of one weight-gradient kernel."""
+    from ...runtime.spec import KernelSpec
+
+    return KernelSpec.make(KERNEL_MODULE, num_sms=num_sms, **problem.as_params(), **config.as_params())
+
+
+Problem, Config = WgradProblem, GroupedConfig

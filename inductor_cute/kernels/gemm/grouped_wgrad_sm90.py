@@ -1,0 +1,283 @@
+"""Grouped GEMM, weight-gradient form, on Hopper (sm_90a) in CuTe DSL: `torch._grouped_mm` of a
+2-D a and a 2-D b whose groups split the reduction (the MoE backward's weight gradient),
+
+    out[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g], :]   for every group g (offs[-1] = 0)
+
+in one persistent launch, the group sizes read on the device (no host sync).
+
+The forward's CTA (grouped_sm90.py: TMA producer warp, cooperative WGMMA consumers, stmatrix +
+TMA-store epilogue, `HopperGemm._setup` for layouts and MMA) over a dense tile map: every group
+has a whole (M, N) output, so the work units are (group, M tile, N tile), E * tiles_m * tiles_n
+of them, known on the host, dealt by `GroupedRaster` with the group as batch (tiles of one group
+run together and share its tokens in L2). Every CTA first reads `offs` into a shared-memory table
+of group ends; a unit's reduction runs over its group's tokens [start, end) in k-blocks of
+tile_k tokens from `start` (A and B are one TMA descriptor each over all tokens, offset to the
+group's first token). An empty group has no k-block and stores zeros.
+
+The group's last k-block runs past `end` into the next group's tokens (or TMA's zeros past the
+last token). Those tokens must not contribute. We chose to zero them in shared memory, in both
+operands (0 * inf would still be NaN), after the stage has landed and before the WGMMA reads it:
+the consumer warps write zeros, fence the generic proxy against the async one and meet at a
+named barrier. The other ways cost more where it matters: per-group tensor maps (TMA zero-fill
+at the group's edge) need descriptor updates in global memory and proxy fences whenever a CTA
+moves to another group, plus one descriptor slot per CTA, and a descriptor mistake can only be
+found on a GPU; masking accumulator rows is impossible since tokens are the reduction. The mask
+costs at most (tile_m + tile_n) * tile_k shared-memory stores per work unit, spread over the
+consumer threads, against the unit's whole group of tokens streamed through TMA.
+
+Tensor conventions of the jit function: a (M, T), M-major (a_major "m": the transposed view of a
+row-major (T, M), what autograd passes) or token-major ("k"); b (N, T), from torch's b (T, N) as
+b.t(): N-major ("n": b row-major) or token-major ("k"); offs int32 (E,); d (M, N, E), from torch's
+out (E, M, N) as out.permute(1, 2, 0), row-major. The compiled function (TVM-FFI, env stream) is
+f(a, b, offs, d).
+"""
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_tensor
+
+from ..common import barriers
+from ..common.grouped_tile_map import write_group_ends
+from ..common.tile_scheduler import GroupedRaster, TileScheduler
+from .config import EPI_STAGES, SM_COUNT
+from .grouped_config import MAX_GROUPS, GroupedConfig, smem_bytes
+from .grouped_sm90 import GroupedHopperGemm
+from .grouped_wgrad_config import WgradProblem, unsupported_reason
+from .sm90 import CUTE_DTYPES
+
+
+class GroupedWgradHopperGemm(GroupedHopperGemm):
+    """The forward's CTA over (group, M tile, N tile) work units, reducing over each group's
+    tokens; cooperative consumers, no cluster."""
+
+    def __init__(self, config: GroupedConfig, a_major: str, b_major: str, num_sms: int = SM_COUNT):
+        super().__init__(config, b_major, num_sms=num_sms, a_major=a_major)
+        self.a_major_mn, self.b_major_mn = a_major == "m", b_major == "n"  # tokens are not contiguous
+
+    def _shared_storage(self):
+        st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
+        ab_t, d_t = self.ab_dtype, self.d_dtype
+
+        @cute.struct
+        class SharedStorage:
+            ab_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            sA: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(lay_a)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(lay_b)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[d_t, cute.cosize(lay_d)], 1024]
+            sEnds: cute.struct.Align[cute.struct.MemRange[Int32, MAX_GROUPS + 1], 16]
+
+        return SharedStorage
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mOffs: cute.Tensor, mD: cute.Tensor,
+                 stream: cuda.CUstream):
+        self.ab_dtype, self.d_dtype = mA.element_type, mD.element_type
+        self._setup()
+        tm, tn, tk = self.tile_mnk
+        tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
+                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk))
+        tma_b, gB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
+                                                cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk))
+        tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
+                                                cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
+        work_units = cute.ceil_div(mD.shape[0], tm) * cute.ceil_div(mD.shape[1], tn) * mOffs.shape[0]
+        grid_z = TileScheduler.launch_clusters(work_units, self.max_clusters)
+        self.shared_storage = self._shared_storage()
+        assert self.shared_storage.size_in_bytes() == smem_bytes(
+            self.grouped_cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8, tables=1)
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mOffs, self.tiled_mma,
+                    self.sA_layout, self.sB_layout, self.sD_layout
+                    ).launch(grid=[1, 1, grid_z], block=[self.threads, 1, 1], cluster=[1, 1, 1],
+                             min_blocks_per_mp=1, stream=stream)
+
+    @staticmethod
+    def _token_range(sEnds: cute.Tensor, group):
+        """(first token, token count) of `group`, warp-uniform (see GroupedTileMap.create)."""
+        start = cute.arch.make_warp_uniform(sEnds[group])
+        end = cute.arch.make_warp_uniform(sEnds[group + 1])
+        return start, cutlass.max(end - start, 0)
+
+    @cute.jit
+    def _zero_tokens(self, stage: cute.Tensor, rows: cutlass.Constexpr, mn_major: cutlass.Constexpr, first, ctid):
+        """Zero tokens first.. of one (rows, tile_k) operand stage, spread over the consumer
+        threads (a trip count that is the same for all of them, predicated stores). M/N-major
+        stages take 16-byte stores of 8 rows of one token (contiguous under the swizzle),
+        token-major ones single elements (8 tokens may straddle `first`)."""
+        tk = self.tile_mnk[2]
+        vec = 8 if mn_major else 1
+        chunks = cute.zipped_divide(stage, (vec, 1))  # ((vec, 1), (rows // vec, tk))
+        zeros = cute.make_rmem_tensor(cute.make_layout(vec), self.ab_dtype)
+        zeros.fill(0.0)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype,
+                                    num_bits_per_copy=vec * self.ab_dtype.width)
+        per_token = rows // vec
+        for i in range(first * per_token, tk * per_token, self.epi_threads):
+            idx = i + ctid
+            if idx < tk * per_token:
+                cute.copy(store, zeros, chunks[(None, (idx % per_token, idx // per_token))])
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom, tB: cute.Tensor,
+               tma_d: cute.CopyAtom, tD: cute.Tensor, mOffs: cute.Tensor,
+               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               sD_layout: cute.ComposedLayout):
+        tm, tn, tk = self.tile_mnk
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_d)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
+        sEnds = storage.sEnds.get_tensor(cute.make_layout(MAX_GROUPS + 1))
+
+        ab_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))) + \
+            cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.tile_wgs),
+            tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+
+        # the group table; the CTA-wide sync after it also publishes the pipeline barriers' init
+        tokens = tA.shape[1]
+        write_group_ends(mOffs, sEnds, tokens, tidx, self.threads)
+        cute.arch.sync_threads()
+
+        gD = cute.local_tile(tD, (tm, tn), (None, None, None))  # (tm, tn, tiles_m, tiles_n, groups)
+        tiles = GroupedRaster.create(cute.size(gD, mode=[2]), cute.size(gD, mode=[3]), cute.size(gD, mode=[4]),
+                                     (1, 1), self.raster_group)
+        scheduler = TileScheduler.create(tiles, (0, 0))
+        epi_tiles = (tm // self.epi_tile[0], tn // self.epi_tile[1])
+        epi_order = cute.make_layout(epi_tiles, stride=(epi_tiles[1], 1))  # n fastest, like the acc
+        n_epi = epi_tiles[0] * epi_tiles[1]
+
+        # ================================================================ producer
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
+                work = scheduler.first()
+                while scheduler.valid(work):
+                    tile = scheduler.tile(work)
+                    start, count = self._token_range(sEnds, tile.batch)
+                    # k-blocks from the group's first token; the last one is masked by the consumers
+                    gA = cute.local_tile(cute.domain_offset((0, start), tA), (tm, tk), (tile.m, None))
+                    gB = cute.local_tile(cute.domain_offset((0, start), tB), (tn, tk), (tile.n, None))
+                    tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                                       cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                    tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                                       cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                    for kt in range(cute.ceil_div(count, tk)):
+                        ab_pipe.producer_acquire(ab_state)
+                        bar = ab_pipe.producer_get_barrier(ab_state)
+                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar)
+                        ab_pipe.producer_commit(ab_state)
+                        ab_state.advance()
+                    work = scheduler.next(work)
+                ab_pipe.producer_tail(ab_state)
+
+        # ================================================================ consumers
+        if wg_idx > 0:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            ctid = tidx - 128  # thread index among the consumer warp groups
+            # the epilogue's barrier (all consumer threads) also orders the boundary mask before the MMA
+            epi_barrier = pipeline.NamedBarrier(barrier_id=barriers.gemm_epilogue(0), num_threads=self.epi_threads)
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor((tm, tn))).shape, Float32)
+            k_blocks = cute.size(tCrA, mode=[2])
+            r2s, tRS_sD, tRS_acc, tRS_cD, tRS_rD, tRS_rOut = self._epilogue_fragments(tiled_mma, acc, sD, ctid)
+            n_vals = cute.size(tRS_rD)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=EPI_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
+            is_store_warp = warp_idx == 4
+
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+            n_done = Int32(0)
+            work = scheduler.first()
+            while scheduler.valid(work):
+                tile = scheduler.tile(work)
+                _, count = self._token_range(sEnds, tile.batch)
+                k_tiles = cute.ceil_div(count, tk)
+                tail = count - (k_tiles - 1) * tk  # tokens of the group in its last k-block
+                # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for kt in range(k_tiles):
+                    ab_pipe.consumer_wait(read_state)
+                    if kt == k_tiles - 1:
+                        if tail < tk:
+                            self._zero_tokens(sA[(None, None, read_state.index)], tm, self.a_major_mn, tail, ctid)
+                            self._zero_tokens(sB[(None, None, read_state.index)], tn, self.b_major_mn, tail, ctid)
+                            cute.arch.fence_proxy("async.shared", space="cta")  # before WGMMA reads them
+                            epi_barrier.arrive_and_wait()
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    warpgroup.commit_group()
+                    read_state.advance()
+                    if kt > 0:
+                        warpgroup.wait_group(1)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                warpgroup.wait_group(0)
+                if k_tiles > 0:
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+
+                # ---- epilogue: whole tiles by TMA (it clips at M and N), zeros for an empty group
+                gD_t = cute.zipped_divide(gD[(None, None, tile.m, tile.n, tile.batch)], self.epi_tile)
+                bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
+                for e in cutlass.range_constexpr(n_epi):
+                    for v in cutlass.range_constexpr(n_vals):
+                        tRS_rD[v] = tRS_acc[e * n_vals + v]
+                    tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
+                    buf = (n_done * n_epi + e) % EPI_STAGES
+                    self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d, bsD[(None, buf)],
+                                            bgD[(None, epi_order.get_hier_coord(e))], epi_barrier, store_pipe,
+                                            is_store_warp)
+                n_done += 1
+                work = scheduler.next(work)
+            store_pipe.producer_tail()
+
+
+# ----------------------------------------------------------------------------- build
+def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
+          num_sms=SM_COUNT):
+    """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
+    problem = WgradProblem(dtype_name, out_dtype_name, a_major, b_major)
+    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups)
+    err = unsupported_reason(problem, cfg)
+    if err:
+        raise ValueError(err)
+    ab_t, d_t = CUTE_DTYPES[dtype_name], CUTE_DTYPES[out_dtype_name]
+    # one symbol per extent shared by all tensors, so the FFI checks that they agree
+    M = cute.sym_int(divisibility=8)
+    N = cute.sym_int(divisibility=8)
+    T = cute.sym_int(divisibility=8 if "k" in (a_major, b_major) else 1)
+    E = cute.sym_int()
+
+    def ld():
+        return cute.sym_int64(divisibility=8)  # TMA needs 16-byte aligned strides
+
+    a = make_fake_tensor(ab_t, (M, T), stride=(1, ld()) if a_major == "m" else (ld(), 1), assumed_align=16)
+    b = make_fake_tensor(ab_t, (N, T), stride=(1, ld()) if b_major == "n" else (ld(), 1), assumed_align=16)
+    offs = make_fake_tensor(Int32, (E,), stride=(1,), assumed_align=4)
+    d = make_fake_tensor(d_t, (M, N, E), stride=(ld(), 1, ld()), assumed_align=16)
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return GroupedWgradHopperGemm(cfg, a_major, b_major, num_sms=num_sms), (a, b, offs, d, stream)

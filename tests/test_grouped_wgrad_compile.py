@@ -1,0 +1,88 @@
+"""The grouped GEMM's weight-gradient form (MoE backward) compiled for sm_90a on the CPU: WGMMA and
+TMA in the PTX, the boundary k-block's shared-memory mask, no spills, WGMMAs not serialized; and
+its config rules. GPU runs: tests/gpu/test_grouped_wgrad_gpu.py."""
+
+import re
+
+import pytest
+
+from inductor_cute.kernels.gemm.config import SMEM_BUDGET
+from inductor_cute.kernels.gemm.grouped_config import MAX_GROUPS, GroupedConfig, smem_bytes
+from inductor_cute.kernels.gemm.grouped_wgrad_config import (WgradProblem, candidates, default_config, spec,
+                                                             unsupported_reason, work_units)
+from inductor_cute.runtime.compiler import compile_spec
+
+AUTOGRAD = WgradProblem("bfloat16", "bfloat16", "m", "n")  # a = grad.t(), b = x
+TOKEN_MAJOR = WgradProblem("bfloat16", "bfloat16", "k", "k")
+
+VARIANTS = {
+    "autograd-layout-default": (AUTOGRAD, default_config(AUTOGRAD, 7168, 4096, 8192, groups=32)),
+    "token-major-64x128-one-warpgroup": (TOKEN_MAJOR, GroupedConfig(64, 128, 64, 8, 1)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def compiled(request):
+    problem, config = VARIANTS[request.param]
+    result = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True)
+    result.problem = problem
+    return result
+
+
+def test_uses_wgmma_tma_and_the_boundary_mask(compiled):
+    ptx = compiled.ptx
+    assert re.search(r"^\.target sm_90a\b", ptx, re.M)
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx  # the mask's writes, before the WGMMA reads them
+    # zeros into the A and B stages: 16-byte stores where tokens are not contiguous, else 2-byte
+    vector_zeros = len(re.findall(r"st\.shared\.v4\.b32\s+\[[^\]]+\], \{0, 0, 0, 0\}", ptx))
+    scalar_zeros = len(re.findall(r"st\.shared\.b16\s+\[[^\]]+\], 0x0000", ptx))
+    mn_major = [compiled.problem.a_major == "m", compiled.problem.b_major == "n"]
+    assert (vector_zeros, scalar_zeros) == (sum(mn_major), 2 - sum(mn_major))
+
+
+def test_ptxas_reports_no_spills_and_no_serialized_wgmma(compiled):
+    report = compiled.ptxas_report
+    assert report and "Used" in report
+    assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report)
+    assert not re.search(r"[1-9]\d* bytes spill", report)
+    assert "C7519" not in report  # "wgmma.mma_async instructions are serialized"
+
+
+def test_variants_fit_shared_memory():
+    for problem, config in VARIANTS.values():
+        assert unsupported_reason(problem, config) is None
+        assert smem_bytes(config, tables=1) <= smem_bytes(config) <= SMEM_BUDGET
+
+
+def test_default_config_gives_every_sm_a_unit():
+    big = default_config(AUTOGRAD, 7168, 4096, 8192, groups=32)
+    assert (big.tile_m, big.tile_n, big.consumer_warpgroups) == (128, 256, 2)
+    small = default_config(AUTOGRAD, 256, 128, 100, groups=2)  # 2 groups of one 128x128 tile at most
+    assert work_units(256, 128, 2, small.tile_m, small.tile_n) >= work_units(256, 128, 2, 128, 128)
+    cands = candidates(AUTOGRAD, 2048, 1536, 16384, groups=128)
+    assert cands[0] == default_config(AUTOGRAD, 2048, 1536, 16384, groups=128)
+    assert len(set(cands)) == len(cands) and all(unsupported_reason(AUTOGRAD, c) is None for c in cands)
+    assert any(c.tile_k == 128 for c in candidates(AUTOGRAD, 2048, 1536, groups=128, exhaustive=True))
+
+
+def test_work_units_count_empty_groups():
+    assert work_units(200, 300, 3, 128, 256) == 3 * 2 * 2
+
+
+def test_unsupported_inputs_are_named():
+    assert "bfloat16" in unsupported_reason(WgradProblem("float16", "float16"))
+    assert "a_major" in unsupported_reason(WgradProblem(a_major="n"))
+    assert "M=100" in unsupported_reason(AUTOGRAD, m=100)
+    assert "N=12" in unsupported_reason(AUTOGRAD, n=12)
+    assert str(MAX_GROUPS) in unsupported_reason(AUTOGRAD, groups=MAX_GROUPS + 1)
+    assert "shared memory" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 128, 4, 2))
+    assert unsupported_reason(AUTOGRAD, m=7168, n=4096, groups=256) is None
+
+
+def test_layout_is_part_of_the_kernel_spec():
+    cfg = GroupedConfig(128, 128, 64, 6, 2)
+    assert spec(AUTOGRAD, cfg).name != spec(TOKEN_MAJOR, cfg).name
+    assert spec(AUTOGRAD, cfg).module.endswith("grouped_wgrad_sm90")
