@@ -20,12 +20,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 from ..common.units import LOG2E, NEG_INF
+from . import fake_operands as fake
+from .fake_operands import CUTE_DTYPES
 from .flex_backward_config import DTYPES
 
-CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 ROWS_PER_CTA = 4  # one warp per row
 
 
@@ -71,13 +71,10 @@ def build(head_dim_v: int, dtype_name: str):
     dt = CUTE_DTYPES[dtype_name]
     B, H, L, Lpad = (cute.sym_int() for _ in range(4))
 
-    def strides():
-        return (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
-
-    out = make_fake_tensor(dt, (B, H, L, head_dim_v), stride=strides(), assumed_align=16)
-    grad_out = make_fake_tensor(dt, (B, H, L, head_dim_v), stride=strides(), assumed_align=16)
-    lse = make_fake_compact_tensor(Float32, (B, H, L), stride_order=(2, 1, 0))
-    delta = make_fake_compact_tensor(Float32, (B, H, Lpad), stride_order=(2, 1, 0))
-    lse2 = make_fake_compact_tensor(Float32, (B, H, Lpad), stride_order=(2, 1, 0))
+    out = fake.strided(dt, (B, H, L, head_dim_v))
+    grad_out = fake.strided(dt, (B, H, L, head_dim_v))
+    lse = fake.compact(Float32, (B, H, L))
+    delta = fake.compact(Float32, (B, H, Lpad))
+    lse2 = fake.compact(Float32, (B, H, Lpad))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return FlexBackwardPreprocess(head_dim_v, dtype_name), (out, grad_out, lse, delta, lse2, stream)

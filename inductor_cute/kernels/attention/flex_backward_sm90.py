@@ -52,16 +52,15 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.programs.score import MAX_TENSORS
 from .accumulator import acc_as_operand_a, check_acc_layout
 from .backward_tiles import gemm_rs, gemm_ss, store_rows, transpose_view
+from . import fake_operands as fake
 from .block_sparse import BlockSparse
 from .flex_backward_config import (CONSUMER_WARPGROUPS, KV_BLOCK, Q_STEP, FlexBackwardConfig, FlexBackwardProblem,
                                    config_error, from_params, smem_bytes)
-from .flex_prefill_sm90 import CUTE_DTYPES, SCORE_TENSOR_DTYPES
+from .fake_operands import CUTE_DTYPES
 from .mask import ScoreMods
 from .pack_gqa import PackGQA
 
@@ -357,26 +356,16 @@ def build(**params):
     dt = CUTE_DTYPES[problem.dtype_name]
     B, Hq, Hkv, Lq, Lkv, Lpad = (cute.sym_int() for _ in range(6))
 
-    def strides():
-        return (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
-
-    q = make_fake_tensor(dt, (B, Hq, Lq, dqk), stride=strides(), assumed_align=16)
-    k = make_fake_tensor(dt, (B, Hkv, Lkv, dqk), stride=strides(), assumed_align=16)
-    v = make_fake_tensor(dt, (B, Hkv, Lkv, dv), stride=strides(), assumed_align=16)
-    grad_out = make_fake_tensor(dt, (B, Hq, Lq, dv), stride=strides(), assumed_align=16)
-    lse2 = make_fake_compact_tensor(Float32, (B, Hq, Lpad), stride_order=(2, 1, 0))
-    delta = make_fake_compact_tensor(Float32, (B, Hq, Lpad), stride_order=(2, 1, 0))
-    dk = make_fake_compact_tensor(dt, (B, Hkv, Lkv, dqk), stride_order=(3, 2, 1, 0), assumed_align=16)
-    dv_ = make_fake_compact_tensor(dt, (B, Hkv, Lkv, dv), stride_order=(3, 2, 1, 0), assumed_align=16)
-    block_mask = [None] * 4
-    if problem.sparse_block:
-        Z, H, KVb, C, Cf = (cute.sym_int() for _ in range(5))
-        block_mask = [make_fake_compact_tensor(Int32, (Z, H, KVb), stride_order=(2, 1, 0)),
-                      make_fake_compact_tensor(Int32, (Z, H, KVb, C), stride_order=(3, 2, 1, 0)),
-                      make_fake_compact_tensor(Int32, (Z, H, KVb), stride_order=(2, 1, 0)),
-                      make_fake_compact_tensor(Int32, (Z, H, KVb, Cf), stride_order=(3, 2, 1, 0))]
-    masks = ([make_fake_compact_tensor(SCORE_TENSOR_DTYPES[d], (cute.sym_int(),)) for d in problem.mask_dtypes]
-             + [None] * (MAX_TENSORS - len(problem.mask_dtypes)))
+    q = fake.strided(dt, (B, Hq, Lq, dqk))
+    k = fake.strided(dt, (B, Hkv, Lkv, dqk))
+    v = fake.strided(dt, (B, Hkv, Lkv, dv))
+    grad_out = fake.strided(dt, (B, Hq, Lq, dv))
+    lse2 = fake.compact(Float32, (B, Hq, Lpad))
+    delta = fake.compact(Float32, (B, Hq, Lpad))
+    dk = fake.compact(dt, (B, Hkv, Lkv, dqk), aligned=True)
+    dv_ = fake.compact(dt, (B, Hkv, Lkv, dv), aligned=True)
+    block_mask = fake.block_mask(problem.sparse_block > 0)
+    masks = fake.captured(problem.mask_dtypes)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return FlexBackwardSm90(problem, config), (q, k, v, grad_out, lse2, delta, dk, dv_, Float32(1.0), Float32(1.0),
                                                *block_mask, *masks, stream)

@@ -56,23 +56,19 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import barriers
-from ..common.programs.score import MAX_TENSORS
 from .accumulator import acc_as_operand_a, check_acc_layout, row_half
+from . import fake_operands as fake
 from .block_sparse import BlockSparse, deal_over_splits
 from .combine import SplitCombine
+from .fake_operands import CUTE_DTYPES
 from .flex_decode_config import (ROWS, FlexDecodeConfig, FlexDecodeProblem, config_error, from_params, pack_factor,
                                  smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
 from .softmax import online_softmax, softmax_finalize, softmax_state
-
-CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-SCORE_TENSOR_DTYPES = {"float32": Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
-                       "int32": Int32}
 
 
 class FlexDecodeSm90:
@@ -352,31 +348,17 @@ def build(**params):
     # One symbol per extent shared by every tensor, so the FFI checks that they agree.
     B, Hq, Hkv, Lq, Lkv, S = (cute.sym_int() for _ in range(6))
 
-    def strides():
-        return (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
-
-    q = make_fake_tensor(dt, (B, Hq, Lq, head_dim_qk), stride=strides(), assumed_align=16)
+    q = fake.strided(dt, (B, Hq, Lq, head_dim_qk))
     B_kv = 1 if problem.kv_batch_broadcast else B  # one cache shared by every query batch
-    k = make_fake_tensor(dt, (B_kv, Hkv, Lkv, head_dim_qk), stride=strides(), assumed_align=16)
-    v = make_fake_tensor(dt, (B_kv, Hkv, Lkv, head_dim_v), stride=strides(), assumed_align=16)
-    kv_len = make_fake_compact_tensor(cutlass.Int32, (B,)) if problem.has_kv_len else None
-    o_part = make_fake_compact_tensor(Float32, (S, B, Hq, Lq, head_dim_v), stride_order=(4, 3, 2, 1, 0),
-                                      assumed_align=16)
-    lse_part = make_fake_compact_tensor(Float32, (S, B, Hq, Lq), stride_order=(3, 2, 1, 0))
-    out = make_fake_compact_tensor(dt, (B, Hq, Lq, head_dim_v), stride_order=(3, 2, 1, 0), assumed_align=16)
-    lse = make_fake_compact_tensor(Float32, (B, Hq, Lq), stride_order=(2, 1, 0))
-    def captured(dtypes):
-        return ([make_fake_compact_tensor(SCORE_TENSOR_DTYPES[dt], (cute.sym_int(),)) for dt in dtypes]
-                + [None] * (MAX_TENSORS - len(dtypes)))
-
-    block_mask = [None] * 4
-    if problem.sparse_block:
-        Z, H, Qb, C, Cf = (cute.sym_int() for _ in range(5))
-        block_mask = [make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
-                      make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb, C), stride_order=(3, 2, 1, 0)),
-                      make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
-                      make_fake_compact_tensor(cutlass.Int32, (Z, H, Qb, Cf), stride_order=(3, 2, 1, 0))]
+    k = fake.strided(dt, (B_kv, Hkv, Lkv, head_dim_qk))
+    v = fake.strided(dt, (B_kv, Hkv, Lkv, head_dim_v))
+    kv_len = fake.compact(Int32, (B,)) if problem.has_kv_len else None
+    o_part = fake.compact(Float32, (S, B, Hq, Lq, head_dim_v), aligned=True)
+    lse_part = fake.compact(Float32, (S, B, Hq, Lq))
+    out = fake.compact(dt, (B, Hq, Lq, head_dim_v), aligned=True)
+    lse = fake.compact(Float32, (B, Hq, Lq))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return FlexDecodeSm90(problem, config), (q, k, v, kv_len, o_part, lse_part, out, lse, Float32(1.0),
-                                             Float32(1.0), *captured(problem.score_dtypes), *block_mask,
-                                             *captured(problem.mask_dtypes), stream)
+                                             Float32(1.0), *fake.captured(problem.score_dtypes),
+                                             *fake.block_mask(problem.sparse_block > 0),
+                                             *fake.captured(problem.mask_dtypes), stream)

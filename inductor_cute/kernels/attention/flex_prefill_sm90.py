@@ -48,14 +48,14 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import barriers
-from ..common.programs.score import MAX_TENSORS
 from ..common.units import LN2
 from .accumulator import acc_as_operand_a, check_acc_layout, row_half
+from . import fake_operands as fake
 from .block_sparse import BlockSparse
+from .fake_operands import CUTE_DTYPES
 from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfig, FlexPrefillProblem, config_error,
                                   from_params, smem_bytes)
 from .mask import ScoreMods, mask_past_end
@@ -63,9 +63,6 @@ from .pack_gqa import PackGQA
 from .softmax import online_softmax_scores, rescale_rows, softmax_finalize, softmax_state
 from .tile_order import LongestFirst, section_width
 
-CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-SCORE_TENSOR_DTYPES = {"float32": Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
-                       "int32": Int32}
 
 
 class FlexPrefillSm90:
@@ -394,27 +391,13 @@ def build(**params):
     # One symbol per extent shared by every tensor, so the FFI checks that they agree.
     B, Hq, Hkv, Lq, Lkv = (cute.sym_int() for _ in range(5))
 
-    def strides():
-        return (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
-
-    q = make_fake_tensor(dt, (B, Hq, Lq, dqk), stride=strides(), assumed_align=16)
-    k = make_fake_tensor(dt, (B, Hkv, Lkv, dqk), stride=strides(), assumed_align=16)
-    v = make_fake_tensor(dt, (B, Hkv, Lkv, dv), stride=strides(), assumed_align=16)
-    out = make_fake_compact_tensor(dt, (B, Hq, Lq, dv), stride_order=(3, 2, 1, 0), assumed_align=16)
-    lse = make_fake_compact_tensor(Float32, (B, Hq, Lq), stride_order=(2, 1, 0))
-
-    def captured(dtypes):
-        return ([make_fake_compact_tensor(SCORE_TENSOR_DTYPES[d], (cute.sym_int(),)) for d in dtypes]
-                + [None] * (MAX_TENSORS - len(dtypes)))
-
-    block_mask = [None] * 4
-    if problem.sparse_block:
-        Z, H, Qb, C, Cf = (cute.sym_int() for _ in range(5))
-        block_mask = [make_fake_compact_tensor(Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
-                      make_fake_compact_tensor(Int32, (Z, H, Qb, C), stride_order=(3, 2, 1, 0)),
-                      make_fake_compact_tensor(Int32, (Z, H, Qb), stride_order=(2, 1, 0)),
-                      make_fake_compact_tensor(Int32, (Z, H, Qb, Cf), stride_order=(3, 2, 1, 0))]
+    q = fake.strided(dt, (B, Hq, Lq, dqk))
+    k = fake.strided(dt, (B, Hkv, Lkv, dqk))
+    v = fake.strided(dt, (B, Hkv, Lkv, dv))
+    out = fake.compact(dt, (B, Hq, Lq, dv), aligned=True)
+    lse = fake.compact(Float32, (B, Hq, Lq))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return FlexPrefillSm90(problem, config), (q, k, v, out, lse, Float32(1.0), Float32(1.0),
-                                              *captured(problem.score_dtypes), *block_mask,
-                                              *captured(problem.mask_dtypes), stream)
+                                              *fake.captured(problem.score_dtypes),
+                                              *fake.block_mask(problem.sparse_block > 0),
+                                              *fake.captured(problem.mask_dtypes), stream)
