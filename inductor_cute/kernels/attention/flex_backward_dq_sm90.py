@@ -42,6 +42,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .accumulator import acc_as_operand_a, check_acc_layout, row_half
 from .backward_tiles import gemm_rs, gemm_ss, store_rows, transpose_view
+from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
 from .flex_backward_config import (CONSUMER_WARPGROUPS, DQ_KV_STEP, DQ_Q_BLOCK, FlexBackwardConfig,
@@ -150,19 +151,11 @@ class FlexBackwardDqSm90:
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMER_WARPGROUPS)  # one arrive per warp
-        one_cta = cute.make_layout((1, 1, 1, 1))
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_bars.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
-            tx_count=cute.size_in_bytes(self.dtype, sQ_layout) + cute.size_in_bytes(self.dtype, sdO_layout),
-            cta_layout_vmnk=one_cta, defer_sync=True)
-        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0))) + \
-            cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_bars.data_ptr(), num_stages=self.config.dq_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
-            tx_count=stage_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
+        consumer_warps = 4 * CONSUMER_WARPGROUPS
+        q_pipe = tma_pipeline(storage.q_bars, 1, cute.size_in_bytes(self.dtype, sQ_layout) +
+                              cute.size_in_bytes(self.dtype, sdO_layout), consumer_warps)
+        kv_pipe = tma_pipeline(storage.kv_bars, self.config.dq_stages, stage_bytes(self.dtype, sK_layout, sV_layout),
+                               consumer_warps)
         cute.arch.mbarrier_init_fence()
 
         # the CTA's KV blocks: the whole sequence, or the block mask's partial then full blocks of

@@ -56,6 +56,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .accumulator import acc_as_operand_a, check_acc_layout
 from .backward_tiles import gemm_rs, gemm_ss, store_rows, transpose_view
+from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
 from .flex_backward_config import (CONSUMER_WARPGROUPS, KV_BLOCK, Q_STEP, FlexBackwardConfig, FlexBackwardProblem,
@@ -177,19 +178,11 @@ class FlexBackwardSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMER_WARPGROUPS)  # one arrive per warp
-        one_cta = cute.make_layout((1, 1, 1, 1))
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_bars.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
-            tx_count=cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout),
-            cta_layout_vmnk=one_cta, defer_sync=True)
-        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0))) + \
-            cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_bars.data_ptr(), num_stages=self.config.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
-            tx_count=stage_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
+        consumer_warps = 4 * CONSUMER_WARPGROUPS
+        kv_pipe = tma_pipeline(storage.kv_bars, 1, cute.size_in_bytes(self.dtype, sK_layout) +
+                               cute.size_in_bytes(self.dtype, sV_layout), consumer_warps)
+        q_pipe = tma_pipeline(storage.q_bars, self.config.stages, stage_bytes(self.dtype, sQ_layout, sdO_layout),
+                              consumer_warps)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

@@ -60,6 +60,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import barriers
 from .accumulator import acc_as_operand_a, check_acc_layout, row_half
+from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse, deal_over_splits
 from .combine import SplitCombine
@@ -169,13 +170,8 @@ class FlexDecodeSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0))) + \
-            cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_bars.data_ptr(), num_stages=self.config.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs),  # one arrive per warp
-            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        kv_pipe = tma_pipeline(storage.kv_bars, self.config.stages, stage_bytes(self.dtype, sK_layout, sV_layout),
+                               4 * self.wgs)
         cute.arch.mbarrier_init_fence()
 
         # The split's KV blocks: this batch's length cut into blocks (or the block mask's list of

@@ -53,6 +53,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common import barriers
 from ..common.units import LN2
 from .accumulator import acc_as_operand_a, check_acc_layout, row_half
+from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
 from .fake_operands import CUTE_DTYPES
@@ -183,18 +184,10 @@ class FlexPrefillSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # O is staged where Q was
-        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0))) + \
-            cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * CONSUMER_WARPGROUPS)  # one arrive per warp
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_bars.data_ptr(), num_stages=self.config.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
-            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
-        q_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_bars.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
-            tx_count=cute.size_in_bytes(self.dtype, sQ_layout), cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True)
+        consumer_warps = 4 * CONSUMER_WARPGROUPS
+        kv_pipe = tma_pipeline(storage.kv_bars, self.config.stages, stage_bytes(self.dtype, sK_layout, sV_layout),
+                               consumer_warps)
+        q_pipe = tma_pipeline(storage.q_bars, 1, cute.size_in_bytes(self.dtype, sQ_layout), consumer_warps)
         cute.arch.mbarrier_init_fence()
 
         # The CTA's KV blocks: the whole sequence, or the block mask's partial then full blocks of
