@@ -171,3 +171,18 @@ def test_harness_compares_tuple_outputs_one_by_one():
     assert "returned 1 outputs" in bad["aten"] and "#1 has shape" in bad["flash"]
     scaled = dict(harness._check(dataclasses.replace(case, atol_of_max=True), outputs, ref))
     assert set(scaled) == {"inductor_cute", "aten", "flash"} and "#1 differs" in scaled["inductor_cute"]
+
+
+def test_stock_and_flash_runners_decline_with_the_reason_where_they_cannot_run():
+    """Here (CPU: flex_attention has no backward) both compiled runners come back None with why,
+    and the case keeps its other runners; on the GPU machine flash does so without flash-attn-4."""
+    torch._dynamo.reset()
+    p = TINY["causal"]
+    mods = fp.mods_of(p, device="cpu")
+    q, k, v, grad_out = fb.make_inputs(p, fp.kept_pairs(mods.mask_mod, p.s, p.s), device="cpu")
+    kw = fp.flex_kwargs(mods, fp.block_mask_of(p, mods, device="cpu"))
+    stock, stock_note = fb.stock_runner(q, k, v, grad_out, 0.2, kw)
+    assert stock is None and stock_note.startswith("triton omitted: default failed: ")
+    assert "max-autotune-no-cudagraphs failed: " in stock_note
+    flash, flash_note = fb.flash_runner(q, k, v, grad_out, 0.2, kw)
+    assert flash is None and flash_note.startswith("flash omitted: ")

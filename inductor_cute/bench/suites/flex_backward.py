@@ -164,20 +164,27 @@ def _flex(scale: float, kwargs: dict, kernel_options: dict | None = None) -> Cal
     return attend
 
 
-def stock_runner(q, k, v, grad_out, scale: float, kwargs: dict) -> tuple[Callable, str]:
+def stock_runner(q, k, v, grad_out, scale: float, kwargs: dict) -> tuple[Callable | None, str]:
     """Stock flex_attention compiled in default and max-autotune-no-cudagraphs modes, forward and
-    backward: (the step of the faster mode, note with both times)."""
+    backward: (the step of the faster mode, note with both times); a mode that fails is noted
+    (e.g. a backward out of shared memory at a large head dim), (None, why) when both do."""
+    from ...errors import first_line
     from ..timing import time_us
 
-    timed = {}
+    timed, failed = {}, []
     for mode in ("default", "max-autotune-no-cudagraphs"):
-        compiled = torch.compile(_flex(scale, kwargs), dynamic=False, mode=None if mode == "default" else mode)
-        step = autograd_step(compiled, q, k, v, grad_out)
-        step()
-        timed[mode] = (time_us(step), step)
+        try:
+            compiled = torch.compile(_flex(scale, kwargs), dynamic=False, mode=None if mode == "default" else mode)
+            step = autograd_step(compiled, q, k, v, grad_out)
+            step()
+            timed[mode] = (time_us(step), step)
+        except Exception as e:  # one mode's failure must not lose the case
+            failed.append(f"{mode} failed: {first_line(e)[:160]}")
+    if not timed:
+        return None, "triton omitted: " + "; ".join(failed)
     best = min(timed, key=lambda m: timed[m][0])
-    return timed[best][1], ("stock fwd+bwd " + ", ".join(f"{m} {t:.1f} us" for m, (t, _) in timed.items())
-                            + f": triton is {best}")
+    return timed[best][1], ("stock fwd+bwd " + ", ".join([*(f"{m} {t:.1f} us" for m, (t, _) in timed.items()),
+                                                          *failed]) + f": triton is {best}")
 
 
 def flash_runner(q, k, v, grad_out, scale: float, kwargs: dict) -> tuple[Callable | None, str]:
