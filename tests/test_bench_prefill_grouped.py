@@ -172,9 +172,11 @@ def test_grouped_cases_and_names(quick):
     if quick:
         assert names == ["DeepSeek-V3 fwd up T16384 balanced", "Qwen3-30B-A3B fwd up T16384 skewed",
                          "Mixtral-8x7B fwd up T4096 balanced", "Qwen3-30B-A3B wgrad up T16384 skewed",
-                         "DeepSeek-V3 wgrad down T4096 balanced"]
+                         "DeepSeek-V3 wgrad down T4096 balanced", "DeepSeek-V3 dgrad up T16384 skewed"]
         return
-    assert len(names) == 2 * 5 * 2 * 2 * 2
+    assert len(names) == 2 * 5 * 2 * 2 * 2 + 2 * 2 * 2 * 2  # dgrad for the issue's two backward models
+    assert {c.model.name for c in gg.CASES if c.form == "dgrad"} == {"DeepSeek-V3", "Qwen3-30B-A3B"}
+    assert [c.form for c in gg.CASES].count("wgrad") == 5 * 2 * 2 * 2
     for c, name in zip(gg.CASES, names):
         assert name.startswith(f"{c.model.name} {c.form} ")
         assert f" {c.projection} " in name and f"T{c.tokens}" in name and name.endswith(c.routing)
@@ -237,6 +239,30 @@ def test_wgrad_cases_are_autograds_weight_gradient():
     assert b.shape == (100, 64) and b.is_contiguous() and int(offs[-1]) == 100
     flops, n_bytes = gg.cost(case, sizes)
     assert flops == 2 * 100 * 80 * 64 and n_bytes == 2 * (100 * (64 + 80) + 6 * 64 * 80)
+
+
+def test_dgrad_cases_are_autograds_input_gradient():
+    """dgrad is the forward with N and K swapped, b the weight as autograd passes it (the transpose
+    of the forward's transposed view: the (E, N_fwd, K_fwd) weight itself), output (rows, K_fwd)."""
+    tiny = gg.MoeModel("tiny", 6, 2, 64, 40)
+    fwd, dgrad = (gg.Grouped(tiny, "up", 50, "skewed", form) for form in ("fwd", "dgrad"))
+    assert dgrad.name == "tiny dgrad up T50 skewed" and fwd.n_k == (80, 64) and dgrad.n_k == (64, 80)
+    sizes = gg.group_sizes(dgrad)
+    grad, w, offs = gg.make_inputs(dgrad, sizes, device="cpu")
+    assert grad.shape == (100, 80) and grad.is_contiguous()
+    assert w.shape == (6, 80, 64) and w.is_contiguous() and gg._b_major(dgrad) == "n"  # N-major
+    assert gg._b_major(fwd) == "k"
+    x = torch.randn(100, 64, requires_grad=True)
+    weight = w.detach().float().clone()  # (E, N_fwd, K_fwd) as held
+    ends = [0, *offs.tolist()]
+    out = torch.cat([x[s:e] @ weight[g].T for g, (s, e) in enumerate(zip(ends, ends[1:]))])
+    (dx,) = torch.autograd.grad(out, x, grad.float())
+    got = torch.cat([grad[s:e].float() @ w[g].float() for g, (s, e) in enumerate(zip(ends, ends[1:]))])
+    torch.testing.assert_close(got, dx)
+    assert 0.3 < got.std() < 3  # w scaled by 1/sqrt of the reduction: outputs O(1)
+    flops, n_bytes = gg.cost(dgrad, sizes)
+    used = 6 - sizes.count(0)
+    assert flops == 2 * 100 * 80 * 64 and n_bytes == 2 * (100 * 80 + used * 80 * 64 + 100 * 64)
 
 
 def test_grouped_inputs_are_transposed_weights_and_match_per_group_matmuls():

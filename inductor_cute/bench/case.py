@@ -12,11 +12,16 @@ class Case:
     params: dict
     flops: float
     bytes: float
-    runners: dict[str, Callable | None]  # backend -> zero-argument callable returning the output
+    # backend -> zero-argument callable returning the output: a tensor, or a tuple of tensors
+    # (e.g. an attention's gradients) checked one by one
+    runners: dict[str, Callable | None]
     notes: list[str] = field(default_factory=list)
     matmul: bool = False  # whether `flops` run on the tensor cores and count toward the bound
     atol: float = 2e-2
     rtol: float = 2e-2
+    # atol as a fraction of each reference tensor's largest magnitude: for outputs (gradients)
+    # whose scales differ by orders, so one tolerance suits them all
+    atol_of_max: bool = False
     # Times the case measured itself (wall time per call, as whole-model suites need); the harness
     # then only runs each backend once for its output.
     wall_times_us: dict[str, float] | None = None

@@ -17,9 +17,31 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _parts(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _mismatch(case: Case, backend: str, out, ref, ref_name: str) -> str | None:
+    """Why `out` (a tensor or a tuple of them) is not `ref` within the case's tolerance; None if it is."""
+    outs, refs = _parts(out), _parts(ref)
+    if len(outs) != len(refs):
+        return f"{backend} returned {len(outs)} outputs, {ref_name} {len(refs)}"
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        which = f" #{i}" if len(refs) > 1 else ""
+        if o.shape != r.shape:
+            return f"{backend} output{which} has shape {tuple(o.shape)}, {ref_name} {tuple(r.shape)}"
+        o, r = o.float(), r.float()
+        atol = case.atol * float(r.abs().max()) if case.atol_of_max and r.numel() else case.atol
+        if not torch.allclose(o, r, atol=atol, rtol=case.rtol):
+            err = (o - r).abs().max().item()
+            return f"{backend} output{which} differs from {ref_name} (max abs err {err:.3g}, atol {atol:.3g})"
+    return None
+
+
 def _check(case: Case, outputs: dict, reference=None) -> list[tuple[str, str]]:
     """Compare every backend's output with the reference output (case.reference's) or, without
-    one, with aten's: (backend, message) for each that differs; a mismatch disqualifies it."""
+    one, with aten's: (backend, message) for each that differs; a mismatch disqualifies it.
+    Tuple outputs are compared tensor by tensor."""
     ref = reference if reference is not None else outputs.get("aten")
     if ref is None:
         return []
@@ -28,11 +50,9 @@ def _check(case: Case, outputs: dict, reference=None) -> list[tuple[str, str]]:
     for backend, out in outputs.items():
         if out is None or (reference is None and backend == "aten"):
             continue
-        if out.shape != ref.shape:
-            bad.append((backend, f"{backend} output has shape {tuple(out.shape)}, {ref_name} {tuple(ref.shape)}"))
-        elif not torch.allclose(out.float(), ref.float(), atol=case.atol, rtol=case.rtol):
-            err = (out.float() - ref.float()).abs().max().item()
-            bad.append((backend, f"{backend} output differs from {ref_name} (max abs err {err:.3g})"))
+        message = _mismatch(case, backend, out, ref, ref_name)
+        if message:
+            bad.append((backend, message))
     return bad
 
 

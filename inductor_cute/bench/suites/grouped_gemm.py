@@ -1,4 +1,4 @@
-"""Grouped GEMMs of mixture-of-experts layers (issue 14), forward and weight gradient: ours
+"""Grouped GEMMs of mixture-of-experts layers (issue 14), forward, input and weight gradients: ours
 (host.grouped_mm, eager) vs Inductor's grouped-mm Triton template vs eager torch._grouped_mm, bf16,
 beside the matmul bound.
 
@@ -6,7 +6,11 @@ Per model, token count (4096, 16384) and routing, the two expert projections of 
   up    (tokens * topk, hidden) x (E, hidden, 2 * ffn): gate and up fused
   down  (tokens * topk, ffn) x (E, ffn, hidden)
 and their weight gradients (form "wgrad") as autograd asks for them: grad_out.t() (N, rows) x
-x (rows, K) -> (E, N, K), the groups splitting the reduction over the routed rows.
+x (rows, K) -> (E, N, K), the groups splitting the reduction over the routed rows; and, for
+DeepSeek-V3 and Qwen3-30B-A3B (the issue's backward models), their input gradients (form "dgrad"):
+grad_out (rows, N) x w (E, N, K) -> (rows, K), the forward form with N and K swapped, the weight
+passed as autograd passes it: the transpose of the forward's transposed view, i.e. w itself
+(N-major from the kernel's view, where the forward's operand is K-major).
 The routed rows are sorted by expert; `offs` (int32, on the device) holds each expert's cumulative
 end. Routing: `balanced` gives every expert tokens * topk / E rows; `skewed` draws each token's
 topk distinct experts with Zipf popularity (exponent ZIPF_EXPONENT over a seeded shuffle of the
@@ -15,7 +19,7 @@ Weights are held as torchtitan and nn.Linear hold them, (E, N, K) row-major, and
 transposed (E, K, N) view (K-major), scaled by 1/sqrt(K) so outputs are O(1).
 
 Runners (same a, b, offs):
-  inductor_cute  host.grouped_mm, eager, its heuristic default config (in notes)
+  inductor_cute  host.grouped_mm (ops.grouped_mm), eager, its heuristic default config (in notes)
   triton         torch.compile(torch._grouped_mm), max-autotune-no-cudagraphs with
                  max_autotune_gemm_backends="TRITON": Inductor's grouped-mm template, autotuned
                  (on its own evenly split offsets), cold caches; left out with a note where it
@@ -23,9 +27,8 @@ Runners (same a, b, offs):
   aten           eager torch._grouped_mm (CUTLASS); the harness checks the others against it
 flops: 2 * tokens * topk * N * K (every routed row, whatever the routing). Bytes, forward: a, the
 weights of the experts that have rows (an empty group's weight need not be read) and the output,
-once; wgrad: both token operands and every expert's gradient (zeros for an empty one), once.
-The input gradient ((tokens, N) x (E, N, K)) is the forward form with another weight layout: its
-cases would repeat the forward's at swapped N and K.
+once (dgrad likewise, grad_out for a); wgrad: both token operands and every expert's gradient
+(zeros for an empty one), once.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from ..case import Case, named
 
 TOKENS = (4096, 16384)
 ROUTINGS = ("balanced", "skewed")
-FORMS = ("fwd", "wgrad")
+FORMS = ("fwd", "wgrad", "dgrad")
 PROJECTIONS = ("up", "down")
 ZIPF_EXPONENT = 1.0
 EMPTY_FRACTION = 1 / 8  # of the experts, at least one, get no token in skewed routing
@@ -71,7 +74,7 @@ class Grouped:
     projection: str  # up, down
     tokens: int
     routing: str  # balanced, skewed
-    form: str = "fwd"  # or "wgrad": the projection's weight gradient
+    form: str = "fwd"  # or "wgrad", "dgrad": the projection's weight or input gradient
 
     @property
     def name(self) -> str:
@@ -83,17 +86,22 @@ class Grouped:
 
     @property
     def n_k(self) -> tuple[int, int]:
+        """The GEMM's (N, K): the forward's output and reduction dims (wgrad's output (E, N, K));
+        swapped for dgrad, which reduces over the forward's N and outputs its K."""
         m = self.model
-        return (2 * m.ffn, m.hidden) if self.projection == "up" else (m.hidden, m.ffn)
+        n, k = (2 * m.ffn, m.hidden) if self.projection == "up" else (m.hidden, m.ffn)
+        return (k, n) if self.form == "dgrad" else (n, k)
 
 
+DGRAD_MODELS = ("DeepSeek-V3", "Qwen3-30B-A3B")
 CASES = [Grouped(m, proj, t, r, form) for form in FORMS for m in MODELS for t in TOKENS for r in ROUTINGS
-         for proj in PROJECTIONS]
+         for proj in PROJECTIONS if form != "dgrad" or m.name in DGRAD_MODELS]
 QUICK = [Grouped(_MODEL["DeepSeek-V3"], "up", 16384, "balanced"),
          Grouped(_MODEL["Qwen3-30B-A3B"], "up", 16384, "skewed"),
          Grouped(_MODEL["Mixtral-8x7B"], "up", 4096, "balanced"),
          Grouped(_MODEL["Qwen3-30B-A3B"], "up", 16384, "skewed", "wgrad"),
-         Grouped(_MODEL["DeepSeek-V3"], "down", 4096, "balanced", "wgrad")]
+         Grouped(_MODEL["DeepSeek-V3"], "down", 4096, "balanced", "wgrad"),
+         Grouped(_MODEL["DeepSeek-V3"], "up", 16384, "skewed", "dgrad")]
 
 
 def balanced_sizes(tokens: int, topk: int, experts: int) -> list[int]:
@@ -141,13 +149,17 @@ def cost(case: Grouped, sizes: list[int]) -> tuple[int, int]:
 
 def make_inputs(case: Grouped, sizes: list[int], device="cuda", seed: int = SEED):
     """a (rows, K), b (E, K, N) the transposed view of an (E, N, K) weight, offs int32 (E,); wgrad:
-    a = grad_out.t() (N, rows), b = x (rows, K), offs, as autograd passes them."""
+    a = grad_out.t() (N, rows), b = x (rows, K); dgrad (N, K the GEMM's): a = grad_out (rows, K),
+    b = w (E, K, N) contiguous, the transpose of the forward's view; as autograd passes them."""
     n, k = case.n_k
     g = torch.Generator(device=device).manual_seed(seed)
     a = torch.randn(case.rows, k, generator=g, device=device, dtype=torch.bfloat16)
     if case.form == "wgrad":
         grad = torch.randn(case.rows, n, generator=g, device=device, dtype=torch.bfloat16)
         return grad.mul_(case.rows ** -0.5).t(), a, offsets(sizes, device)
+    if case.form == "dgrad":  # w (E, N_fwd, K_fwd) = (E, K, N) here, the reduction over its dim 1
+        weight = torch.randn(case.model.experts, k, n, generator=g, device=device, dtype=torch.bfloat16)
+        return a, weight.mul_(k ** -0.5).transpose(1, 2).transpose(1, 2), offsets(sizes, device)
     weight = torch.randn(case.model.experts, n, k, generator=g, device=device, dtype=torch.bfloat16)
     weight.mul_(k ** -0.5)
     return a, weight.transpose(1, 2), offsets(sizes, device)
@@ -171,6 +183,12 @@ def triton_runner(a, b, offs):
     return c.run, f"triton: Inductor's grouped-mm template, compile and autotune {c.seconds:.1f} s"
 
 
+def _b_major(case: Grouped) -> str:
+    """b's contiguous mode as the kernel sees it: K for the forward's transposed weight view, N for
+    dgrad's weight as held and wgrad's tokens."""
+    return "k" if case.form == "fwd" else "n"
+
+
 def _default_config_note(case: Grouped) -> str:
     from ...host.common import sm_count
     from ...kernels.gemm import grouped_wgrad_config
@@ -181,7 +199,8 @@ def _default_config_note(case: Grouped) -> str:
         cfg = grouped_wgrad_config.default_config(grouped_wgrad_config.WgradProblem(), n, k, case.rows,
                                                   case.model.experts, sm_count(0))
     else:
-        cfg = default_config(GroupedProblem(b_major="k"), case.rows, n, k, case.model.experts, sm_count(0))
+        cfg = default_config(GroupedProblem(b_major=_b_major(case)), case.rows, n, k, case.model.experts,
+                             sm_count(0))
     return f"ours default config {cfg.describe()}"
 
 
@@ -203,7 +222,7 @@ def _case(case: Grouped) -> Case:
         params={"model": m.name, "experts": m.experts, "topk": m.topk, "hidden": m.hidden, "ffn": m.ffn,
                 "projection": case.projection, "tokens": case.tokens, "routing": case.routing, "M": case.rows,
                 "N": n, "K": k, "empty_groups": empty, "max_group": max(sizes), "form": case.form,
-                "b_major": "n" if case.form == "wgrad" else "k", "dtype": "bfloat16"},
+                "b_major": _b_major(case), "dtype": "bfloat16"},
         flops=flops, bytes=n_bytes, matmul=True, notes=notes,
         runners={"inductor_cute": lambda: grouped_mm(a, b, offs), "triton": triton,
                  "aten": lambda: torch._grouped_mm(a, b, offs)},
