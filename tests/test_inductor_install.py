@@ -133,7 +133,7 @@ def test_enable_twice_then_disable_twice(stock):
 
 def test_an_exception_inside_with_enable_still_restores(stock):
     with pytest.raises(ValueError, match="inside"):
-        with inductor_cute.enable(fuse_epilogues=True):
+        with inductor_cute.enable(fuse_epilogues=True, flex_backward=True):
             assert all(installed().values())
             raise ValueError("raised inside the block")
     assert_same(stock, state())
