@@ -117,14 +117,14 @@ def qkv(batch=1, heads=4, kv_heads=2, q_len=256, kv_len=256, dqk=64, dv=64, dtyp
             torch.randn(batch, kv_heads, kv_len, dv, generator=g).to(dtype))
 
 
-def training_step(q, k, v, flex_prefill=True, **mods):
+def training_step(q, k, v, flex_prefill=True, dynamic=None, **mods):
     """A compiled flex_attention forward and loss.backward() with enable(flex_backward=True):
     (out, (dq, dk, dv), the output code of both graphs). The loss weighs out by fixed random
     weights, so grad_out is a plain tensor."""
     torch._dynamo.reset()
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     weights = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(1))
-    fn = torch.compile(functools.partial(flex_attention, enable_gqa=True, **mods))
+    fn = torch.compile(functools.partial(flex_attention, enable_gqa=True, **mods), dynamic=dynamic)
 
     def step():
         out = fn(*leaves)
@@ -170,17 +170,26 @@ def test_a_training_step_with_a_causal_block_mask_runs_our_forward_and_backward(
     q, k, v = qkv(q_len=256, kv_len=256, heads=4, kv_heads=2)
     block_mask = create_block_mask(causal, None, None, 256, 256, device="cpu")
     out, grads, weights, code = training_step(q, k, v, block_mask=block_mask)
-    assert [reason for _, reason in decisions] == [None, None]
+    assert assert_both_graphs_agree(decisions) is None
     assert code.count(OUR_PREFILL_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1 and OUR_CALL not in code
     ref_out, ref = reference_grads(q, k, v, weights, causal)
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
     assert_grads_match(grads, ref)
 
 
+def test_a_training_step_under_dynamic_shapes_runs_our_kernels(cpu_training, decisions):
+    q, k, v = qkv(q_len=200, kv_len=200, heads=4, kv_heads=2)
+    block_mask = create_block_mask(causal, None, None, 200, 200, device="cpu")
+    out, grads, weights, code = training_step(q, k, v, dynamic=True, block_mask=block_mask)
+    assert assert_both_graphs_agree(decisions) is None
+    assert code.count(OUR_PREFILL_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1
+    assert_grads_match(grads, reference_grads(q, k, v, weights, causal)[1])
+
+
 def test_a_short_query_training_step_runs_our_decode_forward_and_backward(cpu_training, decisions):
     q, k, v = qkv(q_len=16, kv_len=300, heads=8, kv_heads=2)
     out, grads, weights, code = training_step(q, k, v, flex_prefill=False)
-    assert [reason for _, reason in decisions] == [None, None]
+    assert assert_both_graphs_agree(decisions) is None  # both see flex_attention's "no block mask"
     assert code.count(OUR_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1 and OUR_PREFILL_CALL not in code
     assert_grads_match(grads, reference_grads(q, k, v, weights)[1])
 

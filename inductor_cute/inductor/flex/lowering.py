@@ -298,14 +298,31 @@ _BLOCK_MASK_ARG = {_HOP: 4, torch.ops.higher_order.flex_attention_backward: 9}
 def _keys_all_in_blocks(node: torch.fx.Node, kv_len) -> bool:
     """Whether the block-sparse tensors visit every key: true for the mask flex_attention builds
     when given none (one partial block at index 0, spanning the whole sequence, no full blocks),
-    recognised from the FX nodes that build it. A BlockMask passed in is data we cannot see."""
+    recognised from the FX nodes that build it. A BlockMask passed in is data we cannot see.
+
+    A training graph's backward receives those tensors as inputs saved by the forward, not the
+    nodes that build them: there (and, to agree, in the training forward too) the mask is also
+    recognised by what both graphs see, whole-sequence block sizes and one block per row. Only a
+    BlockMask built by hand with 2**30-key blocks, no full blocks and lists other than [0] would
+    look the same to the backward and not to the forward."""
     arg = _BLOCK_MASK_ARG.get(node.target)
     if arg is None or len(node.args) <= arg:
         return False
-    num_blocks, indices, full_num_blocks, _, _, block, _ = _block_mask_fields(node.args[arg])
+    num_blocks, indices, full_num_blocks, _, q_block, block, _ = _block_mask_fields(node.args[arg])
+    visible = (full_num_blocks is None and isinstance(block, int) and isinstance(q_block, int)
+               and min(block, q_block) >= _WHOLE_SEQUENCE_BLOCK
+               and _fake_shape(num_blocks) == (1, 1, 1) and _fake_shape(indices) == (1, 1, 1, 1))
+    if node.target is not _HOP:
+        return visible
     spans = isinstance(block, int) and (block >= _WHOLE_SEQUENCE_BLOCK
                                         or V.graph.sizevars.statically_known_leq(kv_len, block))
-    return full_num_blocks is None and is_full(num_blocks, 1) and is_full(indices, 0) and spans
+    built = full_num_blocks is None and is_full(num_blocks, 1) and is_full(indices, 0) and spans
+    return built and (V.graph.is_inference or visible)
+
+
+def _fake_shape(node) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _static(expr) -> int | None:
