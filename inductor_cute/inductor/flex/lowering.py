@@ -2,7 +2,9 @@
 mask_mod we can translate into score / mask programs (kernels/common/programs/score.py), with or
 without a BlockMask our kernel can walk, run our split-KV kernel (`ops.flex_decode`); with
 enable(flex_prefill=True), inference calls with longer queries run our prefill kernel
-(host.flex_prefill) on the same terms; everything else goes to the stock lowering, unchanged.
+(host.flex_prefill) on the same terms; with enable(flex_backward=True), training graphs' calls run
+them too when our backward (backward.py) can take the call as well; everything else goes to the
+stock lowering, unchanged.
 
 inductor/install.py wraps `torch._inductor.lowering.lowerings[flex_attention]`. A call we accept is
 the custom op `torch.ops.inductor_cute.flex_decode` in the graph (its schema gives the outputs'
@@ -11,7 +13,10 @@ layouts); output code calls a launcher of runtime.py defined for the call site i
 
 The decision is `decline_reason(FlexProblem)`: plain values, so it is testable without a graph.
 The query length picks the kernel (`FlexProblem.kernel`); the checks common to both run once, then
-that kernel's own limits (head dims, dtypes, block sizes) and the settings that offer it.
+that kernel's own limits (head dims, dtypes, block sizes) and the settings that offer it. A
+training call is decided once for both of its graphs: the forward's lowering and the backward's
+(backward.py) each ask decline_reason, whose training checks (`_training_reason`, no score_mod)
+cover the backward kernel's limits too, so both run our kernels or both the stock ones.
 The mods' graphs are translated by translate.py; their captured buffers (of any rank, bool and
 int64 included) and integer operands reach the kernel flattened and converted by `_kernel_buffer`.
 Torch-version differences are confined to `_block_mask_fields`.
@@ -193,7 +198,8 @@ def _training_reason(p: FlexProblem) -> str | None:
     if not p.flex_backward:
         return "a training graph (our backward is opt-in: enable(flex_backward=True))"
     if p.kv_batch_broadcast:
-        return "k and v of batch 1 shared by the query batches in a training graph (our backward has no dk/dv batch sum)"
+        return "k and v of batch 1 shared by the query batches in a training graph (our backward sums no dk/dv " \
+               "over the batch)"
     problem = fbc.unsupported_reason(p.head_dim_qk, p.head_dim_v, DTYPE_NAMES.get(p.dtypes[0], str(p.dtypes[0])))
     if problem:
         return f"backward: {problem}"
