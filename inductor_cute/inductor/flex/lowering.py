@@ -19,7 +19,7 @@ training call is decided once for both of its graphs: the forward's lowering and
 cover the backward kernel's limits too, so both run our kernels or both the stock ones.
 The mods' graphs are translated by translate.py; their captured buffers (of any rank, bool and
 int64 included) and integer operands reach the kernel flattened and converted by `_kernel_buffer`.
-Torch-version differences are confined to `_block_mask_fields`.
+Torch-version differences are confined to `_block_mask_fields` and `_backward_lists`.
 """
 
 from __future__ import annotations
