@@ -61,9 +61,9 @@ class _FlexBackwardCall(_lowering._FlexCall):
 
 
 def _flex_attention_backward(*args, **kwargs):
-    (query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, _joint_graph, block_mask, scale,
-     kernel_options, score_mod_other_buffers, mask_mod_other_buffers) = args
-    try:
+    try:  # torch 2.11 and 2.13 pass these 14 by position; another count is a decision failure, not a crash
+        (query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, _joint_graph, block_mask, scale,
+         kernel_options, score_mod_other_buffers, mask_mod_other_buffers) = args
         problem = None if V.graph.cpp_wrapper else _lowering._problem(
             query, key, value, fw_graph, block_mask, scale, kernel_options, score_mod_other_buffers,
             mask_mod_other_buffers)
@@ -72,6 +72,8 @@ def _flex_attention_backward(*args, **kwargs):
             (_, mask_program), _ = problem.translated
     except Exception as e:  # our decision must never fail a compile
         reason = f"the decision failed: {type(e).__name__}: {e}"
+    if not reason and kwargs:
+        reason = f"keyword arguments {sorted(kwargs)} we do not know"
     if not reason and grad_logsumexp is not None:
         reason = "the loss depends on the logsumexp (our backward takes no lse gradient; the stock one reads our lse)"
     if reason:
