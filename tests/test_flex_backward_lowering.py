@@ -186,11 +186,15 @@ def test_a_training_step_under_dynamic_shapes_runs_our_kernels(cpu_training, dec
     assert_grads_match(grads, reference_grads(q, k, v, weights, causal)[1])
 
 
-def test_a_short_query_training_step_runs_our_decode_forward_and_backward(cpu_training, decisions):
-    q, k, v = qkv(q_len=16, kv_len=300, heads=8, kv_heads=2)
-    out, grads, weights, code = training_step(q, k, v, flex_prefill=False)
-    assert assert_both_graphs_agree(decisions) is None  # both see flex_attention's "no block mask"
-    assert code.count(OUR_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1 and OUR_PREFILL_CALL not in code
+@pytest.mark.parametrize("q_len, dynamic, forward", [(16, None, OUR_CALL), (200, True, OUR_PREFILL_CALL)],
+                         ids=["decode", "prefill dynamic"])
+def test_a_training_step_without_a_block_mask_runs_our_kernels(cpu_training, decisions, q_len, dynamic, forward):
+    q, k, v = qkv(q_len=q_len, kv_len=300, heads=8, kv_heads=2)
+    out, grads, weights, code = training_step(q, k, v, flex_prefill=forward == OUR_PREFILL_CALL, dynamic=dynamic)
+    assert assert_both_graphs_agree(decisions) is None
+    assert decisions[0][0].keys_all_in_blocks  # both see flex_attention's "no block mask"
+    other = OUR_PREFILL_CALL if forward == OUR_CALL else OUR_CALL
+    assert code.count(forward) == 1 and code.count(OUR_BACKWARD_CALL) == 1 and other not in code
     assert_grads_match(grads, reference_grads(q, k, v, weights)[1])
 
 
