@@ -89,7 +89,7 @@ DECLINED = {
     "absorbed MLA 576/512 (decode only)": (dict(head_dim_qk=576, head_dim_v=512), "head dims 576/512 (qk/v) are not"),
     "float32": (dict(dtypes=(torch.float32,) * 3), "dtype float32 is not supported (use bfloat16 or float16)"),
     # a real one on the GPU only: flex_attention has no backward on the CPU
-    "training": (dict(inference=False), "a training graph (the backward needs the stock kernel)"),
+    "training": (dict(inference=False), "a training graph (our backward is opt-in: enable(flex_backward=True))"),
     "6 heads on 4 KV heads": (dict(heads=6, kv_heads=4), "6 query heads are not a multiple of 4 KV heads"),
     "symbolic heads": (dict(heads=None), "heads, query length or head dims are symbolic"),
     "symbolic scale": (dict(scale=sympy.Symbol("s0")), "scale is not a constant"),

@@ -16,6 +16,7 @@ from inductor_cute.inductor.gemm.choices import CuteChoices
 from inductor_cute.inductor.gemm.template import CudaSchedulingConstructor
 
 HOP = torch.ops.higher_order.flex_attention
+BACKWARD_HOP = torch.ops.higher_order.flex_attention_backward
 GROUPED_MM = torch.ops.aten._grouped_mm.default
 CONFIG_KEYS = ("inductor_choices_class", "max_autotune_gemm_backends", "benchmark_epilogue_fusion")
 
@@ -24,6 +25,7 @@ def state() -> dict:
     """Everything a hook or enable() may replace, by identity."""
     return {**{key: getattr(inductor_config, key) for key in CONFIG_KEYS},
             "flex lowering": lowering.lowerings[HOP],
+            "flex backward lowering": lowering.lowerings[BACKWARD_HOP],
             "grouped_mm lowering": lowering.lowerings[GROUPED_MM],
             "grouped_mm autotuning": mm_grouped.autotune_select_algorithm,
             "cuda codegen": common.device_codegens.get("cuda"),
@@ -60,15 +62,17 @@ def installed() -> dict:
 
 
 def test_enable_installs_what_its_settings_ask_for(stock):
-    with inductor_cute.enable(fuse_epilogues=True, flex_decode=True):
+    with inductor_cute.enable(fuse_epilogues=True, flex_decode=True, flex_backward=True):
         assert all(installed().values())
+        assert install.stock_lowering(BACKWARD_HOP) is stock["flex backward lowering"]
         assert isinstance(common.device_codegens["cuda"].scheduling, CudaSchedulingConstructor)
         assert common.device_codegens["cuda"].scheduling.replaced is stock["cuda codegen"].scheduling
         assert install.stock_lowering(HOP) is stock["flex lowering"]
         assert inductor_config.benchmark_epilogue_fusion is False
     with inductor_cute.enable(fuse_epilogues=False, flex_decode=False):
         assert installed() == {"gemm_extern_kernel": True, "gemm_feedback_log": True, "cuda_scheduling": False,
-                               "flex_attention_lowering": False, "grouped_extern_kernel": True,
+                               "flex_attention_lowering": False, "flex_attention_backward_lowering": False,
+                               "grouped_extern_kernel": True,
                                "grouped_mm_autotuning": True, "grouped_mm_lowering": True}
         assert install.stock_lowering(GROUPED_MM) is stock["grouped_mm lowering"]
         assert inductor_config.benchmark_epilogue_fusion == stock["benchmark_epilogue_fusion"]
@@ -81,9 +85,18 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
     with inductor_cute.enable(flex_decode=False, flex_prefill=True):
         assert installed()["flex_attention_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True)
-        assert V.choices.uuid().endswith("flex0-prefill1")
+        assert V.choices.uuid().endswith("flex0-prefill1-bwd0")
     with inductor_cute.enable():
         assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False)
+        assert not installed()["flex_attention_backward_lowering"]  # training through our kernels is opt-in
+
+
+def test_flex_backward_installs_the_backward_lowering(stock):
+    assert install.Settings().flex_backward is False  # opt-in
+    with inductor_cute.enable(flex_backward=True):
+        assert installed()["flex_attention_lowering"] and installed()["flex_attention_backward_lowering"]
+        assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True)
+        assert V.choices.uuid().endswith("flex1-prefill0-bwd1")
 
 
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
@@ -120,7 +133,7 @@ def test_enable_twice_then_disable_twice(stock):
 
 def test_an_exception_inside_with_enable_still_restores(stock):
     with pytest.raises(ValueError, match="inside"):
-        with inductor_cute.enable(fuse_epilogues=True):
+        with inductor_cute.enable(fuse_epilogues=True, flex_backward=True):
             assert all(installed().values())
             raise ValueError("raised inside the block")
     assert_same(stock, state())
@@ -199,8 +212,8 @@ def test_this_threads_choices_follow_the_config(stock):
 
 
 def test_settings_enter_the_factorys_tag():
-    tags = {install.choices_factory(f, d, p)().uuid() for f in (False, True) for d in (False, True)
-            for p in (False, True)}
-    assert len(tags) == 8
-    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0")
+    tags = {install.choices_factory(f, d, p, b)().uuid() for f in (False, True) for d in (False, True)
+            for p in (False, True) for b in (False, True)}
+    assert len(tags) == 16
+    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0")
     assert install.choices_factory(True, False)().settings == install.Settings(True, False)

@@ -1,6 +1,7 @@
 """Eager flex attention backward: dq, dk, dv of a forward with a mask program and a block mask.
 
-Not wired into the Inductor lowering yet (inductor/flex/): that waits for its first GPU run.
+Under torch.compile with enable(flex_backward=True) (opt-in until its first GPU run) training graphs
+reach it through inductor/flex/backward.py.
 Three kernels (kernels/attention/flex_backward_config.py): the preprocess (delta and lse in log2
 units per query row), dK/dV and dQ.
 """

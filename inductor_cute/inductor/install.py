@@ -34,11 +34,11 @@ from .settings import Settings, active_settings  # noqa: F401  (public here too)
 log = logging.getLogger(__name__)
 
 
-def choices_factory(fuse_epilogues: bool = False, flex_decode: bool = False,
-                    flex_prefill: bool = False) -> functools.partial:
+def choices_factory(fuse_epilogues: bool = False, flex_decode: bool = False, flex_prefill: bool = False,
+                    flex_backward: bool = False) -> functools.partial:
     """The value for `config.inductor_choices_class`: a picklable factory of CuteChoices whose tag
     (our version, kernel sources and settings) enters Inductor's FX-graph cache key."""
-    return _factory(Settings(fuse_epilogues, flex_decode, flex_prefill))
+    return _factory(Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward))
 
 
 @functools.cache  # one object per settings: enabling twice leaves the config value as it was
@@ -65,6 +65,12 @@ def _flex_attention_hop():
     return torch.ops.higher_order.flex_attention
 
 
+def _flex_attention_backward_hop():
+    import torch
+
+    return torch.ops.higher_order.flex_attention_backward
+
+
 def _grouped_mm_op():
     import torch
 
@@ -78,6 +84,9 @@ HOOKS: tuple[Hook, ...] = (
                       when=lambda settings: settings.fuse_epilogues),
     LoweringWrapper("flex_attention_lowering", _flex_attention_hop, _attr(".flex.lowering", "_flex_attention"),
                     when=lambda settings: settings.flex_decode or settings.flex_prefill),
+    # training graphs: the backward HOP of a call our forward took (flex/backward.py; the same decision)
+    LoweringWrapper("flex_attention_backward_lowering", _flex_attention_backward_hop,
+                    _attr(".flex.backward", "_flex_attention_backward"), when=lambda settings: settings.flex_backward),
     # torch._grouped_mm: our configs join the stock lowering's autotuning (grouped/lowering.py)
     GROUPED_KERNEL,
     AttributeWrapper("grouped_mm_autotuning", "torch._inductor.kernel.mm_grouped", "autotune_select_algorithm",
@@ -126,7 +135,8 @@ class _Enabled:
         disable()
 
 
-def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False) -> _Enabled:
+def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
+           flex_backward: bool = False) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -136,6 +146,10 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     BlockMask our split-KV kernel can take run it (inductor/flex/lowering.py); the rest take the stock
     lowering. With `flex_prefill` (off by default: its speed is not measured yet), inference calls
     with longer queries than the decode kernel takes run our prefill kernel, on the same terms.
+    With `flex_backward` (off by default: the backward kernels have not run on a GPU yet), training
+    graphs' flex_attention calls run our forward (decode, or prefill with `flex_prefill`) and our
+    backward kernel when both can take the call, and both stock kernels otherwise (one decision for
+    the two graphs: inductor/flex/lowering.py); without it training graphs keep the stock kernels.
     `torch._grouped_mm` calls of the MoE forward form (bf16, 2-D x 3-D with offsets) get our grouped
     GEMM's configs among their autotuning choices (inductor/grouped/lowering.py)."""
     from torch._inductor import config
@@ -146,7 +160,7 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     if current is not None and getattr(current, "func", current) is not CuteChoices:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
                            f"({current!r}); inductor-cute needs to install its own")
-    settings = Settings(fuse_epilogues, flex_decode, flex_prefill)
+    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward)
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

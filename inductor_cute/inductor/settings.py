@@ -18,6 +18,7 @@ class Settings:
     fuse_epilogues: bool = _setting("fuse")  # a GEMM of ours takes the pointwise ops after it (our CUDA scheduling)
     flex_decode: bool = _setting("flex")  # flex_attention decoding calls may run our split-KV kernel
     flex_prefill: bool = _setting("prefill")  # longer queries (inference) may run our prefill kernel
+    flex_backward: bool = _setting("bwd")  # training graphs may run our flex forward and backward kernels
 
     def tag(self) -> str:
         return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))

@@ -2,7 +2,9 @@
 mask_mod we can translate into score / mask programs (kernels/common/programs/score.py), with or
 without a BlockMask our kernel can walk, run our split-KV kernel (`ops.flex_decode`); with
 enable(flex_prefill=True), inference calls with longer queries run our prefill kernel
-(host.flex_prefill) on the same terms; everything else goes to the stock lowering, unchanged.
+(host.flex_prefill) on the same terms; with enable(flex_backward=True), training graphs' calls run
+them too when our backward (backward.py) can take the call as well; everything else goes to the
+stock lowering, unchanged.
 
 inductor/install.py wraps `torch._inductor.lowering.lowerings[flex_attention]`. A call we accept is
 the custom op `torch.ops.inductor_cute.flex_decode` in the graph (its schema gives the outputs'
@@ -11,10 +13,13 @@ layouts); output code calls a launcher of runtime.py defined for the call site i
 
 The decision is `decline_reason(FlexProblem)`: plain values, so it is testable without a graph.
 The query length picks the kernel (`FlexProblem.kernel`); the checks common to both run once, then
-that kernel's own limits (head dims, dtypes, block sizes) and the settings that offer it.
+that kernel's own limits (head dims, dtypes, block sizes) and the settings that offer it. A
+training call is decided once for both of its graphs: the forward's lowering and the backward's
+(backward.py) each ask decline_reason, whose training checks (`_training_reason`, no score_mod)
+cover the backward kernel's limits too, so both run our kernels or both the stock ones.
 The mods' graphs are translated by translate.py; their captured buffers (of any rank, bool and
 int64 included) and integer operands reach the kernel flattened and converted by `_kernel_buffer`.
-Torch-version differences are confined to `_block_mask_fields`.
+Torch-version differences are confined to `_block_mask_fields` and `_backward_lists`.
 """
 
 from __future__ import annotations
@@ -122,6 +127,8 @@ class FlexProblem:
     flex_decode: bool = True  # enable()'s settings for this compile: the kernels of ours on offer
     flex_prefill: bool = False
     kv_batch_broadcast: bool = False  # k and v of batch 1 for every query batch (a shared, paged cache)
+    flex_backward: bool = False  # training graphs may run our kernels (enable(flex_backward=True))
+    backward_lists_ok: bool = True  # the block mask's backward lists (q_num_blocks, q_indices) are there, int32
 
     @property
     def kernel(self) -> str:
@@ -152,8 +159,6 @@ def decline_reason(p: FlexProblem) -> str | None:
     problem = _device_reason(p.device)
     if problem:
         return problem
-    if not p.inference:
-        return "a training graph (the backward needs the stock kernel)"
     if len(set(p.dtypes)) != 1:
         return f"q, k and v dtypes differ: {p.dtypes}"
     if None in (p.heads, p.kv_heads, p.head_dim_qk, p.head_dim_v) or (p.q_len is None and p.kernel == "decode"):
@@ -162,6 +167,10 @@ def decline_reason(p: FlexProblem) -> str | None:
         return "k and v do not match q (batch, head dims) or each other"
     if p.kv_heads == 0 or p.heads % p.kv_heads:
         return f"{p.heads} query heads are not a multiple of {p.kv_heads} KV heads"
+    if not p.inference:
+        problem = _training_reason(p)
+        if problem:
+            return problem
     problem = _kernel_reason(p)
     if problem:
         return problem
@@ -171,8 +180,39 @@ def decline_reason(p: FlexProblem) -> str | None:
         problem = _block_mask_reason(p)
         if problem:
             return problem
-    _, problem = p.translated
-    return problem or _options_reason(p.kernel_options)
+    programs, problem = p.translated
+    if problem:
+        return problem
+    if not p.inference and programs[0]:
+        return "a score_mod in a training graph (our backward computes no score_mod gradients)"
+    return _options_reason(p.kernel_options)
+
+
+def _training_reason(p: FlexProblem) -> str | None:
+    """Why a training graph's call cannot run our forward and our backward both. The forward's and
+    the backward's lowerings (backward.py) each ask decline_reason about the same call, so they
+    agree: both graphs run our kernels, or both the stock ones (whose lse the other side reads)."""
+    from ...host.common import DTYPE_NAMES
+    from ...kernels.attention import flex_backward_config as fbc
+
+    if not p.flex_backward:
+        return "a training graph (our backward is opt-in: enable(flex_backward=True))"
+    if p.kv_batch_broadcast:
+        return "k and v of batch 1 shared by the query batches in a training graph (our backward sums no dk/dv " \
+               "over the batch)"
+    problem = fbc.unsupported_reason(p.head_dim_qk, p.head_dim_v, DTYPE_NAMES.get(p.dtypes[0], str(p.dtypes[0])))
+    if problem:
+        return f"backward: {problem}"
+    if not p.keys_all_in_blocks:
+        kv_block_size, q_block_size = p.block_sizes
+        if not (isinstance(kv_block_size, int) and isinstance(q_block_size, int)):
+            return f"block mask block sizes {p.block_sizes} are not constants"
+        problem = fbc.sparse_block_reason(kv_block_size, q_block_size)
+        if problem:
+            return f"backward block mask: {problem}"
+        if not p.backward_lists_ok:
+            return "a block mask without int32 backward lists (q_num_blocks, q_indices) on the query's device"
+    return None
 
 
 def _kernel_reason(p: FlexProblem) -> str | None:
@@ -251,16 +291,44 @@ def _block_mask_fields(block_mask: tuple) -> tuple:
     return (*block_mask[2:6], *block_mask[-3:])
 
 
+def _backward_lists(block_mask: tuple) -> tuple:
+    """(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices) of the block-mask tuple: right
+    after the forward lists in torch 2.11 and 2.13 alike."""
+    return tuple(block_mask[6:10])
+
+
+# where each flex HOP takes its block-mask tuple: the forward's and the backward's calls
+_BLOCK_MASK_ARG = {_HOP: 4, torch.ops.higher_order.flex_attention_backward: 9}
+
+
 def _keys_all_in_blocks(node: torch.fx.Node, kv_len) -> bool:
     """Whether the block-sparse tensors visit every key: true for the mask flex_attention builds
     when given none (one partial block at index 0, spanning the whole sequence, no full blocks),
-    recognised from the FX nodes that build it. A BlockMask passed in is data we cannot see."""
-    if node.target is not _HOP or len(node.args) < 5:
+    recognised from the FX nodes that build it. A BlockMask passed in is data we cannot see.
+
+    A training graph's backward receives those tensors as inputs saved by the forward, not the
+    nodes that build them: there (and, to agree, in the training forward too) the mask is also
+    recognised by what both graphs see, whole-sequence block sizes and one block per row. Only a
+    BlockMask built by hand with 2**30-key blocks, no full blocks and lists other than [0] would
+    look the same to the backward and not to the forward."""
+    arg = _BLOCK_MASK_ARG.get(node.target)
+    if arg is None or len(node.args) <= arg:
         return False
-    num_blocks, indices, full_num_blocks, _, _, block, _ = _block_mask_fields(node.args[4])
+    num_blocks, indices, full_num_blocks, _, q_block, block, _ = _block_mask_fields(node.args[arg])
+    visible = (full_num_blocks is None and isinstance(block, int) and isinstance(q_block, int)
+               and min(block, q_block) >= _WHOLE_SEQUENCE_BLOCK
+               and _fake_shape(num_blocks) == (1, 1, 1) and _fake_shape(indices) == (1, 1, 1, 1))
+    if node.target is not _HOP:
+        return visible
     spans = isinstance(block, int) and (block >= _WHOLE_SEQUENCE_BLOCK
                                         or V.graph.sizevars.statically_known_leq(kv_len, block))
-    return full_num_blocks is None and is_full(num_blocks, 1) and is_full(indices, 0) and spans
+    built = full_num_blocks is None and is_full(num_blocks, 1) and is_full(indices, 0) and spans
+    return built and (V.graph.is_inference or visible)
+
+
+def _fake_shape(node) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _static(expr) -> int | None:
@@ -305,8 +373,12 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
     operands_match = all(hint(a) == hint(b) for a, b in size_guards)
     *block_tensors, q_block, kv_block, mask_graph = _block_mask_fields(block_mask)
     present = [t for t in block_tensors if t is not None]
-    block_tensors_ok = all(isinstance(t, ir.IRNode) and t.get_dtype() == torch.int32
-                           and t.get_device() == query.get_device() for t in present)
+    int32_here = functools.partial(_int32_on, device=query.get_device())
+    block_tensors_ok = all(map(int32_here, present))
+    q_num, q_indices, full_q_num, full_q_indices = _backward_lists(block_mask)
+    backward_lists_ok = (int32_here(q_num) and int32_here(q_indices)
+                         and (full_q_num is None) == (full_q_indices is None) == (block_tensors[2] is None)
+                         and all(int32_here(t) for t in (full_q_num, full_q_indices) if t is not None))
     return FlexProblem(
         device=query.get_device(), dtypes=(query.get_dtype(), key.get_dtype(), value.get_dtype()),
         heads=_static(hq), kv_heads=_static(hk), q_len=_static(lq), head_dim_qk=_static(dqk), head_dim_v=_static(dv),
@@ -320,7 +392,12 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
         mask_heads=_static(block_tensors[0].get_size()[1]) if block_tensors[0] is not None else None,
         block_tensors_ok=block_tensors_ok and len(present) in (2, 4), scale=scale,
         kernel_options=dict(kernel_options), inference=V.graph.is_inference, size_guards=size_guards,
-        q_len_hint=hint(lq), flex_decode=settings.flex_decode, flex_prefill=settings.flex_prefill)
+        q_len_hint=hint(lq), flex_decode=settings.flex_decode, flex_prefill=settings.flex_prefill,
+        flex_backward=settings.flex_backward, backward_lists_ok=backward_lists_ok)
+
+
+def _int32_on(t, device) -> bool:
+    return isinstance(t, ir.IRNode) and t.get_dtype() == torch.int32 and t.get_device() == device
 
 
 # ------------------------------------------------------------------------------- the lowering
@@ -333,18 +410,24 @@ class _FlexCall(ir.FallbackKernel):
 
     LAUNCHER = ""
 
+    @staticmethod
+    def site(args: list) -> dict:
+        """The launcher's static values from the op's arguments (its schema's order)."""
+        return dict(scale=float(args[3]), score_mod=args[4], mask_mod=args[6], kv_block_size=int(args[12]),
+                    q_block_size=int(args[13]))
+
     def codegen(self, wrapper) -> None:
         from ..gemm.codegen import is_static, layout_exprs
 
         wrapper.add_import_once(f"import {_runtime.MODULE}")
         args, _ = self.unflatten_args(self.inputs, self.constant_args)
-        scale, score_mod, mask_mod, kv_block, q_block = args[3], args[4], args[6], args[12], args[13]
-        static = is_static(kv_block, q_block, *(e for node in self.inputs for e in layout_exprs(node)))
+        site = self.site(args)
+        static = is_static(site["kv_block_size"], site["q_block_size"],
+                           *(e for node in self.inputs for e in layout_exprs(node)))
         name = f"icute_flex_{wrapper.next_kernel_suffix()}"
         method = "call_static" if static else "call"
-        wrapper.define_kernel(name, f"{_runtime.MODULE}.{self.LAUNCHER}(scale={float(scale)!r}, "
-                                    f"score_mod={score_mod!r}, mask_mod={mask_mod!r}, kv_block_size={int(kv_block)}, "
-                                    f"q_block_size={int(q_block)}).{method}", gpu=False)
+        values = ", ".join(f"{key}={value!r}" for key, value in site.items())
+        wrapper.define_kernel(name, f"{_runtime.MODULE}.{self.LAUNCHER}({values}).{method}", gpu=False)
         self.python_kernel_name = name
         super().codegen(wrapper)
 
@@ -375,12 +458,7 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
         log.debug("inductor-cute: flex_attention left to the stock lowering: %s", reason)
         return stock_lowering(_HOP)(query, key, value, subgraph, block_mask, scale, kernel_options,
                                     score_mod_other_buffers, mask_mod_other_buffers)
-    for a, b in problem.size_guards:
-        V.graph.sizevars.check_equals(a, b)
-    if problem.q_len is None:  # a symbolic length taken by the prefill kernel: one above the decode kernel's
-        from ...kernels.attention.flex_decode_config import MAX_Q_LEN
-
-        V.graph.sizevars.check_lt(MAX_Q_LEN, query.get_size()[2])
+    add_guards(problem, query)
     log.info("inductor-cute: flex_attention %s runs our %s kernel (score program %r, mask program %r%s)",
              list(query.get_size()), problem.kernel, *programs, "" if problem.keys_all_in_blocks else ", a block mask")
     *block_tensors, _, _, _ = _block_mask_fields(block_mask)
@@ -394,15 +472,31 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
                             block_tensors, kv_block, q_block)
 
 
+def add_guards(problem: FlexProblem, query) -> None:
+    """The guards taking `problem` assumes: its dynamic sizes equal, a symbolic query length above
+    the decode kernel's range (the prefill kernel's). Both lowerings of a training call add them."""
+    for a, b in problem.size_guards:
+        V.graph.sizevars.check_equals(a, b)
+    if problem.q_len is None:
+        from ...kernels.attention.flex_decode_config import MAX_Q_LEN
+
+        V.graph.sizevars.check_lt(MAX_Q_LEN, query.get_size()[2])
+
+
 def _call_reason(problem: FlexProblem | None, query, key) -> str | None:
     if problem is None:
         return "cpp_wrapper / AOTInductor output (our op is called from Python)"
-    return decline_reason(problem) or _grid_reason(problem.kernel, query, key)
+    return decline_reason(problem) or _grid_reason(problem.kernel, query, key, problem.inference)
 
 
-def _grid_reason(kernel: str, query, key) -> str | None:
+def _grid_reason(kernel: str, query, key, inference: bool = True) -> str | None:
     # Evaluated last: with a symbolic batch this adds a guard, which a call we decline should not get.
     batch, heads, q_len = query.get_size()[:3]
+    if not inference:  # the backward's grids: heads and batch as y and z
+        from ...host.flex_backward import MAX_GRID_YZ
+
+        if not V.graph.sizevars.evaluate_expr(sympy.Le(sympy.Max(batch, heads), MAX_GRID_YZ)):
+            return f"backward: batch or query heads exceed {MAX_GRID_YZ}"
     if kernel == "prefill":
         from torch.utils._sympy.functions import CeilDiv
 
