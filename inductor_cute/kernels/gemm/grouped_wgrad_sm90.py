@@ -15,7 +15,8 @@ tile_k tokens from `start` (A and B are one TMA descriptor each over all tokens,
 group's first token). An empty group has no k-block and stores zeros.
 
 The group's last k-block runs past `end` into the next group's tokens (or TMA's zeros past the
-last token). Those tokens must not contribute. We chose to zero them in shared memory, in both
+last token); where an operand is token-major, the first starts up to 7 tokens before the group
+(TMA's innermost coordinate must be 16-byte aligned). Those tokens must not contribute. We chose to zero them in shared memory, in both
 operands (0 * inf would still be NaN), after the stage has landed and before the WGMMA reads it:
 the consumer warps write zeros, fence the generic proxy against the async one and meet at a
 named barrier. The other ways cost more where it matters: per-group tensor maps (TMA zero-fill
@@ -56,6 +57,8 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
     def __init__(self, config: GroupedConfig, a_major: str, b_major: str, num_sms: int = SM_COUNT):
         super().__init__(config, b_major, num_sms=num_sms, a_major=a_major)
         self.a_major_mn, self.b_major_mn = a_major == "m", b_major == "n"  # tokens are not contiguous
+        # k-blocks of a token-major operand start at 16-byte aligned tokens (bf16/fp16: 8)
+        self.token_align = 1 if self.a_major_mn and self.b_major_mn else 8
 
     def _shared_storage(self):
         st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
@@ -93,20 +96,23 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                     ).launch(grid=[1, 1, grid_z], block=[self.threads, 1, 1], cluster=[1, 1, 1],
                              min_blocks_per_mp=1, stream=stream)
 
-    @staticmethod
-    def _token_range(sEnds: cute.Tensor, group):
-        """(first token, token count) of `group`, warp-uniform (see GroupedTileMap.create)."""
+    def _k_span(self, sEnds: cute.Tensor, group):
+        """(first token of the group's first k-block, tokens of the group before it, tokens from
+        that first one to the group's end), warp-uniform (see GroupedTileMap.create). TMA needs a
+        16-byte aligned innermost coordinate: where an operand is token-major, the k-blocks start
+        at the group's first token rounded down to 16 bytes and the tokens before it are masked
+        like those past its end (an unaligned coordinate is an illegal instruction, not a fault)."""
         start = cute.arch.make_warp_uniform(sEnds[group])
-        end = cute.arch.make_warp_uniform(sEnds[group + 1])
-        return start, cutlass.max(end - start, 0)
+        end = cutlass.max(cute.arch.make_warp_uniform(sEnds[group + 1]), start)
+        lead = start % self.token_align * cutlass.min(end - start, 1)  # an empty group has no k-block
+        return start - lead, lead, end - (start - lead)
 
     @cute.jit
-    def _zero_tokens(self, stage: cute.Tensor, rows: cutlass.Constexpr, mn_major: cutlass.Constexpr, first, ctid):
-        """Zero tokens first.. of one (rows, tile_k) operand stage, spread over the consumer
+    def _zero_tokens(self, stage: cute.Tensor, rows: cutlass.Constexpr, mn_major: cutlass.Constexpr, lo, hi, ctid):
+        """Zero tokens lo..hi-1 of one (rows, tile_k) operand stage, spread over the consumer
         threads (a trip count that is the same for all of them, predicated stores). M/N-major
         stages take 16-byte stores of 8 rows of one token (contiguous under the swizzle),
-        token-major ones single elements (8 tokens may straddle `first`)."""
-        tk = self.tile_mnk[2]
+        token-major ones single elements (8 tokens may straddle `lo` or `hi`)."""
         vec = 8 if mn_major else 1
         chunks = cute.zipped_divide(stage, (vec, 1))  # ((vec, 1), (rows // vec, tk))
         zeros = cute.make_rmem_tensor(cute.make_layout(vec), self.ab_dtype)
@@ -114,10 +120,23 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.ab_dtype,
                                     num_bits_per_copy=vec * self.ab_dtype.width)
         per_token = rows // vec
-        for i in range(first * per_token, tk * per_token, self.epi_threads):
+        for i in range(lo * per_token, hi * per_token, self.epi_threads):
             idx = i + ctid
-            if idx < tk * per_token:
+            if idx < hi * per_token:
                 cute.copy(store, zeros, chunks[(None, (idx % per_token, idx // per_token))])
+
+    @cute.jit
+    def _mask_outside(self, sA_stage: cute.Tensor, sB_stage: cute.Tensor, lo, hi, ctid, barrier):
+        """Zero both operands' tokens outside lo..hi-1 of a k-block, then make the zeros visible
+        to WGMMA (proxy fence, and all consumer threads meet) before any reads them."""
+        tm, tn, tk = self.tile_mnk
+        if lo > 0 or hi < tk:
+            self._zero_tokens(sA_stage, tm, self.a_major_mn, 0, lo, ctid)
+            self._zero_tokens(sA_stage, tm, self.a_major_mn, hi, tk, ctid)
+            self._zero_tokens(sB_stage, tn, self.b_major_mn, 0, lo, ctid)
+            self._zero_tokens(sB_stage, tn, self.b_major_mn, hi, tk, ctid)
+            cute.arch.fence_proxy("async.shared", space="cta")  # before WGMMA reads them
+            barrier.arrive_and_wait()
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom, tB: cute.Tensor,
@@ -169,15 +188,15 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                 work = scheduler.first()
                 while scheduler.valid(work):
                     tile = scheduler.tile(work)
-                    start, count = self._token_range(sEnds, tile.batch)
-                    # k-blocks from the group's first token; the last one is masked by the consumers
+                    start, _, span = self._k_span(sEnds, tile.batch)
+                    # k-blocks from the group's (aligned) first token; the consumers mask both ends
                     gA = cute.local_tile(cute.domain_offset((0, start), tA), (tm, tk), (tile.m, None))
                     gB = cute.local_tile(cute.domain_offset((0, start), tB), (tn, tk), (tile.n, None))
                     tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                                        cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                     tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                                        cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-                    for kt in range(cute.ceil_div(count, tk)):
+                    for kt in range(cute.ceil_div(span, tk)):
                         ab_pipe.producer_acquire(ab_state)
                         bar = ab_pipe.producer_get_barrier(ab_state)
                         cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar)
@@ -211,21 +230,20 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
             work = scheduler.first()
             while scheduler.valid(work):
                 tile = scheduler.tile(work)
-                _, count = self._token_range(sEnds, tile.batch)
-                k_tiles = cute.ceil_div(count, tk)
-                tail = count - (k_tiles - 1) * tk  # tokens of the group in its last k-block
+                _, lead, span = self._k_span(sEnds, tile.batch)
+                k_tiles = cute.ceil_div(span, tk)
+                tail = span - (k_tiles - 1) * tk  # tokens of the group in its last k-block
                 # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
                 for kt in range(k_tiles):
                     ab_pipe.consumer_wait(read_state)
-                    if kt == k_tiles - 1:
-                        if tail < tk:
-                            self._zero_tokens(sA[(None, None, read_state.index)], tm, self.a_major_mn, tail, ctid)
-                            self._zero_tokens(sB[(None, None, read_state.index)], tn, self.b_major_mn, tail, ctid)
-                            cute.arch.fence_proxy("async.shared", space="cta")  # before WGMMA reads them
-                            epi_barrier.arrive_and_wait()
+                    if kt == 0 or kt == k_tiles - 1:  # the group's first and last k-blocks
+                        lo = lead if kt == 0 else 0
+                        hi = tail if kt == k_tiles - 1 else tk
+                        self._mask_outside(sA[(None, None, read_state.index)], sB[(None, None, read_state.index)],
+                                           lo, hi, ctid, epi_barrier)
                     for kb in cutlass.range_constexpr(k_blocks):
                         coord = (None, None, kb, read_state.index)
                         cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
