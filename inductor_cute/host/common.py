@@ -83,6 +83,25 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return strides
 
 
+def _in_cudagraph_tree(device_index: int, stream: int) -> bool:
+    """Whether torch.compile's CUDA-graph trees warm up or record on `stream` now: they run a
+    graph's calls on their own stream with every allocation of the thread routed to the graphs'
+    private pool, and refuse (at the end of the warm-up) a pool allocation the graph's outputs do
+    not account for, as a buffer kept for later calls would be."""
+    try:
+        from torch._inductor import cudagraph_trees
+
+        manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+        return manager is not None and manager.stream.cuda_stream == stream
+    except Exception:  # another torch's internals: no trees known here
+        return False
+
+
+def _fresh(device: torch.device, buffers: tuple) -> tuple[torch.Tensor, ...]:
+    return tuple((torch.zeros if zeroed else torch.empty)(shape, device=device, dtype=dtype)
+                 for shape, dtype, zeroed in buffers)
+
+
 def stream_scratch(device: torch.device, buffers: tuple, per_stream: bool = True) -> tuple[torch.Tensor, ...]:
     """Kernel workspaces reused by every call instead of allocated per call: `buffers` is a tuple
     of (shape, dtype, zeroed); zeroed ones start zeroed (a kernel that uses them leaves them zero
@@ -90,12 +109,12 @@ def stream_scratch(device: torch.device, buffers: tuple, per_stream: bool = True
     because calls on one stream never overlap: one flat buffer per (device, stream, position in
     `buffers`, dtype), grown to the largest size asked for (so dynamic sizes pin no more than
     the largest), or per device when `per_stream` is False (a launch that never touches them).
-    During CUDA-graph capture, and off CUDA, the buffers are fresh: no graph shares one with eager
-    calls or with another graph."""
+    During CUDA-graph capture, CUDA-graph trees' warm-up, and off CUDA, the buffers are fresh: no
+    graph shares one with eager calls or with another graph, and none outlives its graph's pool."""
     if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
-        return tuple((torch.zeros if zeroed else torch.empty)(shape, device=device, dtype=dtype)
-                     for shape, dtype, zeroed in buffers)
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if per_stream else None
+        return _fresh(device, buffers)
+    current = torch._C._cuda_getCurrentRawStream(device.index)
+    stream = current if per_stream else None
     views = []
     for slot, (shape, dtype, zeroed) in enumerate(buffers):
         numel = 1
@@ -104,6 +123,8 @@ def stream_scratch(device: torch.device, buffers: tuple, per_stream: bool = True
         key = (device.index, stream, slot, dtype, zeroed)
         flat = _SCRATCH.get(key)
         if flat is None or flat.numel() < numel:  # the old buffer is freed in stream order
+            if _in_cudagraph_tree(device.index, current):  # checked only here: trees never get a buffer
+                return _fresh(device, buffers)
             flat = _SCRATCH[key] = (torch.zeros if zeroed else torch.empty)(max(numel, 1), device=device,
                                                                           dtype=dtype)
         views.append(alias(flat, shape, _contiguous_strides(tuple(shape)), 0))

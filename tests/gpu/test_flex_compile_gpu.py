@@ -90,6 +90,34 @@ def test_decode_runs_our_kernel_and_matches(batch, heads, kv_heads, dim, kv_len,
     assert (out.float() - eager_out.float()).abs().max().item() < 2 * TOL[dtype]
 
 
+def test_cuda_graph_trees_with_split_partials_and_a_gemv():
+    """CUDA graphs on (max-autotune, our GEMMs only): CUDA-graph trees warm the graph up on their own stream with every
+    allocation going to the graphs' pool, then record and replay it. Our split-KV partials and
+    the GEMV's split-K workspace must not be kept from the warm-up (trees refuse an untracked pool
+    allocation), and replays with new inputs must match."""
+    proj = torch.nn.Linear(4096, 2048, bias=False).cuda().bfloat16()
+
+    def step(x, k, v):
+        q = proj(x).view(x.shape[0], 16, 1, 128)
+        return flex_attention(q, k, v, enable_gqa=True)
+
+    x, k, v = rand(8, 4096), rand(8, 4, 8192, 128), rand(8, 4, 8192, 128)
+    with inductor_cute.enable(flex_decode=True), inductor_config.patch(max_autotune_gemm_backends="ICUTE"):
+        fn = torch.compile(step, mode="max-autotune")
+        _, codes = run_and_get_code(fn, x, k, v)  # the warm-up
+        for _ in range(2):  # record, replay
+            fn(x, k, v)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            k.copy_(torch.randn_like(k))
+            got = fn(x, k, v).clone()
+            torch.cuda.synchronize()
+            q = proj(x).view(8, 16, 1, 128)
+            assert_out_close(got, reference(q, k, v)[0], torch.bfloat16)
+    code = "\n".join(codes)
+    assert OUR_CALL in code and "inductor_cute.inductor.gemm.runtime.GemmLauncher(" in code
+
+
 def test_scale_and_out_only():
     q, k, v = rand(2, 16, 1, 128), rand(2, 4, 3000, 128), rand(2, 4, 3000, 128)
     out, code = compiled_run(q, k, v, enable_gqa=True, scale=0.3)
