@@ -103,6 +103,17 @@ def run_case(case: Case, ceilings: dict) -> dict:
             "times_us": times, "notes": "; ".join(case.notes)}
 
 
+def _sticky_cuda_error() -> str | None:
+    """The error of a CUDA context lost to a faulting kernel (an illegal address or instruction:
+    every later call fails the same way), else None; frees the cached blocks when healthy."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return None
+    except Exception as e:  # noqa: BLE001 (torch.AcceleratorError on 2.11; RuntimeError before)
+        return first_line(e)[:200]
+
+
 def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results", match: str = "") -> dict:
     """Run a suite's cases (only those whose name contains `match`, if given) and write the record."""
     from .suites import SUITES
@@ -125,7 +136,10 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
             case = make_case()
         except Exception as e:  # one case that cannot be set up must not lose the rest of the run
             _progress(f"[{i}/{len(cases)}] setup failed: {first_line(e)[:200]}")
-            torch.cuda.empty_cache()
+            fault = _sticky_cuda_error()
+            if fault:
+                record["env"]["aborted"] = f"in the setup of case {i} of {len(cases)}: {fault}"
+                break
             continue
         if match and match not in case.name:
             del case
@@ -137,8 +151,12 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
         _progress("    " + ", ".join(f"{b} {t[b] if t[b] is not None else '-'} us" for b in rec.BACKENDS)
                   + f" (bound {result['bound_us']} us)")
         del case
-        torch.cuda.empty_cache()
-    if hasattr(suite, "host_overhead"):
+        fault = _sticky_cuda_error()
+        if fault:  # the process's CUDA context is lost: record what was measured, and say why it ends
+            record["env"]["aborted"] = f"after case {i} of {len(cases)} ({result['name']}): {fault}"
+            _progress(f"    stopping: {fault}")
+            break
+    if hasattr(suite, "host_overhead") and not record["env"].get("aborted"):
         record["host_overhead_us"] = {k: round(host_overhead_us(fn), 2) for k, fn in suite.host_overhead().items()}
     paths = rec.write(record, out_dir)
     print(rec.markdown(record))

@@ -139,6 +139,7 @@ def markdown(record: dict) -> str:
              f"Timing: {record.get('method', 'not recorded')}.", "",
              *([f"Partial run: only cases whose name contains {env['case_filter']!r}.", ""]
                if env.get("case_filter") else []),
+             *([f"Aborted {env['aborted']}.", ""] if env.get("aborted") else []),
              "| case | bound us | inductor_cute us | triton us | aten us | vs triton | vs aten | roofline | notes |",
              "|---|---|---|---|---|---|---|---|---|"]
     vs_triton, vs_aten = speedups(record, "triton"), speedups(record, "aten")

@@ -169,11 +169,22 @@ def _grouped_mm(a, b, offs):
     return torch._grouped_mm(a, b, offs)
 
 
+# Inductor's grouped-mm template faulted (an illegal memory access during its autotuning, which
+# loses the process's CUDA context) on DeepSeek-V3's wgrad at 4096 tokens, whose output has
+# 256 x 7168 x 2048 = 3.8e9 elements, on torch 2.11 / Triton 3.6 (H200, 2026-12-03); its other
+# cases (outputs below 2^31 elements) ran. Probably 32-bit output indexing: not timed past it.
+TRITON_MAX_OUTPUT_ELEMENTS = 2**31 - 1
+
+
 def triton_runner(a, b, offs):
     """(runner or None, note): the grouped-mm Triton template, compiled and autotuned now."""
     from ...errors import first_line
     from .gemm_compiled import compile_now
 
+    rows = offs.numel() * a.shape[0] if b.dim() == 2 else a.shape[0]  # wgrad's output is (E, M, N)
+    if rows * b.shape[-1] > TRITON_MAX_OUTPUT_ELEMENTS:
+        return None, (f"triton omitted: its template faulted on outputs of 2^31 elements or more (this one: "
+                      f"{rows * b.shape[-1]:.2e})")
     try:
         c = compile_now(_grouped_mm, (a, b, offs), mode="max-autotune-no-cudagraphs", ours=False, backends="TRITON")
     except Exception as e:  # no valid Triton choice, or a compile failure

@@ -1,0 +1,60 @@
+"""A kernel that faults loses the process's CUDA context: every later call fails alike. The
+harness then keeps what it measured, says where and why the run ended, and writes the record;
+and the grouped suite does not time Inductor's Triton template where it faulted that way."""
+
+import types
+
+import pytest
+import torch
+
+from inductor_cute.bench import harness
+from inductor_cute.bench import record as rec
+from inductor_cute.bench.case import Case, named
+from inductor_cute.bench.suites import grouped_gemm
+
+
+def fake_suite(built):
+    def make(i):
+        built.append(i)
+        return Case(name=f"case {i}", params={}, flops=1e9, bytes=1e6,
+                    runners={"inductor_cute": None, "triton": None, "aten": None})
+
+    return types.SimpleNamespace(cases=lambda quick: [named(lambda i=i: make(i), f"case {i}") for i in (1, 2, 3)])
+
+
+@pytest.fixture
+def no_gpu_needed(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(harness, "measure_ceilings", lambda: {"copy_TBps": 4.0, "bf16_mm_TFLOPs": 700.0})
+    return tmp_path
+
+
+def run(monkeypatch, out_dir, faults):
+    built = []
+    monkeypatch.setitem(__import__("inductor_cute.bench.suites", fromlist=["SUITES"]).SUITES, "fake",
+                        fake_suite(built))
+    answers = iter(faults)
+    monkeypatch.setattr(harness, "_sticky_cuda_error", lambda: next(answers))
+    return harness.run_suite("fake", out_dir=str(out_dir)), built
+
+
+def test_a_lost_context_ends_the_run_with_the_record_written(monkeypatch, no_gpu_needed, capsys):
+    record, built = run(monkeypatch, no_gpu_needed, [None, "CUDA error: an illegal memory access was encountered"])
+    assert built == [1, 2] and [c["name"] for c in record["cases"]] == ["case 1", "case 2"]
+    assert record["env"]["aborted"].startswith("after case 2 of 3 (case 2): CUDA error: an illegal memory access")
+    assert "Aborted after case 2 of 3" in rec.markdown(record)
+    assert list(no_gpu_needed.glob("fake-*.json")), "no record written"
+
+
+def test_a_healthy_run_is_not_marked_aborted(monkeypatch, no_gpu_needed):
+    record, built = run(monkeypatch, no_gpu_needed, [None, None, None])
+    assert built == [1, 2, 3] and "aborted" not in record["env"]
+    assert "Aborted" not in rec.markdown(record)
+
+
+def test_triton_is_omitted_where_its_grouped_template_faulted():
+    # DeepSeek-V3 wgrad down at 4096 tokens: (E, M, N) = (256, 7168, 2048), 3.8e9 output elements
+    a, b = torch.empty(7168, 32768, device="meta"), torch.empty(32768, 2048, device="meta")
+    runner, note = grouped_gemm.triton_runner(a, b, torch.empty(256, dtype=torch.int32, device="meta"))
+    assert runner is None and "faulted on outputs of 2^31 elements" in note and "3.76e+09" in note
