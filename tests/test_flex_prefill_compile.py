@@ -13,6 +13,7 @@ from inductor_cute.kernels.attention.flex_prefill_config import (HEAD_DIMS, M_BL
                                                                  sparse_block_reason, unsupported_reason)
 from inductor_cute.kernels.attention.tile_order import L2_KV_BYTES, LongestFirst, section_width
 from inductor_cute.kernels.common.programs.score import dumps
+from inductor_cute.host.flex_prefill import _flex_prefill_kernel as REAL_KERNEL_FACTORY
 from inductor_cute.runtime.compiler import compile_spec
 
 SOFTCAP = dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
@@ -32,6 +33,21 @@ VARIANTS = {
         64, 64, "bfloat16", score_program=ALIBI, score_dtypes=("float32",), mask_program=DOCUMENT,
         mask_dtypes=("int32",), sparse_block=256, sparse_q_block=256),
 }
+# persistent CTAs (config.persistent_ctas): the same problems through the tile loop's other path
+PERSISTENT = {
+    "d128-persistent": VARIANTS["d128"],
+    "mla-192-128-causal-block128-persistent": VARIANTS["mla-192-128-causal-block128"],
+    "d64-fp16-persistent": VARIANTS["d64-fp16"],
+}
+VARIANTS.update(PERSISTENT)
+
+
+def variant_spec(name):
+    problem = VARIANTS[name]
+    config = default_config(problem)
+    if name in PERSISTENT:
+        config = dataclasses.replace(config, persistent_ctas=132)
+    return spec(problem, config)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +57,7 @@ def compiled_all():
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def compiled(request, compiled_all):
-    obj = compile_spec(spec(VARIANTS[request.param]), "sm_90a", keep_ptx=True)
+    obj = compile_spec(variant_spec(request.param), "sm_90a", keep_ptx=True)
     compiled_all[request.param] = obj
     return obj
 
@@ -152,7 +168,7 @@ def test_unsupported_problems_and_configs_are_named():
 def test_spec_spells_problem_and_config_and_reads_back():
     problem = FlexPrefillProblem(128, 128, "bfloat16", SOFTCAP, (), DOCUMENT, ("int32",), 256, 128)
     s = spec(problem)
-    assert set(s.kwargs) == set(problem.as_params()) | {"kv_block", "stages"}
+    assert set(s.kwargs) == set(problem.as_params()) | {"kv_block", "stages", "persistent_ctas"}
     assert from_params(s.kwargs) == (problem, default_config(problem))
 
 
@@ -250,7 +266,7 @@ def test_host_passes_the_kernel_its_arguments(host_on_cpu):
     bm = args[11:15]
     assert all(t.dtype == torch.int32 and t.is_contiguous() for t in bm)
     assert torch.equal(bm[2], torch.zeros(1, 1, 3, dtype=torch.int32))  # no full blocks: zero counts
-    assert specs == [(128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128)]
+    assert specs == [(128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128, None)]
     # strided (B, L, H, D) views go through as they are
     qt = torch.randn(2, 300, 8, 128).bfloat16().transpose(1, 2)
     flex_prefill(qt, k, v)
@@ -290,3 +306,21 @@ def test_host_answers_empty_problems_without_the_kernel(host_on_cpu):
     q = torch.randn(1, 2, 5, 64).half()
     out, lse = flex_prefill(q, q[:, :, :0], q[:, :, :0], return_lse=True)
     assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all() and not kernel.calls
+
+
+def test_host_takes_a_config_and_refuses_one_that_cannot_run(host_on_cpu, monkeypatch):
+    import torch
+
+    from inductor_cute import UnsupportedError
+    from inductor_cute.host import flex_prefill as fp
+
+    flex_prefill, kernel, specs = host_on_cpu
+    q = torch.randn(1, 2, 300, 128).bfloat16()
+    persistent = FlexPrefillConfig(128, 3, persistent_ctas=132)
+    flex_prefill(q, q, q, config=persistent)
+    assert specs[-1][-1] == persistent
+    monkeypatch.setattr(fp, "_flex_prefill_kernel", REAL_KERNEL_FACTORY.__wrapped__)  # the real spec checks
+    with pytest.raises(UnsupportedError, match="flex_prefill: stages must be at least 2"):
+        flex_prefill(q, q, q, config=FlexPrefillConfig(128, 1))
+    with pytest.raises(UnsupportedError, match="persistent_ctas -1 must be 0"):
+        flex_prefill(q, q, q, config=FlexPrefillConfig(128, 3, persistent_ctas=-1))

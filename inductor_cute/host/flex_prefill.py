@@ -23,11 +23,11 @@ MAX_TILES = 2**31 - 1  # the kernel's 1-D grid
 @functools.lru_cache(maxsize=256)
 def _flex_prefill_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, score_program: str,
                          score_dtypes: tuple[str, ...], mask_program: str, mask_dtypes: tuple[str, ...],
-                         sparse_block: int, sparse_q_block: int):
+                         sparse_block: int, sparse_q_block: int, config=None):
     from ..kernels.attention.flex_prefill_config import FlexPrefillProblem, spec
 
     return get_kernel(spec(FlexPrefillProblem(head_dim_qk, head_dim_v, dtype_name, score_program, score_dtypes,
-                                              mask_program, mask_dtypes, sparse_block, sparse_q_block)))
+                                              mask_program, mask_dtypes, sparse_block, sparse_q_block), config))
 
 
 # the decode entry's program checks, its errors naming this entry
@@ -81,7 +81,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
                  score_mod: str | None = None, score_tensors=(), mask_mod: str | None = None, mask_tensors=(),
                  kv_num_blocks: torch.Tensor | None = None, kv_indices: torch.Tensor | None = None,
                  full_kv_num_blocks: torch.Tensor | None = None, full_kv_indices: torch.Tensor | None = None,
-                 kv_block_size: int = 128, q_block_size: int = 128, return_lse: bool = False):
+                 kv_block_size: int = 128, q_block_size: int = 128, return_lse: bool = False, config=None):
     """Attention forward for prefill: softmax(scale * q k^T) v per query head.
 
     q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv), bf16 or fp16, Hq a multiple of
@@ -96,7 +96,8 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     Qb[, C]) as torch builds them, Z in (1, B), H in (1, Hq)) restrict each query block's keys to
     its blocks; the mask program runs on the partial blocks only (on all keys without block
     tensors). kv_block_size must be a multiple of 128 and q_block_size of 128. Causal attention is
-    a block mask with a causal mask program.
+    a block mask with a causal mask program. `config`: a FlexPrefillConfig instead of the
+    default one (benchmarks and tests; a config that cannot run the problem is refused).
     """
     from ..kernels.attention import flex_prefill_config as fpc
 
@@ -109,7 +110,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         raise UnsupportedError(f"{NAME}: {fpc.m_blocks(q_len) * heads * batch} tiles exceed the grid limit")
     program, score_dtypes, score_slots = _program_operands(score_mod, score_tensors, q.device, "score")
     mask_program, mask_dtypes, mask_slots = _program_operands(mask_mod, mask_tensors, q.device, "mask")
-    kv_block = fpc.HEAD_DIMS[(dqk, dv)]
+    kv_block = config.kv_block if config is not None else fpc.HEAD_DIMS[(dqk, dv)]
     block_mask = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     sparse_block, sparse_q_block, block_slots = 0, fpc.M_BLOCK, [None] * 4
     if any(t is not None for t in block_mask):
@@ -123,8 +124,11 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         out.zero_()
         lse.fill_(float("-inf"))
         return (out, lse) if return_lse else out
-    kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program, mask_dtypes,
-                                  sparse_block, sparse_q_block)
+    try:
+        kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program,
+                                      mask_dtypes, sparse_block, sparse_q_block, config)
+    except ValueError as e:  # spec's refusal of the config
+        raise UnsupportedError(f"{NAME}: {e}") from None
     scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
     kernel(_operand(q), _operand(k), _operand(v), out, lse, scale * LOG2E, scale, *score_slots, *block_slots,
            *mask_slots)

@@ -5,6 +5,7 @@ The allocator is poisoned with NaN first, so an output element the kernel never 
 
 Written before the kernel ever ran on a GPU: a failure here is the kernel's first bug report."""
 
+import dataclasses
 import math
 
 import pytest
@@ -201,3 +202,35 @@ def test_unsupported_inputs_are_refused_in_one_line():
         with pytest.raises(UnsupportedError, match=message) as e:
             call()
         assert "\n" not in str(e.value) and str(e.value).startswith("flex_prefill: ")
+
+
+# ------------------------------------------------------------------------- persistent CTAs
+def persistent(ctas=3):
+    """A config whose few CTAs each walk many tiles: the Q buffer handed back and forth, the K/V
+    ring's phases and the consumers' turns carried from tile to tile."""
+    from inductor_cute.kernels.attention import flex_prefill_config as fpc
+
+    def config(dqk, dv):
+        return dataclasses.replace(fpc.default_config(fpc.FlexPrefillProblem(dqk, dv, "bfloat16")),
+                                   persistent_ctas=ctas)
+
+    return config
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128)])
+def test_persistent_ctas_walk_many_tiles(dqk, dv):
+    q, k, v = rand(2, 4, 1000, dqk), rand(2, 2, 1000, dqk), rand(2, 2, 1000, dv)
+    check(q, k, v, config=persistent()(dqk, dv))  # 64 tiles on 3 CTAs
+
+
+def test_persistent_ctas_with_causal_blocks_and_empty_tiles():
+    # causal tiles of different lengths, and batch 1's tiles with no key at all (zero blocks)
+    check_block_mask(rand(2, 4, 1500, 128), rand(2, 2, 1500, 128), rand(2, 2, 1500, 128),
+                     lambda b, h, m, n: (m >= n) & (b == 0), sp.dumps([["c", "ge", "q", "kv"], ["z", "eq", "b", 0],
+                                                                        ["o", "and", "c", "z"]]),
+                     config=persistent(5)(128, 128))
+
+
+def test_persistent_ctas_more_than_tiles():
+    q, k, v = rand(1, 2, 200, 128), rand(1, 2, 700, 128), rand(1, 2, 700, 128)
+    check(q, k, v, config=persistent(132)(128, 128))  # 4 tiles: the grid is cut to them

@@ -14,6 +14,8 @@ Runners of a case (all on the same q, k, v and mods):
   flash          flex_attention compiled with kernel_options={"BACKEND": "FLASH"} (the CuTe kernels
                  of the flash-attn-4 package), same mods and BlockMask; left out, with the reason in
                  notes, where it does not run (package missing, mod unsupported)
+  persistent     ours with persistent CTAs (FlexPrefillConfig.persistent_ctas = the SM count), beside
+                 the default one CTA per tile until it is measured and made the default
 Correctness: the harness checks every runner's output against an fp32 reference (untimed; the
 same score_mod and mask_mod applied to dense scores, chunked over queries). q is scaled so softmax
 puts its weight on a few dozen keys (flex_decode.peaked_query_scale), as trained attention does,
@@ -25,6 +27,7 @@ roofline is the matmul time of that work (matmul=True). Bytes: q, k, v and the o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass, field
@@ -260,6 +263,15 @@ def sdpa_runner(p: Prefill, q, k, v, scale: float) -> Callable | None:
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
+def persistent_config(p: Prefill):
+    """The default config of the case's head dims with one persistent CTA per SM."""
+    from ...host.common import sm_count
+    from ...kernels.attention.flex_prefill_config import FlexPrefillProblem, default_config
+
+    config = default_config(FlexPrefillProblem(p.dqk, p.dv, "bfloat16"))
+    return dataclasses.replace(config, persistent_ctas=sm_count(0))
+
+
 def _case(p: Prefill) -> Case:
     from ...host.flex_prefill import flex_prefill
 
@@ -287,7 +299,8 @@ def _case(p: Prefill) -> Case:
                 "documents": document_lengths(p.s) if p.variant == "document" else None, "dtype": "bfloat16"},
         flops=flops, bytes=n_bytes, matmul=True, notes=notes, atol=2e-2, rtol=2e-2,
         runners={"inductor_cute": lambda: flex_prefill(q, k, v, scale=scale, **ours_kw), **stock,
-                 "aten": sdpa_runner(p, q, k, v, scale), "flash": flash},
+                 "aten": sdpa_runner(p, q, k, v, scale), "flash": flash,
+                 "persistent": lambda: flex_prefill(q, k, v, scale=scale, config=persistent_config(p), **ours_kw)},
         reference=lambda: reference(q, k, v, scale, mods),
     )
 

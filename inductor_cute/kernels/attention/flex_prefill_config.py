@@ -60,6 +60,9 @@ class FlexPrefillConfig:
 
     kv_block: int  # keys per pipeline stage (S = Q K^T is M_BLOCK x kv_block)
     stages: int  # depth of the K/V TMA ring
+    # 0: one CTA per tile; n: at most n CTAs (the SM count: one CTA fits an SM), each walking every
+    # n-th tile, its producer loading the next tile's K/V under the last one's epilogue
+    persistent_ctas: int = 0
 
     @property
     def threads(self) -> int:
@@ -124,6 +127,8 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
         return error
     if config.kv_block % 16 or not 16 <= config.kv_block <= 256:
         return f"kv_block {config.kv_block} must be a multiple of 16 in 16..256 (WGMMA N and K)"
+    if config.persistent_ctas < 0:
+        return f"persistent_ctas {config.persistent_ctas} must be 0 (a CTA per tile) or a CTA count"
     if config.stages < 2:
         # the consumers hold stage j - 1 (V for P V) while S of stage j is computed
         return "stages must be at least 2"

@@ -2,8 +2,11 @@
 
     out[b, h, i] = softmax(scale * q[b, h, i] . k[b, h // G]^T) v[b, h // G]     (G = Hq // Hkv)
 
-One CTA per (128 query rows, query head, batch), numbered longest-first within sections of
-(head, batch) pairs whose K/V fits in L2 (tile_order.py). 384 threads in three warp groups:
+Tiles of (128 query rows, query head, batch), numbered longest-first within sections of (head,
+batch) pairs whose K/V fits in L2 (tile_order.py): one CTA per tile, or (config.persistent_ctas)
+that many CTAs each taking every persistent_ctas-th tile, so that a CTA's producer loads the next
+tile's K/V while its consumers finish the last one (Q follows once O has left Q's buffer).
+384 threads in three warp groups:
 
   * warp group 0, the producer, gives registers back (setmaxnreg) and one warp issues TMA loads:
     the CTA's Q tile once, then (K, V) of each KV block into a `stages`-deep ring
@@ -51,7 +54,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import barriers
-from ..common.units import LN2
+from ..common.units import LN2, NEG_INF
 from .accumulator import acc_as_operand_a, check_acc_layout, row_half
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
@@ -144,10 +147,13 @@ class FlexPrefillSm90:
         tma_o, gO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), rows_major(mOut), self.sO_layout,
                                                 (M_BLOCK, self.dv))
         tiles = LongestFirst(cute.ceil_div(mQ.shape[2], M_BLOCK), mQ.shape[1], mQ.shape[0])
+        ctas = tiles.count()
+        if const_expr(self.config.persistent_ctas > 0):
+            ctas = cutlass.min(ctas, self.config.persistent_ctas)
         self.kernel(tma_q, gQ, tma_k, gK, tma_v, gV, tma_o, gO, mLse, scale_log2, scale, mT0, mT1, mT2, mT3,
                     mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.mma_qk, self.mma_pv,
                     self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout
-                    ).launch(grid=[tiles.count(), 1, 1], block=[self.config.threads, 1, 1], min_blocks_per_mp=1,
+                    ).launch(grid=[ctas, 1, 1], block=[self.config.threads, 1, 1], min_blocks_per_mp=1,
                              stream=stream)
 
     @staticmethod
@@ -166,15 +172,16 @@ class FlexPrefillSm90:
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
-        tile_idx, _, _ = cute.arch.block_idx()
+        first_tile, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         q_len, heads, batch = gQ_full.shape[0], gQ_full.shape[2], gQ_full.shape[3]
         seq_len, kv_heads = gK_full.shape[0], gK_full.shape[2]
         q_per_kv = heads // kv_heads
         width = section_width(seq_len, (self.dqk + self.dv) * self.dtype.width // 8, q_per_kv)
-        m_block, head, b = LongestFirst(cute.ceil_div(q_len, M_BLOCK), heads, batch, width).coord(tile_idx)
-        hkv = head // q_per_kv
+        m_blocks = cute.ceil_div(q_len, M_BLOCK)
+        n_tiles = LongestFirst(m_blocks, heads, batch).count()  # (the DSL carries no Python object into ifs)
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
@@ -190,14 +197,6 @@ class FlexPrefillSm90:
         q_pipe = tma_pipeline(storage.q_bars, 1, cute.size_in_bytes(self.dtype, sQ_layout), consumer_warps)
         cute.arch.mbarrier_init_fence()
 
-        # The CTA's KV blocks: the whole sequence, or the block mask's partial then full blocks of
-        # the mask query block that holds the CTA's rows.
-        n_blocks = cute.ceil_div(seq_len, self.kvb)
-        n_partial = Int32(0)
-        zm, hm, r = b, head, m_block * M_BLOCK // self.problem.sparse_q_block
-        if const_expr(self.blocks.enabled):
-            zm, hm = self.blocks.mask_row(mKvNum, b, head)
-            n_partial, n_blocks = self.blocks.count(mKvNum, mFullNum, zm, hm, r)
         cute.arch.sync_threads()
 
         # ================================================================ producer
@@ -214,24 +213,30 @@ class FlexPrefillSm90:
                 tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                                    cute.group_modes(gV, 0, 2))
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                q_pipe.producer_acquire(q_state)
-                cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.stages)
-                for j in range(n_blocks):
-                    blk, _ = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
-                    kv_pipe.producer_acquire(state)
-                    bar = kv_pipe.producer_get_barrier(state)
-                    cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b)], tKsK[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b)], tVsV[(None, state.index)], tma_bar_ptr=bar)
-                    kv_pipe.producer_commit(state)
-                    state.advance()
+                for tile in range(first_tile, n_tiles, ctas):
+                    m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
+                    hkv = head // q_per_kv
+                    n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
+                    # Q's buffer is free once the consumers stored the last tile's O from it
+                    q_pipe.producer_acquire(q_state)
+                    cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ,
+                              tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                    q_state.advance()
+                    for j in range(n_blocks):
+                        blk, _ = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                        kv_pipe.producer_acquire(state)
+                        bar = kv_pipe.producer_get_barrier(state)
+                        cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b)], tKsK[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b)], tVsV[(None, state.index)], tma_bar_ptr=bar)
+                        kv_pipe.producer_commit(state)
+                        state.advance()
 
         # ================================================================ consumers
         if wg_idx > 0:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             slot = wg_idx - 1
             ctid = tidx - 128  # thread index among the consumers: slot s owns rows 64 s .. 64 s + 63
-            row0 = m_block * M_BLOCK
             thr_qk = mma_qk.get_slice(ctid)
             thr_pv = mma_pv.get_slice(ctid)
             tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
@@ -241,7 +246,6 @@ class FlexPrefillSm90:
             tOcO = thr_pv.partition_C(cute.make_identity_tensor((M_BLOCK, self.dv)))
             acc_s = cute.make_rmem_tensor(tScS.shape, Float32)
             acc_o = cute.make_rmem_tensor(tOcO.shape, Float32)
-            acc_o.fill(0.0)
             r_p = cute.make_rmem_tensor(tScS.shape, self.dtype)
             tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(acc_s.layout))
             row_max, row_sum = softmax_state()
@@ -249,59 +253,84 @@ class FlexPrefillSm90:
             score_tensors, mask_tensors = (mT0, mT1, mT2, mT3), (mM0, mM1, mM2, mM3)
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            q_pipe.consumer_wait(q_state)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
-            # Turns: n_blocks + 1 per consumer (S_0; S_j with P_{j-1} V_{j-1}; P_last V_last), slot 0
-            # first. Slot 1 opens slot 0's first turn and hands over only turns slot 0 still
-            # takes, so no arrive is left pending when the CTA exits.
-            if n_blocks > 0:
-                if slot == 1:
-                    self._turn(0).arrive()
-                # ---- block 0: S_0 alone
-                self._turn(slot).arrive_and_wait()
-                kv_pipe.consumer_wait(read)
-                self._qk(acc_s, tSrQ, tSrK, read.index)
-                warpgroup.commit_group()
-                self._turn(1 - slot).arrive()
-                warpgroup.wait_group(0)
-                blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
-                self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
-                             score_tensors, mask_tensors)
-                online_softmax_scores(acc_s, row_max, row_sum, correction)  # O is still 0: no rescale
-                r_p.store(acc_s.load().to(self.dtype))
-                read.advance()
-                # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
-                # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
-                for j in range(1, n_blocks):
+            for tile in range(first_tile, n_tiles, ctas):
+                m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
+                n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
+                row0 = m_block * M_BLOCK
+                acc_o.fill(0.0)
+                row_max.fill(NEG_INF)
+                row_sum.fill(0.0)
+                q_pipe.consumer_wait(q_state)
+                # Turns: n_blocks + 1 per consumer and tile (S_0; S_j with P_{j-1} V_{j-1}; P_last
+                # V_last), slot 0 first. Slot 1 opens slot 0's first turn and hands over only turns
+                # slot 0 still takes, so no arrive is left pending when the tile ends.
+                if n_blocks > 0:
+                    if slot == 1:
+                        self._turn(0).arrive()
+                    # ---- block 0: S_0 alone
                     self._turn(slot).arrive_and_wait()
                     kv_pipe.consumer_wait(read)
                     self._qk(acc_s, tSrQ, tSrK, read.index)
                     warpgroup.commit_group()
-                    self._pv(acc_o, tOrP, tOrV, release.index)
-                    warpgroup.commit_group()
                     self._turn(1 - slot).arrive()
-                    warpgroup.wait_group(1)  # S_j
-                    blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                    warpgroup.wait_group(0)
+                    blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                     self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                                  score_tensors, mask_tensors)
-                    online_softmax_scores(acc_s, row_max, row_sum, correction)
-                    warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
-                    kv_pipe.consumer_release(release)
-                    release.advance()
-                    rescale_rows(acc_o, correction)
+                    online_softmax_scores(acc_s, row_max, row_sum, correction)  # O is still 0: no rescale
                     r_p.store(acc_s.load().to(self.dtype))
                     read.advance()
-                # ---- the last block's P V
-                self._turn(slot).arrive_and_wait()
-                self._pv(acc_o, tOrP, tOrV, release.index)
-                warpgroup.commit_group()
-                if slot == 0:
-                    self._turn(1).arrive()
-                warpgroup.wait_group(0)
-                kv_pipe.consumer_release(release)
-            self._epilogue(acc_o, tOcO, row_max, row_sum, mma_pv, sO, tma_o, gO_full, mLse, ctid, warp_idx,
-                           m_block, head, b, q_len)
+                    # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
+                    # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
+                    for j in range(1, n_blocks):
+                        self._turn(slot).arrive_and_wait()
+                        kv_pipe.consumer_wait(read)
+                        self._qk(acc_s, tSrQ, tSrK, read.index)
+                        warpgroup.commit_group()
+                        self._pv(acc_o, tOrP, tOrV, release.index)
+                        warpgroup.commit_group()
+                        self._turn(1 - slot).arrive()
+                        warpgroup.wait_group(1)  # S_j
+                        blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                        self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
+                                     score_tensors, mask_tensors)
+                        online_softmax_scores(acc_s, row_max, row_sum, correction)
+                        warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
+                        kv_pipe.consumer_release(release)
+                        release.advance()
+                        rescale_rows(acc_o, correction)
+                        r_p.store(acc_s.load().to(self.dtype))
+                        read.advance()
+                    # ---- the last block's P V
+                    self._turn(slot).arrive_and_wait()
+                    self._pv(acc_o, tOrP, tOrV, release.index)
+                    warpgroup.commit_group()
+                    if slot == 0:
+                        self._turn(1).arrive()
+                    warpgroup.wait_group(0)
+                    kv_pipe.consumer_release(release)
+                    release.advance()
+                self._epilogue(acc_o, tOcO, row_max, row_sum, mma_pv, sO, tma_o, gO_full, mLse, ctid, warp_idx,
+                               m_block, head, b, q_len)
+                # after the store warp saw the TMA unit read O: the producer may load the next Q
+                q_pipe.consumer_release(q_state)
+                q_state.advance()
+
+    @cute.jit
+    def _kv_walk(self, mKvNum: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor], seq_len: Int32,
+                 m_block: Int32, head: Int32, b: Int32):
+        """(partial blocks, blocks in all, mask batch, mask head, mask row block) of a tile's KV
+        walk: the whole sequence, every block partial, or the block mask's partial then full
+        blocks of the mask query block that holds the tile's rows."""
+        n_blocks = cute.ceil_div(seq_len, self.kvb)
+        n_partial = Int32(0)
+        zm, hm, r = b, head, m_block * M_BLOCK // self.problem.sparse_q_block
+        if const_expr(self.blocks.enabled):
+            zm, hm = self.blocks.mask_row(mKvNum, b, head)
+            n_partial, n_blocks = self.blocks.count(mKvNum, mFullNum, zm, hm, r)
+        return n_partial, n_blocks, zm, hm, r
 
     # _qk and _pv are traced inline (not @cute.jit): the MMA's accumulate flag they set must stay
     # a value of the caller's loop body
