@@ -5,7 +5,8 @@
 Tiles of (128 query rows, query head, batch), numbered longest-first within sections of (head,
 batch) pairs whose K/V fits in L2 (tile_order.py): one CTA per tile, or (config.persistent_ctas)
 that many CTAs each taking every persistent_ctas-th tile, so that a CTA's producer loads the next
-tile's K/V while its consumers finish the last one (Q follows once O has left Q's buffer).
+tile's first K/V blocks while its consumers finish the last one (Q follows once O has left Q's
+buffer).
 384 threads in three warp groups:
 
   * warp group 0, the producer, gives registers back (setmaxnreg) and one warp issues TMA loads:
@@ -218,12 +219,14 @@ class FlexPrefillSm90:
                     m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
                     hkv = head // q_per_kv
                     n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
-                    # Q's buffer is free once the consumers stored the last tile's O from it
-                    q_pipe.producer_acquire(q_state)
-                    cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ,
-                              tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-                    q_state.advance()
+                    # The ring's first `stages` blocks of the tile load as the last tile's blocks are
+                    # freed, under its epilogue; Q then waits for that epilogue (O leaves through Q's
+                    # buffer), and must come before any later block: the consumers free those only
+                    # once they have Q.
                     for j in range(n_blocks):
+                        if j == self.config.stages:
+                            self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
+                            q_state.advance()
                         blk, _ = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                         kv_pipe.producer_acquire(state)
                         bar = kv_pipe.producer_get_barrier(state)
@@ -231,6 +234,9 @@ class FlexPrefillSm90:
                         cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b)], tVsV[(None, state.index)], tma_bar_ptr=bar)
                         kv_pipe.producer_commit(state)
                         state.advance()
+                    if n_blocks <= self.config.stages:
+                        self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
+                        q_state.advance()
 
         # ================================================================ consumers
         if wg_idx > 0:
@@ -331,6 +337,13 @@ class FlexPrefillSm90:
             zm, hm = self.blocks.mask_row(mKvNum, b, head)
             n_partial, n_blocks = self.blocks.count(mKvNum, mFullNum, zm, hm, r)
         return n_partial, n_blocks, zm, hm, r
+
+    @staticmethod
+    def _load_q(q_pipe, q_state, tma_q: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, m_block: Int32,
+                head: Int32, b: Int32):
+        """The tile's Q into Q's buffer, once the consumers handed it back (producer warp)."""
+        q_pipe.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
 
     # _qk and _pv are traced inline (not @cute.jit): the MMA's accumulate flag they set must stay
     # a value of the caller's loop body
