@@ -30,6 +30,7 @@ CAUSAL = sp.dumps([["o", "ge", "q", "kv"]])
 # (name, batch, query heads, KV heads, length, head dim, causal)
 CASES = [
     ("B1 H16 S8192 d128", 1, 16, 16, 8192, 128, False),
+    ("B2 H32/8 S16384 d128 (issue 15's 450 TFLOP/s case)", 2, 32, 8, 16384, 128, False),
     ("llama B1 H32/8 S4096 d128 causal", 1, 32, 8, 4096, 128, True),
     ("llama B8 H32/8 S2048 d128 causal", 8, 32, 8, 2048, 128, True),
     ("B1 H32 S4096 d64 causal", 1, 32, 32, 4096, 64, True),
