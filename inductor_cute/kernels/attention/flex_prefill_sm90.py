@@ -219,12 +219,16 @@ class FlexPrefillSm90:
                     m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
                     hkv = head // q_per_kv
                     n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
-                    # The ring's first `stages` blocks of the tile load as the last tile's blocks are
-                    # freed, under its epilogue; Q then waits for that epilogue (O leaves through Q's
-                    # buffer), and must come before any later block: the consumers free those only
-                    # once they have Q.
+                    # A CTA's first Q goes first. Later, the ring's first `stages` blocks of a tile
+                    # load as the last tile's blocks are freed, under its epilogue; Q then waits for
+                    # that epilogue (O leaves through Q's buffer), and must come before any later
+                    # block: the consumers free those only once they have Q.
+                    later = tile != first_tile
+                    if not later:
+                        self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
+                        q_state.advance()
                     for j in range(n_blocks):
-                        if j == self.config.stages:
+                        if later and j == self.config.stages:
                             self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
                             q_state.advance()
                         blk, _ = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
@@ -234,7 +238,7 @@ class FlexPrefillSm90:
                         cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b)], tVsV[(None, state.index)], tma_bar_ptr=bar)
                         kv_pipe.producer_commit(state)
                         state.advance()
-                    if n_blocks <= self.config.stages:
+                    if later and n_blocks <= self.config.stages:
                         self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
                         q_state.advance()
 
@@ -412,6 +416,8 @@ class FlexPrefillSm90:
             cute.copy(tma_o, tOsO, tOgO[(None, m_block, 0, head, b)])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the TMA unit read it
+            # the store's lane waited; lane 0 hands Q's buffer back (q_pipe.consumer_release) after it
+            cute.arch.sync_warp()
 
 
 def build(**params):
