@@ -60,7 +60,7 @@ def test_case_names_and_the_suite_is_registered():
     assert SUITES["models"] is M
     assert M.case_name("llama3-8b", "decode", 8, 8192, "nocg") == "llama3-8b decode B8 KV8192 nocg"
     assert M.case_name("dsv2-lite", "prefill", 1, 4096, "cg") == "dsv2-lite prefill B1 x4096 cg"
-    assert len(M.cases(quick=False)) == len(M.MODELS) * len(M.STEPS) * len(M.MODES) + len(M.moe_block.CASES)
+    assert len(M.cases(quick=False)) == len(M.MODELS) * len(M.STEPS) * len(M.MODES) + len(M.TRAIN) + len(M.moe_block.CASES)
     assert M.cases(quick=True)[0].case_name == M.case_name(*M.QUICK[0])  # named: --match skips it unbuilt
     assert len(M.cases(quick=True)) == len(M.QUICK)
 
@@ -71,4 +71,43 @@ def test_our_kernel_calls_counts_gemm_and_flex_call_sites():
             "icute_flex_1 = inductor_cute.inductor.flex.runtime.FlexDecodeLauncher(scale=0.1).call_static\n"
             "buf2 = icute_flex_1(q, k, v)\n"
             "buf3 = extern_kernels.mm(a, b)\n")
+    assert M.our_kernel_calls(code) == 2
+
+
+def test_train_step_runs_forward_and_backward_and_drops_gradients():
+    model = _tiny("llama3-8b")
+    model.config._attn_implementation = "eager"  # flex_attention has no CPU backward; the step is the same
+    step = M.TrainStep(model, batch=2, tokens=32, device="cpu")
+    assert model.training and all(p.requires_grad for p in model.parameters())
+    a = step(model.forward)
+    grads = [p.grad.clone() for p in model.parameters()]
+    b = step(model.forward)  # the same step again: gradients dropped first, not accumulated
+    assert a.shape == (2,) and torch.isfinite(a).all() and a[1] > 0
+    torch.testing.assert_close(a, b)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_train_cost_is_three_forwards_of_gemms_plus_both_attention_passes():
+    model = _tiny("llama3-8b")
+    fwd, fwd_bytes = M.step_cost(M.MODELS["llama3-8b"], 2, "prefill", 2, 32, model)
+    train, train_bytes = M.step_cost(M.MODELS["llama3-8b"], 2, "train", 2, 32, model)
+    pairs = 2 * 4 * 32 * 32 // 2 * 2  # batch, heads, causal (q, kv) pairs, layers
+    attn_fwd = 2 * pairs * 2 * 16
+    assert train == 3 * (fwd - attn_fwd) + attn_fwd + 2 * pairs * 5 * 16
+    assert train_bytes == 3 * fwd_bytes
+    with pytest.raises(ValueError, match="Llama-like"):
+        M.step_cost(M.MODELS["qwen3-30b-a3b"], 2, "train", 1, 32, _tiny("qwen3-30b-a3b"))
+
+
+def test_the_training_case_enables_our_prefill_and_backward():
+    assert M.ENABLE["train"] == {"flex_prefill": True, "flex_backward": True} and M.ENABLE["decode"] == {}
+    names = [c.case_name for c in M.cases(quick=False)]
+    assert "llama3-8b train B1 x4096 nocg" in names
+    assert not any("train" in c.case_name for c in M.cases(quick=True))
+
+
+def test_our_kernel_calls_count_prefill_and_backward_launchers():
+    code = ("f0 = inductor_cute.inductor.flex.runtime.FlexPrefillLauncher(scale=0.1).call\n"
+            "f1 = inductor_cute.inductor.flex.runtime.FlexBackwardLauncher(scale=0.1)\n")
     assert M.our_kernel_calls(code) == 2

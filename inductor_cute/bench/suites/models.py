@@ -2,6 +2,10 @@
 built from its config in code (random bf16 weights, no download), `attn_implementation=
 "flex_attention"`, decode against a StaticCache.
 
+A training step of Llama-3.1-8B (issue 15: forward with the loss, backward; the enabled runner
+with enable(flex_prefill=True, flex_backward=True), so both attention graphs may run our kernels),
+case `llama3-8b train B1 x4096 nocg` (not in --quick).
+
 The MoE block of Qwen3-30B-A3B on its own (moe_block.py: torch._grouped_mm as MoE training code
 writes it), forward and a training step, in cases named `qwen3-30b-a3b moe-block ...` (not in
 --quick; run them with --match moe-block).
@@ -71,6 +75,9 @@ MODELS = {
 # (phase, batch, tokens): decode = KV length of the cache, prefill = prompt length
 STEPS = [("decode", 1, 32768), ("decode", 8, 8192), ("decode", 32, 4096), ("prefill", 1, 4096), ("prefill", 8, 2048)]
 QUICK = [("llama3-8b", "decode", 8, 8192, "nocg")]
+TRAIN = [("llama3-8b", "train", 1, 4096, "nocg")]  # CUDA graphs left out: a training step rarely runs in them
+# what enable() gets per phase: prefill and training attention are opt-in (see README)
+ENABLE = {"decode": {}, "prefill": {}, "train": {"flex_prefill": True, "flex_backward": True}}
 
 
 def case_name(model: str, phase: str, batch: int, tokens: int, mode: str) -> str:
@@ -139,6 +146,27 @@ class DecodeStep:
         self._set(self.first)
 
 
+class TrainStep:
+    """One training step on `tokens` tokens per sequence: the causal LM loss on the input ids
+    themselves, then backward; gradients are dropped before each step. Returns (loss, the norm of
+    the first layer's q_proj gradient): what the runners are compared on."""
+
+    def __init__(self, model, batch: int, tokens: int, device="cuda"):
+        self.model = model.train().requires_grad_(True)
+        self.ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device=device)
+        self.probe = model.model.layers[0].self_attn.q_proj.weight
+
+    def __call__(self, forward):
+        for p in self.model.parameters():
+            p.grad = None
+        loss = forward(input_ids=self.ids, labels=self.ids, use_cache=False).loss
+        loss.backward()
+        return torch.stack([loss.detach().float(), self.probe.grad.float().norm()])
+
+    def reference_inputs(self):
+        pass
+
+
 class PrefillStep:
     def __init__(self, model, batch: int, tokens: int, device="cuda"):
         self.model = model
@@ -156,6 +184,14 @@ def step_cost(spec: ModelSpec, layers: int, phase: str, batch: int, tokens: int,
     at most tokens * top-k of them; the embedding table: only the new tokens' rows), the KV cache
     read once (decode), logits written; flops 2 per weight element per token plus attention's two
     matmuls."""
+    if phase == "train":  # the forward, then input and weight gradients: 3x its GEMMs' flops and bytes
+        if spec.family != "llama":
+            raise ValueError("training steps are costed for Llama-like attention (one head dim) only")
+        flops, n_bytes = step_cost(spec, layers, "prefill", batch, tokens, model)
+        cfg = model.config
+        pairs = batch * cfg.num_attention_heads * tokens * tokens // 2 * layers  # causal
+        attn_fwd, attn_bwd = 2 * pairs * 2 * cfg.head_dim, 2 * pairs * 5 * cfg.head_dim  # 2 and 5 products
+        return float(3 * (flops - attn_fwd) + attn_fwd + attn_bwd), 3 * n_bytes
     cfg = model.config
     new = batch * (1 if phase == "decode" else tokens)
     embedding = model.get_input_embeddings().weight.numel()
@@ -213,11 +249,12 @@ GROUPED_CALL = "inductor_cute.inductor.grouped.runtime.GroupedLauncher("
 def our_kernel_calls(code: str) -> int:
     """Call sites of our kernels in Inductor's output code."""
     return (code.count("inductor_cute.inductor.gemm.runtime.GemmLauncher(")  # one definition per GEMM call site
-            + code.count("inductor_cute.inductor.flex.runtime.FlexDecodeLauncher(")
+            + sum(code.count(f"inductor_cute.inductor.flex.runtime.{name}(")
+                  for name in ("FlexDecodeLauncher", "FlexPrefillLauncher", "FlexBackwardLauncher"))
             + code.count(GROUPED_CALL))
 
 
-def _compile(step, mode: str, ours: bool):
+def _compile(step, mode: str, ours: bool, enable_kwargs: dict | None = None):
     """Compile the model's forward in `mode`, run one step; (forward, logits, seconds, output code).
 
     Both runners compile the same forward: their options differ (the GEMM backends, as
@@ -231,9 +268,11 @@ def _compile(step, mode: str, ours: bool):
 
     codes: list[str] = []
     backends = OUR_BACKENDS if ours else STOCK_BACKENDS
-    enabled = inductor_cute.enable() if ours else contextlib.nullcontext()
+    enabled = inductor_cute.enable(**(enable_kwargs or {})) if ours else contextlib.nullcontext()
+    # a training step compiles its backward graph at its first backward(): inside the config too
+    grad = torch.enable_grad() if isinstance(step, TrainStep) else torch.no_grad()
     with enabled, config.patch(max_autotune_gemm_backends=backends, **COLD), _fresh_cache(), \
-            capture(codes, []), torch.no_grad():
+            capture(codes, []), grad:
         options = {**list_mode_options(mode), "max_autotune_gemm_backends": backends}
         forward = torch.compile(step.model.forward, options=options, dynamic=False)
         step.reference_inputs()
@@ -244,7 +283,7 @@ def _compile(step, mode: str, ours: bool):
         for _ in range(2):  # CUDA graphs record and replay inside the config
             step(forward)
     late: list[str] = []
-    with capture(late, []), torch.no_grad():
+    with capture(late, []), (torch.enable_grad() if isinstance(step, TrainStep) else torch.no_grad()):
         for _ in range(2):
             step(forward)
     torch.cuda.synchronize()
@@ -263,20 +302,22 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
     spec = MODELS[model_name]
     layers = layers_of(spec)
     model = build_model(spec, layers)
-    step = (DecodeStep if phase == "decode" else PrefillStep)(model, batch, tokens)
+    step = {"decode": DecodeStep, "prefill": PrefillStep, "train": TrainStep}[phase](model, batch, tokens)
     flops, n_bytes = step_cost(spec, layers, phase, batch, tokens, model)
     params = {"model": model_name, "layers": layers, "phase": phase, "batch": batch, "tokens": tokens,
               "mode": MODES[mode_key], "dtype": "bfloat16"}
     notes = [f"{layers} decoder layers"]
-    with torch.no_grad():
+    run = _train_step if phase == "train" else _no_grad_step
+    with torch.enable_grad() if phase == "train" else torch.no_grad():
         step.reference_inputs()
         ref = step(model.forward).clone()
-    runners = {"aten": functools.partial(_no_grad_step, step, model.forward)}
+    runners = {"aten": functools.partial(run, step, model.forward)}
     torch._dynamo.reset()  # once per case: both runners' graphs must stay (see _compile)
     for backend, ours in (("inductor_cute", True), ("triton", False)):
-        forward, logits, seconds, code = _compile(step, MODES[mode_key], ours)
-        runners[backend] = functools.partial(_no_grad_step, step, forward)
-        notes.append(f"{backend}: cold compile {seconds:.1f} s, logits rel err {_agreement(logits, ref):.2e}, "
+        forward, logits, seconds, code = _compile(step, MODES[mode_key], ours, ENABLE[phase])
+        runners[backend] = functools.partial(run, step, forward)
+        what = "(loss, q_proj grad norm)" if phase == "train" else "logits"
+        notes.append(f"{backend}: cold compile {seconds:.1f} s, {what} rel err {_agreement(logits, ref):.2e}, "
                      f"{our_kernel_calls(code)} call site(s) of our kernels")
     times = wall_us(runners)
     # device time per step (kernel sums): a wall time above it is the host's
@@ -291,6 +332,11 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
 
 def _no_grad_step(step, forward):
     with torch.no_grad():
+        return step(forward)
+
+
+def _train_step(step, forward):
+    with torch.enable_grad():
         return step(forward)
 
 
@@ -332,6 +378,8 @@ def cases(quick: bool):
         chosen = QUICK
     else:
         chosen = [(m, *s, mode) for m in MODELS for s in STEPS for mode in MODES]
+    if not quick:
+        chosen += TRAIN
     out = [named(functools.partial(_case, *c), case_name(*c)) for c in chosen]
     if not quick:
         out += [named(functools.partial(_moe_case, *c), moe_block.case_name(*c)) for c in moe_block.CASES]
