@@ -266,7 +266,7 @@ def test_host_passes_the_kernel_its_arguments(host_on_cpu):
     bm = args[11:15]
     assert all(t.dtype == torch.int32 and t.is_contiguous() for t in bm)
     assert torch.equal(bm[2], torch.zeros(1, 1, 3, dtype=torch.int32))  # no full blocks: zero counts
-    assert specs == [(128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128, None)]
+    assert specs == [(128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128, True, None)]
     # strided (B, L, H, D) views go through as they are
     qt = torch.randn(2, 300, 8, 128).bfloat16().transpose(1, 2)
     flex_prefill(qt, k, v)
@@ -324,3 +324,43 @@ def test_host_takes_a_config_and_refuses_one_that_cannot_run(host_on_cpu, monkey
         flex_prefill(q, q, q, config=FlexPrefillConfig(128, 1))
     with pytest.raises(UnsupportedError, match="persistent_ctas -1 must be 0"):
         flex_prefill(q, q, q, config=FlexPrefillConfig(128, 3, persistent_ctas=-1))
+
+
+def test_a_scale_of_zero_or_below_compiles_the_unfolded_kernel(host_on_cpu):
+    import torch
+
+    flex_prefill, kernel, specs = host_on_cpu
+    q = torch.randn(1, 2, 300, 128).bfloat16()
+    for scale, expected in ((0.1, True), (None, True), (0.0, False), (-0.1, False)):
+        flex_prefill(q, q, q, scale=scale)
+        assert specs[-1][9] is expected, scale
+    flex_prefill(q, q, q, scale=-0.1, score_mod=SOFTCAP)  # a score program scales for itself
+    assert specs[-1][9] is True
+
+
+def test_the_folded_scale_multiplies_inside_the_exponent():
+    # folded (the default): S is not scaled after the QK product; the exponent's argument is
+    # s * scale_log2 - m (mul then sub, contracted to one FFMA by ptxas). Unfolded: S * scale first.
+    folded = compile_spec(spec(FlexPrefillProblem(64, 64, "bfloat16")), "sm_90a", keep_ptx=True).ptx
+    plain = compile_spec(spec(FlexPrefillProblem(64, 64, "bfloat16", positive_scale=False)), "sm_90a",
+                         keep_ptx=True).ptx
+
+    def feeds_exp2(ptx):  # the instruction producing each ex2.approx's operand
+        producers = {}
+        for line in ptx.splitlines():
+            m = re.match(r"\s*(\w+)(?:\.\w+)*\s+(%r\d+),", line)
+            if m:
+                producers[m.group(2)] = m.group(1)
+        ops = re.findall(r"ex2\.approx\.ftz\.f32\s+%r\d+, (%r\d+);", ptx)
+        return {producers.get(r) for r in ops}
+
+    assert feeds_exp2(folded) == feeds_exp2(plain) == {"sub"}
+
+    def maxes_of_scaled_scores(ptx):  # max.f32 with an operand a mul.f32 produced
+        muls = set(re.findall(r"mul\.f32\s+(%r\d+),", ptx))
+        return sum(1 for a, b in re.findall(r"max\.f32\s+%r\d+, (%r\d+), (%r\d+|0f\w+);", ptx)
+                   if a in muls or b in muls)
+
+    # plain: every scaled score goes through the row max; folded: raw scores do, then m * scale
+    # once per row half and site
+    assert maxes_of_scaled_scores(folded) <= 8 and maxes_of_scaled_scores(plain) >= 128

@@ -23,11 +23,12 @@ MAX_TILES = 2**31 - 1  # the kernel's 1-D grid
 @functools.lru_cache(maxsize=256)
 def _flex_prefill_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, score_program: str,
                          score_dtypes: tuple[str, ...], mask_program: str, mask_dtypes: tuple[str, ...],
-                         sparse_block: int, sparse_q_block: int, config=None):
+                         sparse_block: int, sparse_q_block: int, positive_scale: bool = True, config=None):
     from ..kernels.attention.flex_prefill_config import FlexPrefillProblem, spec
 
     return get_kernel(spec(FlexPrefillProblem(head_dim_qk, head_dim_v, dtype_name, score_program, score_dtypes,
-                                              mask_program, mask_dtypes, sparse_block, sparse_q_block), config))
+                                              mask_program, mask_dtypes, sparse_block, sparse_q_block,
+                                              positive_scale), config))
 
 
 # the decode entry's program checks, its errors naming this entry
@@ -124,12 +125,14 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         out.zero_()
         lse.fill_(float("-inf"))
         return (out, lse) if return_lse else out
+    scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
+    # a score program scales the scores itself: one kernel whatever the scale's sign
+    positive_scale = scale > 0 or bool(program)
     try:
         kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program,
-                                      mask_dtypes, sparse_block, sparse_q_block, config)
+                                      mask_dtypes, sparse_block, sparse_q_block, positive_scale, config)
     except ValueError as e:  # spec's refusal of the config
         raise UnsupportedError(f"{NAME}: {e}") from None
-    scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
     kernel(_operand(q), _operand(k), _operand(v), out, lse, scale * LOG2E, scale, *score_slots, *block_slots,
            *mask_slots)
     return (out, lse) if return_lse else out

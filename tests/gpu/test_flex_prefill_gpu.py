@@ -102,6 +102,14 @@ def test_fp16_and_custom_scales():
     check(rand(2, 8, 300, 64), rand(2, 2, 300, 64), rand(2, 2, 300, 64), scale=-0.1)
 
 
+@pytest.mark.parametrize("scale", [0.2, -0.2, 0.0])
+def test_scale_signs_with_masked_keys(scale):
+    # a positive scale is folded into the softmax's exponent after masking (raw scores at -inf);
+    # zero and negative scales scale first: masked keys must stay out whatever the sign
+    check_block_mask(rand(1, 4, 700, 128), rand(1, 2, 700, 128), rand(1, 2, 700, 128), lambda b, h, m, n: m >= n,
+                     CAUSAL, scale=scale)
+
+
 def test_strided_views_as_models_hold_them():
     # (B, L, H, D) projections viewed as (B, H, L, D)
     q = rand(2, 333, 8, 128).transpose(1, 2)

@@ -49,6 +49,10 @@ class FlexPrefillProblem:
     mask_dtypes: tuple[str, ...] = ()  # dtype names of the mask program's captured tensors
     sparse_block: int = 0  # a BlockMask's KV block size (a multiple of kv_block); 0: no block mask
     sparse_q_block: int = 128  # the BlockMask's query block size (a multiple of M_BLOCK)
+    # scale > 0 (as every model's 1/sqrt(d)): without a score program the scale is folded into the
+    # softmax's exponent (an FFMA per score instead of a multiply and a subtraction); False (a scale
+    # <= 0) scales the scores first, the only order that keeps masked scores at -inf
+    positive_scale: bool = True
 
     def as_params(self) -> dict:
         return dataclasses.asdict(self)

@@ -85,6 +85,9 @@ class FlexPrefillSm90:
         self.mods = ScoreMods(problem.score_program, problem.score_dtypes, problem.mask_program, problem.mask_dtypes,
                               self.kvb, PackGQA(1))
         self.blocks = BlockSparse(problem.sparse_block, self.kvb)
+        # S stays raw until the softmax's exponent (softmax.online_softmax_scores); not at 256/256,
+        # whose O accumulator leaves no room for it (ptxas spills 48 bytes)
+        self.fold_scale = not problem.score_program and problem.positive_scale and self.dv <= 128
 
     # Each consumer warp group owns 64 of the 128 rows. _qk and _pv make their own MMA objects:
     # setting the accumulate flag on one the kernel holds would make it a value carried through
@@ -289,7 +292,8 @@ class FlexPrefillSm90:
                     blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                     self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                                  score_tensors, mask_tensors)
-                    online_softmax_scores(acc_s, row_max, row_sum, correction)  # O is still 0: no rescale
+                    online_softmax_scores(acc_s, row_max, row_sum, correction,  # O is still 0: no rescale
+                                          scale_log2 if const_expr(self.fold_scale) else None)
                     r_p.store(acc_s.load().to(self.dtype))
                     read.advance()
                     # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
@@ -306,7 +310,8 @@ class FlexPrefillSm90:
                         blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                         self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                                      score_tensors, mask_tensors)
-                        online_softmax_scores(acc_s, row_max, row_sum, correction)
+                        online_softmax_scores(acc_s, row_max, row_sum, correction,
+                                              scale_log2 if const_expr(self.fold_scale) else None)
                         warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
                         kv_pipe.consumer_release(release)
                         release.advance()
@@ -371,10 +376,10 @@ class FlexPrefillSm90:
     def _scores(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, scale: Float32, b: Int32,
                 head: Int32, row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32, score_tensors: tuple,
                 mask_tensors: tuple):
-        """S of KV block `blk` in log2 units, masked: scaled or score_mod, mask_mod on partial
-        blocks, keys past the end at -inf."""
+        """S of KV block `blk` in log2 units (raw with fold_scale: the softmax scales it), masked:
+        scaled or score_mod, mask_mod on partial blocks, keys past the end at -inf."""
         self.mods.apply(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, score_tensors,
-                        mask_tensors)
+                        mask_tensors, scale_later=self.fold_scale)
         mask_past_end(acc_s, tScS, self.kvb, blk, seq_len)
 
     @cute.jit

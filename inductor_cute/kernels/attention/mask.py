@@ -32,16 +32,18 @@ class ScoreMods:
     @cute.jit
     def apply(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, scale: Float32, b: Int32,
               kv_head: Int32, row0: Int32, n_rows: Int32, blk: Int32, partial, score_tensors: tuple,
-              mask_tensors: tuple):
+              mask_tensors: tuple, scale_later: cutlass.Constexpr = False):
         """S (raw scores of KV block `blk`, tile rows from row0) becomes x in log2 units: s * scale_log2,
         or score_mod(s * scale, ...) * log2(e); then -inf where mask_mod is False, in partial blocks
-        only (full blocks are known unmasked: torch skips their mask_mod too)."""
+        only (full blocks are known unmasked: torch skips their mask_mod too). With `scale_later`
+        and no score program, S stays raw: the caller folds scale_log2 (> 0) into the softmax."""
         # scale (or score_mod) before masking: a negative scale would turn a masked -inf into +inf
         # score_mod and mask_mod only on a thread's real rows: a decode tile's 64 rows are
         # mostly padding (8 real with 8 query heads per KV head), and the mods are per-element
         # work (a softcap: 4 MUFU ops) that the padding would multiply
         if const_expr(self.score_fn is None):
-            acc_s.store(acc_s.load() * scale_log2)
+            if const_expr(not scale_later):
+                acc_s.store(acc_s.load() * scale_log2)
         else:
             for h in cutlass.range_constexpr(2):
                 if row0 + tScS[0][0] + 8 * h < n_rows:

@@ -16,7 +16,7 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 from .accumulator import row_half
 from ..common.units import NEG_INF
@@ -73,16 +73,23 @@ def softmax_finalize(row_max: cute.Tensor, row_sum: cute.Tensor, h):
 
 
 @cute.jit
-def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, correction: cute.Tensor):
+def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, correction: cute.Tensor,
+                          scale_log2=None):
     """`online_softmax` without touching O, for a kernel whose P V WGMMA still accumulates into O:
     acc_s becomes P, the row sums are rescaled, and correction[h] = 2^(m_old - m) is left for
-    `rescale_rows` once that WGMMA is done."""
+    `rescale_rows` once that WGMMA is done. With `scale_log2` (> 0), acc_s holds raw scores s
+    (masked ones -inf) and x = s * scale_log2 is formed inside the exponent, one FFMA per element:
+    max(x) = scale_log2 * max(s) for a positive scale. row_max is in x units either way."""
     n_s = cute.size(acc_s)
     for h in cutlass.range_constexpr(2):
-        m = row_max[h]
+        m = Float32(NEG_INF)
+        if const_expr(scale_log2 is None):
+            m = row_max[h]
         for v in row_half(n_s, h):
             m = cute.arch.fmax(m, acc_s[v])
         m = cute.arch.warp_reduction(m, cute.arch.fmax, threads_in_group=4)
+        if const_expr(scale_log2 is not None):
+            m = cute.arch.fmax(m * scale_log2, row_max[h])  # -inf stays -inf: the scale is positive
         base = m
         if m == NEG_INF:
             base = Float32(0.0)
@@ -90,7 +97,10 @@ def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cut
         row_max[h] = m
         part = row_sum[h] * correction[h]
         for v in row_half(n_s, h):
-            p = cute.math.exp2(acc_s[v] - base, fastmath=True)
+            if const_expr(scale_log2 is None):
+                p = cute.math.exp2(acc_s[v] - base, fastmath=True)
+            else:
+                p = cute.math.exp2(acc_s[v] * scale_log2 - base, fastmath=True)
             acc_s[v] = p
             part += p
         row_sum[h] = part
