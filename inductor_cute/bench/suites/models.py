@@ -4,7 +4,8 @@ built from its config in code (random bf16 weights, no download), `attn_implemen
 
 A training step of Llama-3.1-8B (issue 15: forward with the loss, backward; the enabled runner
 with enable(flex_prefill=True, flex_backward=True), so both attention graphs may run our kernels),
-case `llama3-8b train B1 x4096 nocg` (not in --quick).
+case `llama3-8b train B1 x4096 nocg` (not in --quick; eager's flex_attention materialises every
+layer's scores, so run it with few layers, e.g. INDUCTOR_CUTE_MODEL_LAYERS=4).
 
 The MoE block of Qwen3-30B-A3B on its own (moe_block.py: torch._grouped_mm as MoE training code
 writes it), forward and a training step, in cases named `qwen3-30b-a3b moe-block ...` (not in
