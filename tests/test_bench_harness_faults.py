@@ -47,6 +47,32 @@ def test_a_lost_context_ends_the_run_with_the_record_written(monkeypatch, no_gpu
     assert list(no_gpu_needed.glob("fake-*.json")), "no record written"
 
 
+def test_a_fault_seen_while_timing_ends_the_run_with_the_record_written(monkeypatch, no_gpu_needed):
+    calls = []
+
+    def run_case(case, ceilings):
+        calls.append(case.name)
+        if case.name == "case 2":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return {"name": case.name, "params": {}, "flops": 1e9, "bytes": 1e6, "bound_us": 1.0,
+                "times_us": {"inductor_cute": None, "triton": None, "aten": None}, "notes": ""}
+
+    monkeypatch.setattr(harness, "run_case", run_case)
+    record, built = run(monkeypatch, no_gpu_needed, [None, "CUDA error: an illegal memory access was encountered"])
+    assert calls == ["case 1", "case 2"] and [c["name"] for c in record["cases"]] == ["case 1"]
+    assert record["env"]["aborted"].startswith("during case 2 of 3 (case 2): CUDA error")
+    assert list(no_gpu_needed.glob("fake-*.json"))
+
+
+def test_a_harness_error_on_a_healthy_gpu_is_raised(monkeypatch, no_gpu_needed):
+    def run_case(case, ceilings):
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setattr(harness, "run_case", run_case)
+    with pytest.raises(KeyError):
+        run(monkeypatch, no_gpu_needed, [None, None, None])
+
+
 def test_a_healthy_run_is_not_marked_aborted(monkeypatch, no_gpu_needed):
     record, built = run(monkeypatch, no_gpu_needed, [None, None, None])
     assert built == [1, 2, 3] and "aborted" not in record["env"]

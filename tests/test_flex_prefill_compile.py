@@ -331,7 +331,8 @@ def test_a_scale_of_zero_or_below_compiles_the_unfolded_kernel(host_on_cpu):
 
     flex_prefill, kernel, specs = host_on_cpu
     q = torch.randn(1, 2, 300, 128).bfloat16()
-    for scale, expected in ((0.1, True), (None, True), (0.0, False), (-0.1, False)):
+    # 1e-40: positive, but its scale_log2 is no normal fp32 (zero once flushed): unfolded
+    for scale, expected in ((0.1, True), (None, True), (0.0, False), (-0.1, False), (1e-40, False)):
         flex_prefill(q, q, q, scale=scale)
         assert specs[-1][9] is expected, scale
     flex_prefill(q, q, q, scale=-0.1, score_mod=SOFTCAP)  # a score program scales for itself

@@ -85,6 +85,7 @@ def run_case(case: Case, ceilings: dict) -> dict:
             if first_call_s > 1.0:
                 case.notes.append(f"{backend} first call (compile) {first_call_s:.1f} s")
         except Exception as e:  # a backend that cannot run this case gets null and a note
+            outputs.pop(backend, None)  # a fault seen at the sync leaves no output to check
             times[backend] = None
             case.notes.append(f"{backend} failed: {first_line(e)[:160]}")
             case.runners[backend] = None
@@ -138,14 +139,23 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
             _progress(f"[{i}/{len(cases)}] setup failed: {first_line(e)[:200]}")
             fault = _sticky_cuda_error()
             if fault:
-                record["env"]["aborted"] = f"in the setup of case {i} of {len(cases)}: {fault}"
+                name = getattr(make_case, "case_name", f"case {i}")
+                record["env"]["aborted"] = f"in the setup of {name} ({i} of {len(cases)}): {fault}"
                 break
             continue
         if match and match not in case.name:
             del case
             continue
         _progress(f"[{i}/{len(cases)}] {case.name} ...")
-        result = run_case(case, ceilings)
+        try:
+            result = run_case(case, ceilings)
+        except Exception:  # a fault first seen while checking or timing: keep what was measured
+            fault = _sticky_cuda_error()
+            if not fault:
+                raise  # the harness's own bug, not the GPU's
+            record["env"]["aborted"] = f"during case {i} of {len(cases)} ({case.name}): {fault}"
+            _progress(f"    stopping: {fault}")
+            break
         record["cases"].append(result)
         t = result["times_us"]
         _progress("    " + ", ".join(f"{b} {t[b] if t[b] is not None else '-'} us" for b in rec.BACKENDS)
