@@ -65,7 +65,7 @@ from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfi
                                   from_params, smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
-from .softmax import online_softmax_scores, rescale_rows, softmax_finalize, softmax_state
+from .softmax import add_row_sums, online_softmax_scores, rescale_rows, softmax_finalize, softmax_state
 from .tile_order import LongestFirst, section_width
 
 
@@ -85,9 +85,8 @@ class FlexPrefillSm90:
         self.mods = ScoreMods(problem.score_program, problem.score_dtypes, problem.mask_program, problem.mask_dtypes,
                               self.kvb, PackGQA(1))
         self.blocks = BlockSparse(problem.sparse_block, self.kvb)
-        # S stays raw until the softmax's exponent (softmax.online_softmax_scores); not at 256/256,
-        # whose O accumulator leaves no room for it (ptxas spills 48 bytes)
-        self.fold_scale = not problem.score_program and problem.positive_scale and self.dv <= 128
+        # S stays raw until the softmax's exponent (softmax.online_softmax_scores)
+        self.fold_scale = not problem.score_program and problem.positive_scale
 
     # Each consumer warp group owns 64 of the 128 rows. _qk and _pv make their own MMA objects:
     # setting the accumulate flag on one the kernel holds would make it a value carried through
@@ -287,8 +286,8 @@ class FlexPrefillSm90:
                       pipes: tuple, slot: Int32, frags: tuple, regs: tuple, scale_log2: Float32, scale: Float32,
                       score_tensors: tuple, mask_tensors: tuple, out: tuple, ctid: Int32, warp_idx: Int32):
         """One tile's S, softmax and O through the ring, then its epilogue (a consumer warp group).
-        A plain call per CTA without persistent CTAs: inside a dynamic tile loop LLVM computes each
-        P twice (the exp2s for the row sum, again for the registers P V reads), 40% slower."""
+        Called once per CTA without persistent CTAs: no tile loop around the code measured fastest
+        (a loop once made the compiler compute each P twice, 40% slower; see add_row_sums)."""
         m_blocks, heads, batch, width = order
         q_len, seq_len = lengths
         mKvNum, mKvIdx, mFullNum, mFullIdx = block_tensors
@@ -320,8 +319,9 @@ class FlexPrefillSm90:
             blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
             self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                          score_tensors, mask_tensors)
-            online_softmax_scores(acc_s, row_max, row_sum, correction,  # O is still 0: no rescale
+            online_softmax_scores(acc_s, row_max, correction,  # O is still 0: no rescale
                                   scale_log2 if const_expr(self.fold_scale) else None)
+            add_row_sums(acc_s, row_sum, correction)
             r_p.store(acc_s.load().to(self.dtype))
             read.advance()
             # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
@@ -338,12 +338,13 @@ class FlexPrefillSm90:
                 blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                 self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                              score_tensors, mask_tensors)
-                online_softmax_scores(acc_s, row_max, row_sum, correction,
+                online_softmax_scores(acc_s, row_max, correction,
                                       scale_log2 if const_expr(self.fold_scale) else None)
                 warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
                 kv_pipe.consumer_release(release)
                 release.advance()
                 rescale_rows(acc_o, correction)
+                add_row_sums(acc_s, row_sum, correction)
                 r_p.store(acc_s.load().to(self.dtype))
                 read.advance()
             # ---- the last block's P V

@@ -73,13 +73,12 @@ def softmax_finalize(row_max: cute.Tensor, row_sum: cute.Tensor, h):
 
 
 @cute.jit
-def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, correction: cute.Tensor,
-                          scale_log2=None):
+def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, correction: cute.Tensor, scale_log2=None):
     """`online_softmax` without touching O, for a kernel whose P V WGMMA still accumulates into O:
-    acc_s becomes P, the row sums are rescaled, and correction[h] = 2^(m_old - m) is left for
-    `rescale_rows` once that WGMMA is done. With `scale_log2` (> 0), acc_s holds raw scores s
-    (masked ones -inf) and x = s * scale_log2 is formed inside the exponent, one FFMA per element:
-    max(x) = scale_log2 * max(s) for a positive scale. row_max is in x units either way."""
+    acc_s becomes P and correction[h] = 2^(m_old - m) is left for `rescale_rows` once that WGMMA
+    is done; `add_row_sums` then updates the row sums. With `scale_log2` (> 0), acc_s holds raw
+    scores s (masked ones -inf) and x = s * scale_log2 is formed inside the exponent, one FFMA per
+    element: max(x) = scale_log2 * max(s) for a positive scale. row_max is in x units either way."""
     n_s = cute.size(acc_s)
     for h in cutlass.range_constexpr(2):
         m = Float32(NEG_INF)
@@ -95,14 +94,23 @@ def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, row_sum: cut
             base = Float32(0.0)
         correction[h] = cute.math.exp2(row_max[h] - base, fastmath=True)
         row_max[h] = m
-        part = row_sum[h] * correction[h]
         for v in row_half(n_s, h):
             if const_expr(scale_log2 is None):
-                p = cute.math.exp2(acc_s[v] - base, fastmath=True)
+                acc_s[v] = cute.math.exp2(acc_s[v] - base, fastmath=True)
             else:
-                p = cute.math.exp2(acc_s[v] * scale_log2 - base, fastmath=True)
-            acc_s[v] = p
-            part += p
+                acc_s[v] = cute.math.exp2(acc_s[v] * scale_log2 - base, fastmath=True)
+
+
+@cute.jit
+def add_row_sums(acc_s: cute.Tensor, row_sum: cute.Tensor, correction: cute.Tensor):
+    """row_sum[h] = row_sum[h] * correction[h] + the row's P (acc_s). Apart from the exponentials
+    and called after the WGMMA wait: summed as they were made, the compiler computed each P twice
+    in a tile loop or at d256 (once for the sum, again for the registers P V reads later)."""
+    n_s = cute.size(acc_s)
+    for h in cutlass.range_constexpr(2):
+        part = row_sum[h] * correction[h]
+        for v in row_half(n_s, h):
+            part += acc_s[v]
         row_sum[h] = part
 
 
