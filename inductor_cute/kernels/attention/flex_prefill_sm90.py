@@ -55,7 +55,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import barriers
-from ..common.units import LN2, NEG_INF
+from ..common.units import LN2
 from .accumulator import acc_as_operand_a, check_acc_layout, row_half
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
@@ -65,7 +65,8 @@ from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfi
                                   from_params, smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
-from .softmax import add_row_sums, online_softmax_scores, rescale_rows, softmax_finalize, softmax_state
+from .softmax import (add_row_sums, online_softmax_scores, rescale_rows, softmax_finalize, softmax_reset,
+                      softmax_state)
 from .tile_order import LongestFirst, section_width
 
 
@@ -300,8 +301,7 @@ class FlexPrefillSm90:
         n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
         row0 = m_block * M_BLOCK
         acc_o.fill(0.0)
-        row_max.fill(NEG_INF)
-        row_sum.fill(0.0)
+        softmax_reset(row_max, row_sum)
         q_pipe.consumer_wait(q_state)
         # Turns: n_blocks + 1 per consumer and tile (S_0; S_j with P_{j-1} V_{j-1}; P_last
         # V_last), slot 0 first. Slot 1 opens slot 0's first turn and hands over only turns
@@ -380,7 +380,9 @@ class FlexPrefillSm90:
     @staticmethod
     def _load_q(q_pipe, q_state, tma_q: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, m_block: Int32,
                 head: Int32, b: Int32):
-        """The tile's Q into Q's buffer, once the consumers handed it back (producer warp)."""
+        """The tile's Q into Q's buffer, once the consumers handed it back (producer warp). The
+        caller advances q_state: a dynamic if or loop carries only the objects named in its own
+        body (assigned, or their methods called), not those a helper advances."""
         q_pipe.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
 

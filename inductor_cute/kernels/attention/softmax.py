@@ -27,9 +27,14 @@ def softmax_state():
     Kept by the kernel as two local tensors: a run-time loop cannot carry a Python object holding them."""
     row_max = cute.make_rmem_tensor((2,), Float32)
     row_sum = cute.make_rmem_tensor((2,), Float32)
+    softmax_reset(row_max, row_sum)
+    return row_max, row_sum
+
+
+def softmax_reset(row_max: cute.Tensor, row_sum: cute.Tensor):
+    """Back to the state before any score (a kernel's next tile)."""
     row_max.fill(NEG_INF)
     row_sum.fill(0.0)
-    return row_max, row_sum
 
 
 @cute.jit
