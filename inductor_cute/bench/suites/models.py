@@ -271,9 +271,8 @@ def _compile(step, mode: str, ours: bool, enable_kwargs: dict | None = None):
     backends = OUR_BACKENDS if ours else STOCK_BACKENDS
     enabled = inductor_cute.enable(**(enable_kwargs or {})) if ours else contextlib.nullcontext()
     # a training step compiles its backward graph at its first backward(): inside the config too
-    grad = torch.enable_grad() if isinstance(step, TrainStep) else torch.no_grad()
     with enabled, config.patch(max_autotune_gemm_backends=backends, **COLD), _fresh_cache(), \
-            capture(codes, []), grad:
+            capture(codes, []), _grad_mode(step):
         options = {**list_mode_options(mode), "max_autotune_gemm_backends": backends}
         forward = torch.compile(step.model.forward, options=options, dynamic=False)
         step.reference_inputs()
@@ -284,7 +283,7 @@ def _compile(step, mode: str, ours: bool, enable_kwargs: dict | None = None):
         for _ in range(2):  # CUDA graphs record and replay inside the config
             step(forward)
     late: list[str] = []
-    with capture(late, []), (torch.enable_grad() if isinstance(step, TrainStep) else torch.no_grad()):
+    with capture(late, []), _grad_mode(step):
         for _ in range(2):
             step(forward)
     torch.cuda.synchronize()
@@ -308,15 +307,14 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
     params = {"model": model_name, "layers": layers, "phase": phase, "batch": batch, "tokens": tokens,
               "mode": MODES[mode_key], "dtype": "bfloat16"}
     notes = [f"{layers} decoder layers"]
-    run = _train_step if phase == "train" else _no_grad_step
-    with torch.enable_grad() if phase == "train" else torch.no_grad():
+    with _grad_mode(step):
         step.reference_inputs()
         ref = step(model.forward).clone()
-    runners = {"aten": functools.partial(run, step, model.forward)}
+    runners = {"aten": functools.partial(_run_step, step, model.forward)}
     torch._dynamo.reset()  # once per case: both runners' graphs must stay (see _compile)
     for backend, ours in (("inductor_cute", True), ("triton", False)):
         forward, logits, seconds, code = _compile(step, MODES[mode_key], ours, ENABLE[phase])
-        runners[backend] = functools.partial(run, step, forward)
+        runners[backend] = functools.partial(_run_step, step, forward)
         if phase == "train":  # each on its own scale: the loss is ~12, a gradient norm far smaller
             what = (f"loss rel err {_agreement(logits[:1], ref[:1]):.2e}, q_proj grad norm rel err "
                     f"{_agreement(logits[1:], ref[1:]):.2e}")
@@ -335,13 +333,13 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
                 wall_times_us=times)
 
 
-def _no_grad_step(step, forward):
-    with torch.no_grad():
-        return step(forward)
+def _grad_mode(step):
+    """Autograd on for a training step, off for the others."""
+    return torch.enable_grad() if isinstance(step, TrainStep) else torch.no_grad()
 
 
-def _train_step(step, forward):
-    with torch.enable_grad():
+def _run_step(step, forward):
+    with _grad_mode(step):
         return step(forward)
 
 
