@@ -97,9 +97,12 @@ def _in_cudagraph_tree(device_index: int, stream: int) -> bool:
         return False
 
 
+def _allocate(shape, dtype: torch.dtype, zeroed: bool, device: torch.device) -> torch.Tensor:
+    return (torch.zeros if zeroed else torch.empty)(shape, device=device, dtype=dtype)
+
+
 def _fresh(device: torch.device, buffers: tuple) -> tuple[torch.Tensor, ...]:
-    return tuple((torch.zeros if zeroed else torch.empty)(shape, device=device, dtype=dtype)
-                 for shape, dtype, zeroed in buffers)
+    return tuple(_allocate(shape, dtype, zeroed, device) for shape, dtype, zeroed in buffers)
 
 
 def stream_scratch(device: torch.device, buffers: tuple, per_stream: bool = True) -> tuple[torch.Tensor, ...]:
@@ -125,8 +128,7 @@ def stream_scratch(device: torch.device, buffers: tuple, per_stream: bool = True
         if flat is None or flat.numel() < numel:  # the old buffer is freed in stream order
             if _in_cudagraph_tree(device.index, current):  # checked only here: trees never get a buffer
                 return _fresh(device, buffers)
-            flat = _SCRATCH[key] = (torch.zeros if zeroed else torch.empty)(max(numel, 1), device=device,
-                                                                          dtype=dtype)
+            flat = _SCRATCH[key] = _allocate(max(numel, 1), dtype, zeroed, device)
         views.append(alias(flat, shape, _contiguous_strides(tuple(shape)), 0))
     return tuple(views)
 
