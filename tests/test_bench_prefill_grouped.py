@@ -293,3 +293,18 @@ def test_runners_are_checked_against_the_reference_when_a_case_has_one():
     bad = dict(harness._check(_case(), outputs))
     assert set(bad) == {"inductor_cute", "flash", "triton"} and "differs from aten" in bad["flash"]
     assert harness._check(_case(), {"inductor_cute": ref}) == []
+
+
+def test_persistent_runner_takes_two_q_buffers_where_they_fit(monkeypatch):
+    import inductor_cute.host.common as common
+    from inductor_cute.kernels.attention.flex_prefill_config import FlexPrefillProblem, default_config
+
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    by_name = {p.name: p for p in fp.CASES}
+    for name, q_stages in [("vit B32 H16 S1024 noncausal", 2), ("llama B4 H32/8 S4096 causal", 1),
+                           ("dsv3-mla B1 H128 S4096 causal", 1)]:
+        p = by_name[name]
+        config = fp.persistent_config(p)
+        # the default ring stays as it is: a second Q buffer only where it fits beside it
+        assert config.persistent_ctas == 132 and config.q_stages == q_stages
+        assert config.stages == default_config(FlexPrefillProblem(p.dqk, p.dv, "bfloat16")).stages

@@ -38,6 +38,7 @@ PERSISTENT = {
     "d128-persistent": VARIANTS["d128"],
     "mla-192-128-causal-block128-persistent": VARIANTS["mla-192-128-causal-block128"],
     "d64-fp16-persistent": VARIANTS["d64-fp16"],
+    "d64-causal-persistent-2q": FlexPrefillProblem(64, 64, "bfloat16", mask_program=CAUSAL, sparse_block=128),
 }
 VARIANTS.update(PERSISTENT)
 
@@ -46,7 +47,7 @@ def variant_spec(name):
     problem = VARIANTS[name]
     config = default_config(problem)
     if name in PERSISTENT:
-        config = dataclasses.replace(config, persistent_ctas=132)
+        config = dataclasses.replace(config, persistent_ctas=132, q_stages=2 if name.endswith("-2q") else 1)
     return spec(problem, config)
 
 
@@ -141,6 +142,20 @@ def test_block_masks_and_programs_reach_the_kernel(compiled_all):
     assert "div.rn.f32" not in softcap and softcap.count("0f3D088889") >= 64
 
 
+def test_two_q_buffers_give_o_its_own_buffer():
+    problem = FlexPrefillProblem(64, 64, "bfloat16")
+    one = default_config(problem)
+    two = dataclasses.replace(one, q_stages=2)
+    # a second Q buffer (16 KB) and O's staging buffer (16 KB), and one more mbarrier pair
+    assert smem_bytes(problem, two) - smem_bytes(problem, one) == 2 * 128 * 64 * 2
+    assert config_error(two, problem) is None
+    assert "q_stages 3 must be 1 or 2" in config_error(dataclasses.replace(one, q_stages=3), problem)
+    # at 128/128 the ring must give up a stage for them
+    d128 = FlexPrefillProblem(128, 128, "bfloat16")
+    assert "exceed" in config_error(dataclasses.replace(default_config(d128), q_stages=2), d128)
+    assert config_error(dataclasses.replace(default_config(d128), q_stages=2, stages=2), d128) is None
+
+
 def test_shared_memory_fits_and_matches_the_kernel_layout():
     # the kernel asserts at trace time that its shared storage is smem_bytes: compiling checks it
     for dims in HEAD_DIMS:
@@ -180,7 +195,7 @@ def test_unsupported_problems_and_configs_are_named():
 def test_spec_spells_problem_and_config_and_reads_back():
     problem = FlexPrefillProblem(128, 128, "bfloat16", SOFTCAP, (), DOCUMENT, ("int32",), 256, 128)
     s = spec(problem)
-    assert set(s.kwargs) == set(problem.as_params()) | {"kv_block", "stages", "persistent_ctas"}
+    assert set(s.kwargs) == set(problem.as_params()) | {"kv_block", "stages", "persistent_ctas", "q_stages"}
     assert from_params(s.kwargs) == (problem, default_config(problem))
 
 

@@ -213,22 +213,24 @@ def test_unsupported_inputs_are_refused_in_one_line():
 
 
 # ------------------------------------------------------------------------- persistent CTAs
-def persistent(ctas=3):
-    """A config whose few CTAs each walk many tiles: the Q buffer handed back and forth, the K/V
-    ring's phases and the consumers' turns carried from tile to tile."""
+def persistent(ctas=3, q_stages=1):
+    """A config whose few CTAs each walk many tiles: the Q buffer(s) handed back and forth, the
+    K/V ring's phases and the consumers' turns carried from tile to tile. Two Q buffers need a
+    shallower K/V ring at 128/128."""
     from inductor_cute.kernels.attention import flex_prefill_config as fpc
 
     def config(dqk, dv):
-        return dataclasses.replace(fpc.default_config(fpc.FlexPrefillProblem(dqk, dv, "bfloat16")),
-                                   persistent_ctas=ctas)
+        base = fpc.default_config(fpc.FlexPrefillProblem(dqk, dv, "bfloat16"))
+        stages = base.stages if q_stages == 1 or dqk == 64 else 2
+        return dataclasses.replace(base, persistent_ctas=ctas, q_stages=q_stages, stages=stages)
 
     return config
 
 
-@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128)])
-def test_persistent_ctas_walk_many_tiles(dqk, dv):
+@pytest.mark.parametrize("dqk,dv,q_stages", [(64, 64, 1), (128, 128, 1), (192, 128, 1), (64, 64, 2), (128, 128, 2)])
+def test_persistent_ctas_walk_many_tiles(dqk, dv, q_stages):
     q, k, v = rand(2, 4, 1000, dqk), rand(2, 2, 1000, dqk), rand(2, 2, 1000, dv)
-    check(q, k, v, config=persistent()(dqk, dv))  # 64 tiles on 3 CTAs
+    check(q, k, v, config=persistent(q_stages=q_stages)(dqk, dv))  # 64 tiles on 3 CTAs
 
 
 def test_persistent_ctas_with_causal_blocks_and_empty_tiles():
@@ -237,6 +239,14 @@ def test_persistent_ctas_with_causal_blocks_and_empty_tiles():
                      lambda b, h, m, n: (m >= n) & (b == 0), sp.dumps([["c", "ge", "q", "kv"], ["z", "eq", "b", 0],
                                                                         ["o", "and", "c", "z"]]),
                      config=persistent(5)(128, 128))
+
+
+def test_two_q_buffers_with_causal_blocks_and_empty_tiles():
+    # the next tile's Q loads while this tile runs; O leaves through its own buffer
+    check_block_mask(rand(2, 4, 1500, 64), rand(2, 2, 1500, 64), rand(2, 2, 1500, 64),
+                     lambda b, h, m, n: (m >= n) & (b == 0), sp.dumps([["c", "ge", "q", "kv"], ["z", "eq", "b", 0],
+                                                                        ["o", "and", "c", "z"]]),
+                     config=persistent(5, q_stages=2)(64, 64))
 
 
 def test_persistent_ctas_more_than_tiles():

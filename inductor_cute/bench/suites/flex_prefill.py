@@ -14,8 +14,9 @@ Runners of a case (all on the same q, k, v and mods):
   flash          flex_attention compiled with kernel_options={"BACKEND": "FLASH"} (the CuTe kernels
                  of the flash-attn-4 package), same mods and BlockMask; left out, with the reason in
                  notes, where it does not run (package missing, mod unsupported)
-  persistent     ours with persistent CTAs (FlexPrefillConfig.persistent_ctas = the SM count), beside
-                 the default one CTA per tile until it is measured and made the default
+  persistent     ours with persistent CTAs (FlexPrefillConfig.persistent_ctas = the SM count) and two
+                 Q buffers where shared memory holds them beside the default ring (head dim 64),
+                 beside the default one CTA per tile until it is measured and made the default
 Correctness: the harness checks every runner's output against an fp32 reference (untimed; the
 same score_mod and mask_mod applied to dense scores, chunked over queries). q is scaled so softmax
 puts its weight on a few dozen keys (flex_decode.peaked_query_scale), as trained attention does,
@@ -264,12 +265,15 @@ def sdpa_runner(p: Prefill, q, k, v, scale: float) -> Callable | None:
 
 
 def persistent_config(p: Prefill):
-    """The default config of the case's head dims with one persistent CTA per SM."""
+    """The default config of the case's head dims with one persistent CTA per SM, and two Q
+    buffers where they fit beside its K/V ring."""
     from ...host.common import sm_count
-    from ...kernels.attention.flex_prefill_config import FlexPrefillProblem, default_config
+    from ...kernels.attention.flex_prefill_config import FlexPrefillProblem, config_error, default_config
 
-    config = default_config(FlexPrefillProblem(p.dqk, p.dv, "bfloat16"))
-    return dataclasses.replace(config, persistent_ctas=sm_count(0))
+    problem = FlexPrefillProblem(p.dqk, p.dv, "bfloat16")
+    config = dataclasses.replace(default_config(problem), persistent_ctas=sm_count(0))
+    two_q = dataclasses.replace(config, q_stages=2)
+    return two_q if config_error(two_q, problem) is None else config
 
 
 def _case(p: Prefill) -> Case:

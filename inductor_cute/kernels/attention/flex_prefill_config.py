@@ -67,6 +67,10 @@ class FlexPrefillConfig:
     # 0: one CTA per tile; n: at most n CTAs (the SM count: one CTA fits an SM), each walking every
     # n-th tile, its producer loading the next tile's K/V under the last one's epilogue
     persistent_ctas: int = 0
+    # Q buffers: 1, where O is staged for its store at the end of a tile (a persistent CTA's next
+    # Q waits for that store); 2 (with persistent CTAs), the next tile's Q loads into the other
+    # buffer while this one still runs, and O gets a staging buffer of its own
+    q_stages: int = 1
 
     @property
     def threads(self) -> int:
@@ -81,12 +85,15 @@ def _align(n: int, a: int) -> int:
 
 
 def smem_bytes(problem: FlexPrefillProblem, config: FlexPrefillConfig) -> int:
-    """Shared memory of one CTA: mbarriers (K/V ring and Q), Q (whose buffer stages O for the
-    TMA store at the end: Dv <= Dqk) and the K/V ring, each buffer 1 KB aligned."""
-    q = M_BLOCK * problem.head_dim_qk * 2
+    """Shared memory of one CTA: mbarriers (K/V ring and Q), Q (with one Q buffer, it stages O
+    for the TMA store at the end: Dv <= Dqk; with two, O has its own) and the K/V ring, each
+    buffer 1 KB aligned."""
+    q = config.q_stages * M_BLOCK * problem.head_dim_qk * 2
+    o = M_BLOCK * problem.head_dim_v * 2 if config.q_stages > 1 else 0
     k = config.stages * config.kv_block * problem.head_dim_qk * 2
     v = config.stages * config.kv_block * problem.head_dim_v * 2
-    return _align(16 * config.stages + 16, 1024) + _align(q, 1024) + _align(k, 1024) + v
+    bars = 16 * config.stages + 16 * config.q_stages
+    return _align(bars, 1024) + _align(q, 1024) + _align(o, 1024) + _align(k, 1024) + v
 
 
 def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str) -> str | None:
@@ -136,6 +143,8 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
     if config.stages < 2:
         # the consumers hold stage j - 1 (V for P V) while S of stage j is computed
         return "stages must be at least 2"
+    if config.q_stages not in (1, 2):
+        return f"q_stages {config.q_stages} must be 1 or 2"
     if smem_bytes(problem, config) > SMEM_BUDGET:
         return f"{smem_bytes(problem, config)} bytes of shared memory exceed the {SMEM_BUDGET} available"
     if problem.sparse_block % config.kv_block:

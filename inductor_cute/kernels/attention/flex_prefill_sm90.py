@@ -6,7 +6,8 @@ Tiles of (128 query rows, query head, batch), numbered longest-first within sect
 batch) pairs whose K/V fits in L2 (tile_order.py): one CTA per tile, or (config.persistent_ctas)
 that many CTAs each taking every persistent_ctas-th tile, so that a CTA's producer loads the next
 tile's first K/V blocks while its consumers finish the last one (Q follows once O has left Q's
-buffer).
+buffer; with config.q_stages = 2 the next Q loads first, into the other of two Q buffers, and O is
+staged in a buffer of its own).
 384 threads in three warp groups:
 
   * warp group 0, the producer, gives registers back (setmaxnreg) and one warp issues TMA loads:
@@ -21,7 +22,7 @@ buffer).
     issuing their WGMMAs (named barriers, ping-pong), so one's softmax runs under the other's
     matmuls.
   * the epilogue normalises O by the row sums, stages it in Q's shared memory (stmatrix; Dv <=
-    Dqk) and one thread writes the 128 x Dv tile with a TMA store (rows past the query length are clipped by
+    Dqk; its own buffer with two Q buffers) and one thread writes the 128 x Dv tile with a TMA store (rows past the query length are clipped by
     TMA); the logsumexp goes out per row in natural-log units (m + log2 l) * ln 2, as
     flex_attention returns it. Rows with nothing to attend get out 0 and lse -inf.
 
@@ -106,8 +107,10 @@ class FlexPrefillSm90:
     def _setup(self):
         dt, st = self.dtype, self.config.stages
         self.mma_qk, self.mma_pv = self._make_mma_qk(), self._make_mma_pv()
-        self.sQ_layout = cute.slice_(sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (M_BLOCK, self.kvb, self.dqk), dt, 1), (None, None, 0))
+        qs = self.config.q_stages
+        self.sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (M_BLOCK, self.kvb, self.dqk), dt, qs)
+        if const_expr(qs == 1):
+            self.sQ_layout = cute.slice_(self.sQ_layout, (None, None, 0))
         self.sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (M_BLOCK, self.kvb, self.dqk), dt, st)
         self.sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (M_BLOCK, self.dv, self.kvb), dt, st)
         self.sO_layout = cute.slice_(sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (M_BLOCK, self.dv), 1),
@@ -116,12 +119,21 @@ class FlexPrefillSm90:
         @cute.struct
         class SharedStorage:
             kv_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            q_bars: cute.struct.MemRange[cutlass.Int64, 2]
+            q_bars: cute.struct.MemRange[cutlass.Int64, 2 * qs]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sV_layout)], 1024]
 
-        self.shared_storage = SharedStorage
+        @cute.struct
+        class SharedStorageWithO:  # two Q buffers: O staged in a buffer of its own
+            kv_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            q_bars: cute.struct.MemRange[cutlass.Int64, 2 * qs]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage if qs == 1 else SharedStorageWithO
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor,
@@ -135,7 +147,7 @@ class FlexPrefillSm90:
         assert self.shared_storage.size_in_bytes() == smem_bytes(self.problem, self.config)
         check_acc_layout(self.mma_qk, (M_BLOCK, self.kvb))
         check_acc_layout(self.mma_pv, (M_BLOCK, self.dv))
-        assert cute.cosize(self.sO_layout) <= cute.cosize(self.sQ_layout)  # O's staging tile reuses Q's buffer
+        assert cute.cosize(self.sO_layout) <= cute.cosize(self._one_q_layout(self.sQ_layout))  # O may use Q's buffer
         # TMA views with the contiguous dim where each operand's MMA wants it: Q, K and O as
         # (L, D, H, B) (K-major), V as (Dv, Lkv, Hkv, B) (MN-major B of O = P V)
         def rows_major(t):
@@ -143,7 +155,8 @@ class FlexPrefillSm90:
 
         mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 2, 1, 0]))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, gQ = cpasync.make_tiled_tma_atom(g2s, rows_major(mQ), self.sQ_layout, (M_BLOCK, self.dqk))
+        tma_q, gQ = cpasync.make_tiled_tma_atom(g2s, rows_major(mQ), self._one_q_layout(self.sQ_layout),
+                                                (M_BLOCK, self.dqk))
         tma_k, gK = cpasync.make_tiled_tma_atom(g2s, rows_major(mK), cute.slice_(self.sK_layout, (None, None, 0)),
                                                 (self.kvb, self.dqk))
         tma_v, gV = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.slice_(self.sV_layout, (None, None, 0)),
@@ -159,6 +172,12 @@ class FlexPrefillSm90:
                     self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout
                     ).launch(grid=[ctas, 1, 1], block=[self.config.threads, 1, 1], min_blocks_per_mp=1,
                              stream=stream)
+
+    def _one_q_layout(self, sQ_layout):
+        """One Q buffer's layout (sQ_layout has a stage mode with two)."""
+        if const_expr(self.config.q_stages == 1):
+            return sQ_layout
+        return cute.slice_(sQ_layout, (None, None, 0))
 
     @staticmethod
     def _turn(slot) -> pipeline.NamedBarrier:
@@ -194,11 +213,15 @@ class FlexPrefillSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # O is staged where Q was
+        if const_expr(self.config.q_stages == 1):
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # O is staged where Q was
+        else:
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         consumer_warps = 4 * CONSUMER_WARPGROUPS
         kv_pipe = tma_pipeline(storage.kv_bars, self.config.stages, stage_bytes(self.dtype, sK_layout, sV_layout),
                                consumer_warps)
-        q_pipe = tma_pipeline(storage.q_bars, 1, cute.size_in_bytes(self.dtype, sQ_layout), consumer_warps)
+        q_bytes = cute.size_in_bytes(self.dtype, self._one_q_layout(sQ_layout))
+        q_pipe = tma_pipeline(storage.q_bars, self.config.q_stages, q_bytes, consumer_warps)
         cute.arch.mbarrier_init_fence()
 
         cute.arch.sync_threads()
@@ -216,17 +239,20 @@ class FlexPrefillSm90:
                                                    cute.group_modes(gK, 0, 2))
                 tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                                    cute.group_modes(gV, 0, 2))
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.q_stages)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.stages)
                 for tile in range(first_tile, n_tiles, ctas):
                     m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
                     hkv = head // q_per_kv
                     n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
-                    # A CTA's first Q goes first. Later, the ring's first `stages` blocks of a tile
-                    # load as the last tile's blocks are freed, under its epilogue; Q then waits for
-                    # that epilogue (O leaves through Q's buffer), and must come before any later
-                    # block: the consumers free those only once they have Q.
+                    # A CTA's first Q goes first. Later, with one Q buffer, the ring's first
+                    # `stages` blocks of a tile load as the last tile's blocks are freed, under its
+                    # epilogue; Q then waits for that epilogue (O leaves through Q's buffer), and
+                    # must come before any later block: the consumers free those only once they
+                    # have Q. With two Q buffers the other one is free: Q always goes first.
                     later = tile != first_tile
+                    if const_expr(self.config.q_stages > 1):
+                        later = cutlass.Boolean(False)
                     if not later:
                         self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
                         q_state.advance()
@@ -265,7 +291,7 @@ class FlexPrefillSm90:
             correction = cute.make_rmem_tensor((2,), Float32)  # per row half: 2^(m_old - m) for O
             score_tensors, mask_tensors = (mT0, mT1, mT2, mT3), (mM0, mM1, mM2, mM3)
 
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.q_stages)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
             tile_args = ((m_blocks, heads, batch, width), (q_len, seq_len), (mKvNum, mKvIdx, mFullNum, mFullIdx),
@@ -303,6 +329,8 @@ class FlexPrefillSm90:
         acc_o.fill(0.0)
         softmax_reset(row_max, row_sum)
         q_pipe.consumer_wait(q_state)
+        if const_expr(self.config.q_stages > 1):
+            tSrQ = tSrQ[(None, None, None, q_state.index)]
         # Turns: n_blocks + 1 per consumer and tile (S_0; S_j with P_{j-1} V_{j-1}; P_last
         # V_last), slot 0 first. Slot 1 opens slot 0's first turn and hands over only turns
         # slot 0 still takes, so no arrive is left pending when the tile ends.
@@ -377,13 +405,14 @@ class FlexPrefillSm90:
             n_partial, n_blocks = self.blocks.count(mKvNum, mFullNum, zm, hm, r)
         return n_partial, n_blocks, zm, hm, r
 
-    @staticmethod
-    def _load_q(q_pipe, q_state, tma_q: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, m_block: Int32,
+    def _load_q(self, q_pipe, q_state, tma_q: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor, m_block: Int32,
                 head: Int32, b: Int32):
         """The tile's Q into Q's buffer, once the consumers handed it back (producer warp). The
         caller advances q_state: a dynamic if or loop carries only the objects named in its own
         body (assigned, or their methods called), not those a helper advances."""
         q_pipe.producer_acquire(q_state)
+        if const_expr(self.config.q_stages > 1):
+            tQsQ = tQsQ[(None, q_state.index)]
         cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
 
     # _qk and _pv are traced inline (not @cute.jit): the MMA's accumulate flag they set must stay
