@@ -144,7 +144,7 @@ def test_block_masks_and_programs_reach_the_kernel(compiled_all):
 
 def test_two_q_buffers_give_o_its_own_buffer():
     problem = FlexPrefillProblem(64, 64, "bfloat16")
-    one = default_config(problem)
+    one = dataclasses.replace(default_config(problem), persistent_ctas=132)
     two = dataclasses.replace(one, q_stages=2)
     # a second Q buffer (16 KB) and O's staging buffer (16 KB), and one more mbarrier pair
     assert smem_bytes(problem, two) - smem_bytes(problem, one) == 2 * 128 * 64 * 2
@@ -152,8 +152,11 @@ def test_two_q_buffers_give_o_its_own_buffer():
     assert "q_stages 3 must be 1 or 2" in config_error(dataclasses.replace(one, q_stages=3), problem)
     # at 128/128 the ring must give up a stage for them
     d128 = FlexPrefillProblem(128, 128, "bfloat16")
-    assert "exceed" in config_error(dataclasses.replace(default_config(d128), q_stages=2), d128)
-    assert config_error(dataclasses.replace(default_config(d128), q_stages=2, stages=2), d128) is None
+    assert "exceed" in config_error(dataclasses.replace(default_config(d128), q_stages=2, persistent_ctas=132), d128)
+    assert config_error(dataclasses.replace(default_config(d128), q_stages=2, stages=2, persistent_ctas=132),
+                        d128) is None
+    # one tile per CTA has no next Q to load early
+    assert "needs persistent_ctas" in config_error(dataclasses.replace(one, q_stages=2, persistent_ctas=0), problem)
 
 
 def test_shared_memory_fits_and_matches_the_kernel_layout():

@@ -2,7 +2,7 @@
 configuration and its limits. Plain Python, usable without the CuTe DSL.
 
 One CTA owns M_BLOCK = 128 query rows of one (batch, query head): two consumer warp groups of 64
-rows each take turns at the tensor cores (ping-pong), one producer warp streams Q once and K/V
+rows each take turns at the tensor cores (ping-pong), one producer warp streams each tile's Q and K/V
 blocks through a `stages`-deep TMA ring. The GQA ratio stays a run-time value (query head h reads
 KV head h // (Hq // Hkv)), so one compiled kernel serves every ratio.
 
@@ -27,7 +27,7 @@ MAX_STAGES = 4
 
 # (head_dim_qk, head_dim_v) -> kv_block. Per consumer thread S takes kv_block / 2 fp32 registers,
 # P a quarter (bf16 pairs), O head_dim_v / 2: 160 at 128/128, 176 at 256/256 with 64-key blocks.
-# Dv <= Dqk: O is staged in Q's shared memory.
+# Dv <= Dqk: O is staged in Q's shared memory (with one Q buffer).
 HEAD_DIMS = {
     (64, 64): 128,
     (128, 128): 128,
@@ -145,6 +145,8 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
         return "stages must be at least 2"
     if config.q_stages not in (1, 2):
         return f"q_stages {config.q_stages} must be 1 or 2"
+    if config.q_stages == 2 and config.persistent_ctas == 0:
+        return "q_stages 2 needs persistent_ctas: with one tile per CTA there is no next Q to load early"
     if smem_bytes(problem, config) > SMEM_BUDGET:
         return f"{smem_bytes(problem, config)} bytes of shared memory exceed the {SMEM_BUDGET} available"
     if problem.sparse_block % config.kv_block:

@@ -11,7 +11,7 @@ staged in a buffer of its own).
 384 threads in three warp groups:
 
   * warp group 0, the producer, gives registers back (setmaxnreg) and one warp issues TMA loads:
-    the CTA's Q tile once, then (K, V) of each KV block into a `stages`-deep ring
+    each tile's Q, then (K, V) of each of its KV blocks into a `stages`-deep ring
     (PipelineTmaAsync; K and V of a block share a stage and its mbarrier).
   * warp groups 1 and 2, the consumers, own 64 query rows each (one m64 WGMMA row tile). Per KV
     block j a consumer issues S_j = Q K_j^T (SS WGMMA) and O += P_{j-1} V_{j-1} (RS WGMMA: P
@@ -386,7 +386,8 @@ class FlexPrefillSm90:
             release.advance()
         self._epilogue(acc_o, tOcO, row_max, row_sum, mma_pv, sO, tma_o, gO_full, mLse, ctid, warp_idx,
                        m_block, head, b, q_len)
-        # after the store warp saw the TMA unit read O: the producer may load the next Q
+        # after the store warp saw the TMA unit read O (which, with one Q buffer, was staged in
+        # Q's): the producer may load a next Q into this buffer
         q_pipe.consumer_release(q_state)
         q_state.advance()
         states[:] = [q_state, read, release]
@@ -456,7 +457,8 @@ class FlexPrefillSm90:
             row = m_block * M_BLOCK + tOcO[0][0] + 8 * h
             if row < q_len and tOcO[0][1] == 0:  # one thread of the row's quad
                 mLse[(b, head, row)] = lse2 * LN2
-        # Q's buffer becomes O's: every consumer must be past its last S = Q K^T
+        # Every consumer past its last S = Q K^T (with one Q buffer, Q's becomes O's) and the
+        # store warp past its wait on the last tile's O store (O's buffer is written next)
         consumers = pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS, num_threads=self.consumer_threads)
         consumers.arrive_and_wait()
         # the accumulator in stmatrix-shaped pieces (a layout-only atom), stored with the store op
@@ -482,7 +484,7 @@ class FlexPrefillSm90:
             cute.copy(tma_o, tOsO, tOgO[(None, m_block, 0, head, b)])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the TMA unit read it
-            # the store's lane waited; lane 0 hands Q's buffer back (q_pipe.consumer_release) after it
+            # the store's lane waited; lane 0 hands the Q buffer back (q_pipe.consumer_release) after it
             cute.arch.sync_warp()
 
 
