@@ -18,7 +18,6 @@ from .flex import _score_mod_operands
 
 NAME = "flex_prefill"
 MAX_TILES = 2**31 - 1  # the kernel's 1-D grid
-FP32_MIN_NORMAL = 1.1754943508222875e-38
 
 
 @functools.lru_cache(maxsize=256)
@@ -129,7 +128,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
     # a score program scales the scores itself: one kernel whatever the scale's sign. The kernel's
     # scale_log2 is fp32: one below its smallest normal is zero there (and -inf * 0 a NaN)
-    positive_scale = scale * LOG2E >= FP32_MIN_NORMAL or bool(program)
+    positive_scale = scale * LOG2E >= torch.finfo(torch.float32).tiny or bool(program)
     try:
         kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program,
                                       mask_dtypes, sparse_block, sparse_q_block, positive_scale, config)

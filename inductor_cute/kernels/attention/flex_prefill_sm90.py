@@ -121,19 +121,12 @@ class FlexPrefillSm90:
             kv_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * qs]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
+            if qs > 1:  # two Q buffers: O staged in a buffer of its own
+                sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sV_layout)], 1024]
 
-        @cute.struct
-        class SharedStorageWithO:  # two Q buffers: O staged in a buffer of its own
-            kv_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            q_bars: cute.struct.MemRange[cutlass.Int64, 2 * qs]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sV_layout)], 1024]
-
-        self.shared_storage = SharedStorage if qs == 1 else SharedStorageWithO
+        self.shared_storage = SharedStorage
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor,
