@@ -3,7 +3,7 @@ and step, each compiled once, then torch.profiler over back-to-back steps; per r
 by total device time, the device time and wall time per step, and the output code.
 
     python3 benchmarks/profile_model.py [--model llama3-8b] [--layers 4] [--phase decode]
-        [--batch 8] [--tokens 8192] [--mode default] [--steps 20] [--out DIR]
+        [--batch 8] [--tokens 8192] [--mode default] [--steps 20] [--out DIR] [--runners stock,enabled]
 
 --mode default skips autotuning (fast to compile; our GEMMs take part only in max-autotune modes).
 """
@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--mode", default="default")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", default=".")
+    p.add_argument("--runners", default="stock,enabled", help="which of stock,enabled to profile")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -62,6 +63,8 @@ def main() -> None:
     step = (models.DecodeStep if args.phase == "decode" else models.PrefillStep)(model, args.batch, args.tokens)
     text = [f"{args.model} {args.phase} B{args.batch} tokens {args.tokens}, {args.layers} layers, mode {args.mode}"]
     for name, ours in (("stock", False), ("enabled", True)):
+        if name not in args.runners.split(","):
+            continue
         codes: list[str] = []
         torch._dynamo.reset()
         enabled = inductor_cute.enable() if ours else contextlib.nullcontext()
@@ -74,7 +77,11 @@ def main() -> None:
             wall, kernels = profile(step, forward, args.steps)
         with open(os.path.join(args.out, f"profile-{name}-code.py"), "w") as f:
             f.write("\n\n# ---- next graph ----\n\n".join(codes))
-        text.append(f"(compile {compile_s:.1f} s, our call sites {models.our_kernel_calls(chr(10).join(codes))})")
+        from inductor_cute.inductor.choice_timing import counts
+
+        text.append(f"(compile {compile_s:.1f} s, our call sites {models.our_kernel_calls(chr(10).join(codes))}, "
+                    f"autotuning choices timed so far in graphs / by Inductor's benchmarker: "
+                    f"{counts['graph']} / {counts['stock']})")
         text.append(report(name, wall, kernels, args.steps))
     out = "\n\n".join(text)
     print(out)

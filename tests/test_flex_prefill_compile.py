@@ -303,6 +303,26 @@ def test_host_passes_the_kernel_its_arguments(host_on_cpu):
     assert kernel.calls[-1][0].data_ptr() == qt.data_ptr() and kernel.calls[-1][0].stride() == qt.stride()
 
 
+def test_host_runs_head_dim_64_on_persistent_ctas_with_two_q_buffers(host_on_cpu, monkeypatch):
+    import torch
+
+    from inductor_cute.host import flex_prefill as fp
+    from inductor_cute.kernels.attention.flex_prefill_config import (FlexPrefillConfig, FlexPrefillProblem,
+                                                                      config_error, default_config)
+
+    flex_prefill, kernel, specs = host_on_cpu
+    monkeypatch.setattr(fp, "sm_count", lambda index: 132)
+    q = torch.randn(1, 4, 300, 64).bfloat16()
+    flex_prefill(q, q, q)
+    config = specs[-1][-1]
+    assert isinstance(config, FlexPrefillConfig) and (config.persistent_ctas, config.q_stages) == (132, 2)
+    assert config_error(config, FlexPrefillProblem(64, 64, "bfloat16")) is None
+    assert config == default_config(FlexPrefillProblem(64, 64, "bfloat16"), num_sms=132)
+    # without an SM count, and at the other head dims, one CTA per tile
+    assert default_config(FlexPrefillProblem(64, 64, "bfloat16")).persistent_ctas == 0
+    assert default_config(FlexPrefillProblem(128, 128, "bfloat16"), num_sms=132).persistent_ctas == 0
+
+
 def test_host_refuses_what_the_kernel_cannot_take(host_on_cpu):
     import torch
 

@@ -28,6 +28,7 @@ def state() -> dict:
             "flex backward lowering": lowering.lowerings[BACKWARD_HOP],
             "grouped_mm lowering": lowering.lowerings[GROUPED_MM],
             "grouped_mm autotuning": mm_grouped.autotune_select_algorithm,
+            "choice timing": vars(select_algorithm.AlgorithmSelectorCache)["benchmark_choice"],
             "cuda codegen": common.device_codegens.get("cuda"),
             "extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_gemm", None),
             "grouped extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_grouped_mm", None),
@@ -73,7 +74,7 @@ def test_enable_installs_what_its_settings_ask_for(stock):
         assert installed() == {"gemm_extern_kernel": True, "gemm_feedback_log": True, "cuda_scheduling": False,
                                "flex_attention_lowering": False, "flex_attention_backward_lowering": False,
                                "grouped_extern_kernel": True,
-                               "grouped_mm_autotuning": True, "grouped_mm_lowering": True}
+                               "grouped_mm_autotuning": True, "grouped_mm_lowering": True, "choice_timing": True}
         assert install.stock_lowering(GROUPED_MM) is stock["grouped_mm lowering"]
         assert inductor_config.benchmark_epilogue_fusion == stock["benchmark_epilogue_fusion"]
         with pytest.raises(RuntimeError, match="no lowering of ours"):

@@ -13,7 +13,7 @@ import torch
 from ..errors import UnsupportedError
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
-from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, check_cuda
+from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, check_cuda, sm_count
 from .flex import _score_mod_operands
 
 NAME = "flex_prefill"
@@ -129,6 +129,8 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     # a score program scales the scores itself: one kernel whatever the scale's sign. The kernel's
     # scale_log2 is fp32: one below its smallest normal is zero there (and -inf * 0 a NaN)
     positive_scale = scale * LOG2E >= torch.finfo(torch.float32).tiny or bool(program)
+    if config is None and (dqk, dv) in fpc.PERSISTENT_HEAD_DIMS:  # their default needs this device's SM count
+        config = fpc.default_config(fpc.FlexPrefillProblem(dqk, dv, DTYPE_NAMES[q.dtype]), sm_count(q.device.index))
     try:
         kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program,
                                       mask_dtypes, sparse_block, sparse_q_block, positive_scale, config)

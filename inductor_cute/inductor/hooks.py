@@ -107,35 +107,43 @@ class SchedulingWrapper(Hook):
 
 
 class AttributeWrapper(Hook):
-    """`make(replaced)` in place of the attribute `attr` of the module named `module`: a function a
-    stock lowering looks up in its module's globals at every call. A torch without that attribute
+    """`make(replaced)` in place of the attribute `attr` of `owner`: a module's name (a function a
+    stock lowering looks up in its module's globals at every call) or "module:Class" (a method, as
+    the class holds it: a classmethod object for a classmethod). A torch without that attribute
     leaves the hook uninstalled, with a warning."""
 
-    def __init__(self, name: str, module: str, attr: str, make: Callable[[], Callable], **kw) -> None:
+    def __init__(self, name: str, owner: str, attr: str, make: Callable[[], Callable], **kw) -> None:
         super().__init__(name, **kw)
-        self.module, self.attr, self._make = module, attr, make
+        self.owner, self.attr, self._make = owner, attr, make
         self._replaced = self._ours = None  # kept after uninstall to reuse `_ours`
 
+    def _owner(self) -> Any:
+        module, _, cls = self.owner.partition(":")
+        found = importlib.import_module(module)
+        return getattr(found, cls) if cls else found
+
+    def _current(self) -> Any:
+        owner = self._owner()
+        return vars(owner).get(self.attr) if ":" in self.owner else getattr(owner, self.attr, None)
+
     def installed(self) -> bool:
-        module = importlib.import_module(self.module)
-        return self._ours is not None and getattr(module, self.attr, None) is self._ours
+        return self._ours is not None and self._current() is self._ours
 
     def install(self) -> None:
         if self.installed():
             return
-        module = importlib.import_module(self.module)
-        current = getattr(module, self.attr, None)
+        current = self._current()
         if current is None:
-            log.warning("inductor-cute: %s.%s not found in this torch; %s not installed", self.module, self.attr,
+            log.warning("inductor-cute: %s.%s not found in this torch; %s not installed", self.owner, self.attr,
                         self.name)
             return
         if current is not self._replaced or self._ours is None:
             self._replaced, self._ours = current, self._make()(current)
-        setattr(module, self.attr, self._ours)
+        setattr(self._owner(), self.attr, self._ours)
 
     def uninstall(self) -> None:
         if self.installed():
-            setattr(importlib.import_module(self.module), self.attr, self._replaced)
+            setattr(self._owner(), self.attr, self._replaced)
 
 
 class FeedbackSaver(Hook):

@@ -155,13 +155,26 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
     return None
 
 
-def default_config(problem: FlexPrefillProblem) -> FlexPrefillConfig:
+# head dims whose default is persistent CTAs with two Q buffers, on a device whose SM count is
+# given: at 64/64 they ran the vit case (B32 H16 S1024) in 348 us against 403 with a CTA per tile
+# (benchmarks/results/flex_prefill-quick-h200-20261204-s10.md); the causal 128/128 and 192/128
+# cases ran ~1.4x slower persistent, so those keep a CTA per tile
+PERSISTENT_HEAD_DIMS = {(64, 64)}
+
+
+def default_config(problem: FlexPrefillProblem, num_sms: int = 0) -> FlexPrefillConfig:
     """The head dims' KV block and as many stages as shared memory holds, up to MAX_STAGES (a
-    prefill is compute bound: two or three stages cover the TMA latency; 128/128 gets 3)."""
+    prefill is compute bound: two or three stages cover the TMA latency; 128/128 gets 3). With
+    `num_sms`, head dims in PERSISTENT_HEAD_DIMS get that many persistent CTAs and two Q buffers
+    where both fit."""
     config = FlexPrefillConfig(HEAD_DIMS[(problem.head_dim_qk, problem.head_dim_v)], 2)
     while config.stages < MAX_STAGES and smem_bytes(problem, dataclasses.replace(config, stages=config.stages + 1)) \
             <= SMEM_BUDGET:
         config = dataclasses.replace(config, stages=config.stages + 1)
+    if num_sms > 0 and (problem.head_dim_qk, problem.head_dim_v) in PERSISTENT_HEAD_DIMS:
+        persistent = dataclasses.replace(config, persistent_ctas=num_sms, q_stages=2)
+        if config_error(persistent, problem) is None:
+            return persistent
     return config
 
 
