@@ -87,3 +87,32 @@ def test_enable_wraps_select_algorithms_benchmark_choice_and_disable_puts_it_bac
         assert ours is not stock and isinstance(ours, classmethod) and install.hook("choice_timing").installed()
         assert ours.__func__.__wrapped__ is stock.__func__
     assert vars(AlgorithmSelectorCache)["benchmark_choice"] is stock
+
+
+def test_with_subprocess_autotuning_every_choice_keeps_inductors_timing(graph_calls):
+    with inductor_config.patch(autotune_in_subproc=True), choice_timing._timing_in_graphs():
+        assert "benchmark_gpu" not in vars(benchmarker)  # Triton's are timed in the subprocess, stock
+    assert graph_calls == []
+
+
+def test_other_threads_keep_inductors_timing_while_a_choice_is_timed(graph_calls, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(type(benchmarker), "benchmark_gpu", lambda self, fn, **kw: 5.0)
+    seen = []
+    with choice_timing._timing_in_graphs():
+        worker = threading.Thread(target=lambda: seen.append(benchmarker.benchmark_gpu(lambda: None)))
+        worker.start()
+        worker.join()
+        assert benchmarker.benchmark_gpu(lambda: None) == 7.0
+    assert seen == [5.0] and len(graph_calls) == 1
+
+
+def test_enable_wraps_the_schedulers_fusion_benchmarks():
+    from torch._inductor.scheduler import Scheduler
+
+    stock = {name: vars(Scheduler)[name] for name in ("benchmark_fused_nodes", "benchmark_codegened_module")}
+    with inductor_cute.enable():
+        for name, fn in stock.items():
+            assert vars(Scheduler)[name] is not fn and vars(Scheduler)[name].__wrapped__ is fn
+    assert all(vars(Scheduler)[name] is fn for name, fn in stock.items())

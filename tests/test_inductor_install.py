@@ -7,6 +7,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor import lowering, select_algorithm
 from torch._inductor.codegen import common
 from torch._inductor.kernel import mm_grouped
+from torch._inductor.scheduler import Scheduler
 from torch._inductor.virtualized import V
 
 import inductor_cute
@@ -29,6 +30,8 @@ def state() -> dict:
             "grouped_mm lowering": lowering.lowerings[GROUPED_MM],
             "grouped_mm autotuning": mm_grouped.autotune_select_algorithm,
             "choice timing": vars(select_algorithm.AlgorithmSelectorCache)["benchmark_choice"],
+            "fusion timing of fused nodes": vars(Scheduler)["benchmark_fused_nodes"],
+            "fusion timing of modules": vars(Scheduler)["benchmark_codegened_module"],
             "cuda codegen": common.device_codegens.get("cuda"),
             "extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_gemm", None),
             "grouped extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_grouped_mm", None),
@@ -74,7 +77,8 @@ def test_enable_installs_what_its_settings_ask_for(stock):
         assert installed() == {"gemm_extern_kernel": True, "gemm_feedback_log": True, "cuda_scheduling": False,
                                "flex_attention_lowering": False, "flex_attention_backward_lowering": False,
                                "grouped_extern_kernel": True,
-                               "grouped_mm_autotuning": True, "grouped_mm_lowering": True, "choice_timing": True}
+                               "grouped_mm_autotuning": True, "grouped_mm_lowering": True, "choice_timing": True,
+                               "fusion_timing_fused_nodes": True, "fusion_timing_codegened_module": True}
         assert install.stock_lowering(GROUPED_MM) is stock["grouped_mm lowering"]
         assert inductor_config.benchmark_epilogue_fusion == stock["benchmark_epilogue_fusion"]
         with pytest.raises(RuntimeError, match="no lowering of ours"):

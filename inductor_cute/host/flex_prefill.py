@@ -31,6 +31,13 @@ def _flex_prefill_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, sco
                                               positive_scale), config))
 
 
+@functools.lru_cache(maxsize=64)
+def _device_default_config(head_dim_qk: int, head_dim_v: int, dtype_name: str, device_index: int):
+    from ..kernels.attention.flex_prefill_config import FlexPrefillProblem, default_config
+
+    return default_config(FlexPrefillProblem(head_dim_qk, head_dim_v, dtype_name), sm_count(device_index))
+
+
 # the decode entry's program checks, its errors naming this entry
 _program_operands = functools.partial(_score_mod_operands, name=NAME)
 
@@ -130,7 +137,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     # scale_log2 is fp32: one below its smallest normal is zero there (and -inf * 0 a NaN)
     positive_scale = scale * LOG2E >= torch.finfo(torch.float32).tiny or bool(program)
     if config is None and (dqk, dv) in fpc.PERSISTENT_HEAD_DIMS:  # their default needs this device's SM count
-        config = fpc.default_config(fpc.FlexPrefillProblem(dqk, dv, DTYPE_NAMES[q.dtype]), sm_count(q.device.index))
+        config = _device_default_config(dqk, dv, DTYPE_NAMES[q.dtype], q.device.index)
     try:
         kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program,
                                       mask_dtypes, sparse_block, sparse_q_block, positive_scale, config)

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import statistics
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +116,36 @@ def _capture(fn, flush, calls: int):
     import torch
 
     graph = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes are counted before it is instantiated
-    graph.capture_begin(capture_error_mode="thread_local")
+    pool = torch.cuda.graph_pool_handle()
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         for _ in range(calls):
             flush.sum()
             if fn is not None:
                 fn()
     finally:
-        graph.capture_end()
+        try:
+            graph.capture_end()
+        except BaseException:
+            _release_failed_capture(pool)
+            raise
     return graph
+
+
+def _release_failed_capture(pool) -> None:
+    """A capture that fails in `capture_end` leaves its pool registered as allocating for a capture
+    under way (torch ends that registration only after a good end): every later capture, CUDA-graph
+    trees' included, would consult it. End and release it as torch would have."""
+    import torch
+
+    end, release = (getattr(torch._C, name, None) for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"))
+    try:
+        if end is not None:
+            end(torch.cuda.current_device(), pool)
+        if release is not None:
+            release(torch.cuda.current_device(), pool)
+    except Exception as e:  # noqa: BLE001 - best effort: the stock timing follows either way
+        log.warning("inductor-cute: releasing a failed capture's memory pool: %s", e)
 
 
 def _node_count(graph) -> int:
@@ -160,17 +182,19 @@ def timed_in_graphs(stock_benchmark_choice):
 
 @contextlib.contextmanager
 def _timing_in_graphs():
+    from torch._inductor import config
     from torch._inductor.runtime.benchmarking import benchmarker
 
-    if "benchmark_gpu" in vars(benchmarker):  # nested, or someone else's replacement: leave it
+    # nested, or someone else's replacement: leave it. With autotune_in_subproc the Triton choices
+    # are timed in a subprocess, the stock way: ours and ATen's must be timed the same way
+    if "benchmark_gpu" in vars(benchmarker) or config.autotune_in_subproc:
         yield
         return
     stock = benchmarker.benchmark_gpu
+    owner = threading.get_ident()  # the benchmarker is process-wide: other threads keep the stock timing
 
     def benchmark_gpu(_callable, **kwargs):
-        from torch._inductor import config
-
-        if kwargs.get("return_mode", "min") != "min" or config.deterministic:
+        if threading.get_ident() != owner or kwargs.get("return_mode", "min") != "min" or config.deterministic:
             return stock(_callable, **kwargs)  # every timing asked for, or only vetted benchmarking
         return graph_time_ms(_callable, lambda f: stock(f, **kwargs))
 
@@ -193,10 +217,19 @@ def _side_stream():
         yield
         return
     caller = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
+    side = _side_stream_of(caller.device_index)
     side.wait_stream(caller)  # the benchmark inputs were made on the caller's stream
     try:
         with torch.cuda.stream(side):
             yield
     finally:
         caller.wait_stream(side)
+
+
+@functools.cache
+def _side_stream_of(device_index: int):
+    """One per device: the flush buffer and the workspaces a choice allocates on it are cached by
+    the allocator per stream, so a fresh stream per choice would keep a copy of each per stream."""
+    import torch
+
+    return torch.cuda.Stream(device=device_index)

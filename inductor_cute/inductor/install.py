@@ -92,9 +92,14 @@ HOOKS: tuple[Hook, ...] = (
     AttributeWrapper("grouped_mm_autotuning", "torch._inductor.kernel.mm_grouped", "autotune_select_algorithm",
                      _attr(".grouped.lowering", "joining_select")),
     LoweringWrapper("grouped_mm_lowering", _grouped_mm_op, _attr(".grouped.lowering", "grouped_mm_lowering")),
-    # autotuning times every choice as a CUDA-graph step runs it (choice_timing.py)
+    # autotuning times every choice as a CUDA-graph step runs it (choice_timing.py), and so do the
+    # scheduler's fusion decisions, which weigh those timings against fused kernels' timings
     AttributeWrapper("choice_timing", "torch._inductor.select_algorithm:AlgorithmSelectorCache", "benchmark_choice",
                      _attr(".choice_timing", "timed_in_graphs")),
+    AttributeWrapper("fusion_timing_fused_nodes", "torch._inductor.scheduler:Scheduler", "benchmark_fused_nodes",
+                     _attr(".choice_timing", "timed_in_graphs")),
+    AttributeWrapper("fusion_timing_codegened_module", "torch._inductor.scheduler:Scheduler",
+                     "benchmark_codegened_module", _attr(".choice_timing", "timed_in_graphs")),
 )
 
 

