@@ -10,7 +10,7 @@ from inductor_cute.kernels.common.programs.epilogue import dumps
 from inductor_cute.kernels.gemm.config import GemmProblem
 from inductor_cute.kernels.gemm.gemv_config import (MAX_REGISTERS, GemvConfig, candidates, default_config, spec, splits,
                                                     unsupported_reason, workspace_sizes)
-from inductor_cute.runtime.compiler import compile_spec
+from inductor_cute.runtime.compiler import compile_spec, ptx_fingerprint
 
 BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
 PROGRAM = dumps([["v0", "add", "acc", "row"], ["v1", "mul", "full", 0.5], ["v2", "add", "v0", "v1"],
@@ -31,10 +31,25 @@ VARIANTS = {
 }
 
 
+# The one-weight kernel's PTX (runtime.compiler.ptx_fingerprint) as it was before the kernel took
+# several weights sharing A (main at e4a14ae, CuTe DSL 4.8.1): the group must not cost the
+# one-weight kernel an instruction. Change these only with a deliberate change to that kernel.
+SINGLE_WEIGHT_PTX = {
+    "8-warps-8-stages": "89c8f0d0b7dcfdae", "bf16-m16": "37aa81c436635216", "bf16-m8": "8b7ab031fb573c33",
+    "bias-residual-gelu": "6fe7065bf12cd85d", "epilogue-program": "9a804ec172d87f3f", "fp16": "180070595aa30640",
+    "fp16-bias-silu": "ca8b7a5f201383d2", "fp32-out": "06d18887ea00ca7f", "fp32-out-residual": "e5d5f8858c8fa36f",
+}
+
+
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def compiled(request):
     problem, config = VARIANTS[request.param]
     return compile_spec(spec(problem, config), "sm_90a", keep_ptx=True)
+
+
+def test_single_weight_ptx_is_unchanged(compiled, request):
+    name = request.node.callspec.params["compiled"]
+    assert ptx_fingerprint(compiled.ptx) == SINGLE_WEIGHT_PTX[name], f"{name}: the one-weight kernel's PTX changed"
 
 
 def test_streams_w_with_cp_async_and_feeds_mma_sync(compiled):

@@ -1,5 +1,6 @@
 """Eager GEMM entry points (mm, bmm): input checks, TMA views of the operands, the WGMMA GEMM or
-the decode GEMV, and a fast path for repeated calls."""
+the decode GEMV, and a fast path for repeated calls; gemv_shared_a: the decode GEMV over several
+weights that share A, in one launch."""
 
 from __future__ import annotations
 
@@ -219,7 +220,8 @@ def run_checked(name: str, a, b, *, bias, c, alpha, beta, activation: str = "ide
 # Eager calls whose checks passed and whose kernel operands are views of the caller's tensors are
 # remembered by their arguments' layouts, so a repeat (a training step, a decode loop) skips the
 # checks: a layout key, the views and the kernel call. With out=None the output is allocated from
-# the remembered shape. Calls that copied an operand are not remembered.
+# the remembered shape. Calls that copied an operand are not remembered. gemv_shared_a keeps its
+# plans here too, under keys that start with its name.
 _FAST_PATHS: dict[tuple, tuple] = {}
 _FAST_PATHS_MAX = 4096
 _EAGER_ORIGINS = (0, 1, 4, 2, 3)  # kernel A, B, D, C, bias from (a, b, c, bias, out)
@@ -290,3 +292,71 @@ def gemm_spec_for(a, b, **kwargs):
     from ..kernels.gemm import family
 
     return family.spec(*gemm_plan(a, b, **kwargs))
+
+
+def _gemv_shared_a_plan(a, weights: tuple, config):
+    """Checks for gemv_shared_a: (kernel, N of each weight, A's strides for the kernel or None for
+    its own, workspace sizes); the kernel is None when M is 0."""
+    from ..kernels.gemm import gemv_config
+    from ..kernels.gemm.config import GemmProblem
+
+    name = "gemv_shared_a"
+    if (not isinstance(weights, tuple) or not 1 <= len(weights) <= gemv_config.MAX_WEIGHTS
+            or not all(isinstance(w, torch.Tensor) for w in weights)):
+        raise UnsupportedError(f"{name}: expected a list of 1 to {gemv_config.MAX_WEIGHTS} weight tensors")
+    check_cuda(name, a, *weights)
+    if a.dtype not in _GEMM_INPUT or any(w.dtype != a.dtype for w in weights):
+        raise UnsupportedError(f"{name}: A and every weight must be bfloat16 or float16 alike, got "
+                               f"{a.dtype} and {', '.join(str(w.dtype) for w in weights)}")
+    if a.dim() != 2 or any(w.dim() != 2 for w in weights):
+        raise UnsupportedError(f"{name}: expected a 2-D A (M, K) and 2-D weights (N, K)")
+    (m, k), ns = a.shape, tuple(w.shape[0] for w in weights)
+    if any(w.shape[1] != k for w in weights):
+        raise UnsupportedError(f"{name}: every weight must have K={k} columns, got "
+                               f"{', '.join(str(tuple(w.shape)) for w in weights)}")
+    problem = GemmProblem(_GEMM_INPUT[a.dtype], _GEMM_INPUT[a.dtype], "k", "k")
+    if m == 0:
+        return None, ns, None, None
+    error = gemv_config.unsupported_reason(problem, m=m, n=ns, k=k, weights=len(weights))
+    if error:
+        raise UnsupportedError(f"{name}: {error}")
+    a_view = _tma_view(a, 1)
+    if a_view is None or any(_tma_view(w, 1) is None for w in weights):
+        raise UnsupportedError(f"{name}: A and the weights need contiguous rows (unit column stride) with "
+                               "16-byte aligned starts and row strides")
+    if config is None:
+        config = gemv_config.default_config(problem, m, ns, k, num_sms=sm_count(a.device.index or 0))
+    else:
+        error = gemv_config.unsupported_reason(problem, config, m=m, n=ns, k=k, weights=len(weights))
+        if error:
+            raise UnsupportedError(f"{name}: config {config} cannot run this problem: {error}")
+    kernel = get_kernel(gemv_config.spec(problem, config, weights=len(weights)))
+    n_partials, n_counters = gemv_config.workspace_sizes(ns, k, config)
+    a_strides = None if a_view.stride() == a.stride() else a_view.stride()  # M = 1: any row stride
+    return kernel, ns, a_strides, (n_partials, n_counters, gemv_config.splits(k, config) > 1)
+
+
+def gemv_shared_a(a, weights, *, config=None) -> list:
+    """[a @ w.t() for w in weights] in one launch, for 1 to 3 nn.Linear weights (N_i, K) that
+    share the activation a (M, K) of a decode step (M <= 16): the q/k/v or gate/up projections
+    cost one launch's ramp instead of one each, with no copy of the weights. bf16/fp16 alike,
+    fp32 accumulation, outputs (M, N_i) in a's dtype; rows contiguous and 16-byte aligned, N_i and
+    K multiples of 8. `config` (a kernels.gemm.gemv_config.GemvConfig) overrides the default,
+    which is the single GEMV's heuristic for the summed N."""
+    weights = tuple(weights) if isinstance(weights, (list, tuple)) else weights
+    key = ("gemv_shared_a", _layout(a), tuple(_layout(w) for w in weights) if isinstance(weights, tuple) else None,
+           config)
+    plan = _FAST_PATHS.get(key)
+    if plan is None:
+        plan = _gemv_shared_a_plan(a, weights, config)
+        if len(_FAST_PATHS) >= _FAST_PATHS_MAX:
+            _FAST_PATHS.clear()
+        _FAST_PATHS[key] = plan
+    kernel, ns, a_strides, workspace = plan
+    m = a.shape[0]
+    outs = [torch.empty(m, n, device=a.device, dtype=a.dtype) for n in ns]
+    if kernel is not None:
+        a_arg = a if a_strides is None else _alias(a, tuple(a.shape), a_strides, 0)
+        w_arg, d_arg = (weights[0], outs[0]) if len(weights) == 1 else (weights, tuple(outs))
+        kernel(a_arg, w_arg, d_arg, None, None, *_gemv_workspace(a.device, workspace), 1.0, 0.0)
+    return outs

@@ -10,6 +10,11 @@ finish an N block sums in split order (deterministic) before the epilogue.
 The same names as every config module of the family (see config.py): Problem (the shared
 GemmProblem; the GEMV computes those with K-major A and B), Config, unsupported_reason,
 candidates, default_config, spec.
+
+A group of `weights` GEMVs sharing A (D_i = A @ W_i^T, as the q/k/v or gate/up projections of a
+decode step) runs as one launch whose grid walks the N blocks of W_0, then W_1, ...: where these
+functions take `n`, a group passes the N of each weight (a tuple) and sizes as for their summed
+N blocks. Groups take the plain epilogue only (no bias, C, activation or program).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ MAX_M = 16
 K_STEP = 32  # K elements one warp consumes per pipeline stage (a 16-byte vector per thread and row)
 MAX_REGISTERS = 64  # per thread; tests hold ptxas to it (occupancy)
 MAX_SPLITS = 64
+MAX_WEIGHTS = 3  # weights one group launch takes
 KERNEL_MODULE = "inductor_cute.kernels.gemm.gemv_sm90"
 
 
@@ -64,10 +70,21 @@ def splits(k: int, cfg: GemvConfig) -> int:
     return _ceil_div(k, cfg.k_slice)
 
 
+def n_blocks(n: int | tuple[int, ...], cfg: GemvConfig) -> int:
+    """CTAs along N: the N blocks of one weight, or of every weight of a group (one tuple entry each)."""
+    return sum(_ceil_div(x, cfg.n_block) for x in _sizes(n))
+
+
+def _sizes(n) -> tuple:
+    """The N of each weight: a tuple or list for a group, one size otherwise."""
+    return tuple(n) if isinstance(n, (tuple, list)) else (n,)
+
+
 def unsupported_reason(problem: GemmProblem, config: GemvConfig | None = None, *, m: int | None = None,
-                       n: int | None = None, k: int | None = None, batch: int = 1) -> str | None:
-    """Why the GEMV cannot run `problem` (with `config`, at the sizes given), in one line; None
-    when it can."""
+                       n: int | tuple[int, ...] | None = None, k: int | None = None, batch: int = 1,
+                       weights: int = 1) -> str | None:
+    """Why the GEMV (over `weights` weights sharing A) cannot run `problem` (with `config`, at the
+    sizes given), in one line; None when it can."""
     p = problem
     err = gemm_config.unsupported_reason(p)
     if err:
@@ -76,9 +93,16 @@ def unsupported_reason(problem: GemmProblem, config: GemvConfig | None = None, *
         return "gemv needs A row-major (M, K) and B = W.t() for a row-major W (N, K)"
     if batch != 1:
         return "gemv is not batched"
+    if not 1 <= weights <= MAX_WEIGHTS:
+        return f"gemv takes 1..{MAX_WEIGHTS} weights sharing A, got {weights}"
+    if weights > 1 and (p.has_bias or p.has_c or p.activation != "identity" or p.epilogue):
+        return "gemv over several weights takes no bias, C, activation or epilogue program"
+    if isinstance(n, (tuple, list)) and len(n) != weights:
+        return f"gemv over {weights} weights needs {weights} N sizes, got {len(n)}"
     if m is not None and not 1 <= m <= MAX_M:
         return f"gemv handles M in 1..{MAX_M}, got M={m}"
-    if (n is not None and (n < 1 or n % 8)) or (k is not None and (k < 1 or k % 8)):
+    ns = () if n is None else _sizes(n)
+    if any(x < 1 or x % 8 for x in ns) or (k is not None and (k < 1 or k % 8)):
         return f"gemv needs N and K positive multiples of 8 (16-byte rows), got N={n}, K={k}"
     return None if config is None else _config_reason(config, p, m, k)
 
@@ -102,7 +126,7 @@ def _config_reason(c: GemvConfig, p: GemmProblem, m: int | None, k: int | None) 
     return None
 
 
-def default_config(problem: GemmProblem, m: int, n: int, k: int, batch: int = 1,
+def default_config(problem: GemmProblem, m: int, n: int | tuple[int, ...], k: int, batch: int = 1,
                    num_sms: int = SM_COUNT) -> GemvConfig:
     """8 warps and an 8-deep ring; K split over the fewest CTAs that still put three quarters of
     the SMs to work (each split adds partial traffic and a reduction), and over more only where
@@ -114,17 +138,16 @@ def default_config(problem: GemmProblem, m: int, n: int, k: int, batch: int = 1,
     ab_bytes = ELEMENT_BYTES[problem.dtype_name]
     m_tiles = 1 if m <= 8 else 2
     base = GemvConfig(warps=8, stages=8, m_tiles=m_tiles)
-    n_blocks = _ceil_div(n, base.n_block)
     steps = _ceil_div(k, K_STEP)
     ring = smem_bytes(dataclasses.replace(base, k_slice=0), ab_bytes)
     max_slice = max(K_STEP, (SMEM_BUDGET - ring) // (ab_bytes * 8 * m_tiles) // K_STEP * K_STEP)
-    wanted = max(_ceil_div(3 * num_sms, 4 * n_blocks), _ceil_div(k, max_slice))
+    wanted = max(_ceil_div(3 * num_sms, 4 * n_blocks(n, base)), _ceil_div(k, max_slice))
     wanted = min(wanted, MAX_SPLITS, steps)
     return dataclasses.replace(base, k_slice=_ceil_div(steps, wanted) * K_STEP)
 
 
-def candidates(problem: GemmProblem, m: int, n: int, k: int, batch: int = 1, num_sms: int = SM_COUNT,
-               exhaustive: bool = False) -> list[GemvConfig]:
+def candidates(problem: GemmProblem, m: int, n: int | tuple[int, ...], k: int, batch: int = 1,
+               num_sms: int = SM_COUNT, exhaustive: bool = False) -> list[GemvConfig]:
     """The default first, then the alternates that won somewhere in the sweep: half and twice
     the split count, and 4 warps (more CTAs per SM); those that can run M and K only. The set is
     the same when `exhaustive`."""
@@ -142,22 +165,24 @@ def candidates(problem: GemmProblem, m: int, n: int, k: int, batch: int = 1, num
     return unique
 
 
-def workspace_sizes(n: int, k: int, cfg: GemvConfig) -> tuple[int, int]:
+def workspace_sizes(n: int | tuple[int, ...], k: int, cfg: GemvConfig) -> tuple[int, int]:
     """(fp32 partials, int32 counters) the kernel needs: one accumulator fragment per thread, N
-    block and split; one arrival counter per N block. Allocate the counters zeroed once: every
-    call leaves them zero again. The kernel always takes both; without a split it touches neither
-    (partials: any multiple of 8 elements, at least 8)."""
-    n_blocks = _ceil_div(n, cfg.n_block)
+    block (over every weight of a group) and split; one arrival counter per N block. Allocate the
+    counters zeroed once: every call leaves them zero again. The kernel always takes both; without
+    a split it touches neither (partials: any multiple of 8 elements, at least 8)."""
+    blocks = n_blocks(n, cfg)
     s = splits(k, cfg)
-    partials = s * n_blocks * cfg.threads * 4 * cfg.m_tiles if s > 1 else 8
-    return partials, n_blocks
+    partials = s * blocks * cfg.threads * 4 * cfg.m_tiles if s > 1 else 8
+    return partials, blocks
 
 
-def spec(problem: GemmProblem, config: GemvConfig, num_sms: int = SM_COUNT):
-    """The KernelSpec of one GEMV kernel (its grid does not depend on the SM count)."""
+def spec(problem: GemmProblem, config: GemvConfig, num_sms: int = SM_COUNT, weights: int = 1):
+    """The KernelSpec of one GEMV kernel over `weights` weights sharing A (its grid does not depend
+    on the SM count). One weight's spec has no `weights` parameter (the same key as before groups)."""
     from ...runtime.spec import KernelSpec
 
-    return KernelSpec.make(KERNEL_MODULE, **problem.as_params(), **config.as_params())
+    group = {"weights": weights} if weights > 1 else {}
+    return KernelSpec.make(KERNEL_MODULE, **problem.as_params(), **config.as_params(), **group)
 
 
 Problem, Config = GemmProblem, GemvConfig

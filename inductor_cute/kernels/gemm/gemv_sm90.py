@@ -24,6 +24,11 @@ Design:
     fragments in split order (deterministic, run to run) and applies the epilogue; it resets the
     counter to zero, so the counters never need clearing between calls. One kernel, no combine
     launch: a second launch would cost about as much as the whole reduction (~2 us).
+  * Several weights sharing A (`weights` = 2 or 3: q/k/v, gate/up of a decode step) in one launch,
+    since each launch pays ~4-5 us of ramp on top of its weight stream: the grid's N blocks walk
+    W_0's, then W_1's, then W_2's, and a branch on the block runs the one-weight code on its own
+    W_i and D_i (so each weight's result is bitwise the one-weight kernel's with the same config).
+    Partials and counters span the concatenated block range. Plain epilogue only (no bias or C).
 
 Exported function (TVM-FFI, launches on the current torch stream):
 
@@ -35,8 +40,10 @@ Exported function (TVM-FFI, launches on the current torch stream):
   partials: fp32 (P,), counters: int32 (N blocks,), sized by gemv_config.workspace_sizes and the
   counters zeroed once at allocation. One workspace serves any sequence of calls on one stream;
   calls that may run concurrently (other streams) need their own.
+  With several weights, w and d are tuples (w_0, w_1[, w_2]) and (d_0, d_1[, d_2]) of the same
+  K and M, each N_i its own; c and bias are None.
 """
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -53,8 +60,9 @@ VEC = 8  # elements per 16-byte vector
 
 
 class HopperGemv:
-    def __init__(self, cfg: GemvConfig, ab_dtype, d_dtype, has_bias: bool, has_c: bool, epilogue_fn: Callable):
-        self.cfg, self.ab_dtype, self.d_dtype = cfg, ab_dtype, d_dtype
+    def __init__(self, cfg: GemvConfig, ab_dtype, d_dtype, has_bias: bool, has_c: bool, epilogue_fn: Callable,
+                 weights: int = 1):
+        self.cfg, self.ab_dtype, self.d_dtype, self.weights = cfg, ab_dtype, d_dtype, weights
         self.has_bias, self.has_c, self.epilogue_fn = has_bias, has_c, epilogue_fn
         self.threads, self.n_block = cfg.threads, cfg.n_block
         self.m_pad = 8 * cfg.m_tiles
@@ -74,22 +82,56 @@ class HopperGemv:
         return SharedStorage
 
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mW: cute.Tensor, mD: cute.Tensor, mC: Optional[cute.Tensor],
-                 mBias: Optional[cute.Tensor], mPartial: cute.Tensor, mCount: cute.Tensor,
+    def __call__(self, mA: cute.Tensor, mW: Union[cute.Tensor, tuple], mD: Union[cute.Tensor, tuple],
+                 mC: Optional[cute.Tensor], mBias: Optional[cute.Tensor], mPartial: cute.Tensor, mCount: cute.Tensor,
                  alpha: Float32, beta: Float32, stream: cuda.CUstream):
         self.shared_storage = self._shared_storage()
         assert self.shared_storage.size_in_bytes() == smem_bytes(self.cfg, self.ab_dtype.width // 8)
-        n_blocks = cute.ceil_div(mW.shape[0], self.n_block)
-        splits = cute.ceil_div(mW.shape[1], self.cfg.k_slice)
+        if const_expr(self.weights == 1):
+            n_blocks = cute.ceil_div(mW.shape[0], self.n_block)
+            splits = cute.ceil_div(mW.shape[1], self.cfg.k_slice)
+        else:  # one grid over every weight's N blocks, in order
+            n_blocks = cute.ceil_div(mW[0].shape[0], self.n_block)
+            for i in cutlass.range_constexpr(1, self.weights):
+                n_blocks = n_blocks + cute.ceil_div(mW[i].shape[0], self.n_block)
+            splits = cute.ceil_div(mA.shape[1], self.cfg.k_slice)
         mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.ab_dtype, Float32, (16, 8, 16)))
         self.kernel(mA, mW, mD, mC, mBias, mPartial, mCount, alpha, beta, mma).launch(
             grid=[n_blocks, splits, 1], block=[self.threads, 1, 1],
             min_blocks_per_mp=65536 // (MAX_REGISTERS * self.threads), preferred_smem_carveout=100, stream=stream)
 
     @cute.kernel
-    def kernel(self, mA: cute.Tensor, mW: cute.Tensor, mD: cute.Tensor, mC: Optional[cute.Tensor],
-               mBias: Optional[cute.Tensor], mPartial: cute.Tensor, mCount: cute.Tensor,
+    def kernel(self, mA: cute.Tensor, mW: Union[cute.Tensor, tuple], mD: Union[cute.Tensor, tuple],
+               mC: Optional[cute.Tensor], mBias: Optional[cute.Tensor], mPartial: cute.Tensor, mCount: cute.Tensor,
                alpha: Float32, beta: Float32, mma: cute.TiledMma):
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)  # once: CTAs run one branch
+        if const_expr(self.weights == 1):
+            self._n_block(mA, mW, mD, mC, mBias, mPartial, mCount, alpha, beta, mma, storage, None)
+        else:
+            # the grid's N blocks walk W_0's, then W_1's, then W_2's; each branch binds its own
+            # weight and output and runs the single-weight code on them
+            n_blk = cute.arch.block_idx()[0]
+            first1 = cute.ceil_div(mW[0].shape[0], self.n_block)
+            common = (mPartial, mCount, alpha, beta, mma, storage)
+            if n_blk < first1:
+                self._n_block(mA, mW[0], mD[0], None, None, *common, None)
+            else:
+                if const_expr(self.weights == 2):
+                    self._n_block(mA, mW[1], mD[1], None, None, *common, first1)
+                else:
+                    first2 = first1 + cute.ceil_div(mW[1].shape[0], self.n_block)
+                    if n_blk < first2:
+                        self._n_block(mA, mW[1], mD[1], None, None, *common, first1)
+                    else:
+                        self._n_block(mA, mW[2], mD[2], None, None, *common, first2)
+
+    @cute.jit
+    def _n_block(self, mA: cute.Tensor, mW: cute.Tensor, mD: cute.Tensor, mC: Optional[cute.Tensor],
+                 mBias: Optional[cute.Tensor], mPartial: cute.Tensor, mCount: cute.Tensor,
+                 alpha: Float32, beta: Float32, mma: cute.TiledMma, storage, first_blk):
+        """One CTA's work: one N block of W over one K split. The block is the grid's less
+        `first_blk`, W's first block in the grid (None: 0); partials and arrival counters are
+        indexed by the grid's block."""
         tidx, _, _ = cute.arch.thread_idx()
         n_blk, split, _ = cute.arch.block_idx()
         n_splits = cute.arch.grid_dim()[1]
@@ -99,7 +141,6 @@ class HopperGemv:
         M, K = mA.shape
         N = mW.shape[0]
 
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         # W ring: (vector element, row g / g + 8, thread, stage); a warp's 32 vectors of one row
         # half are 512 contiguous bytes, so its 16-byte accesses never conflict.
         sW = storage.sW.get_tensor(cute.make_layout(
@@ -119,7 +160,10 @@ class HopperGemv:
         n_steps = cutlass.min(cute.ceil_div(K, K_STEP) - step0, self.steps)
         k_vecs = K // VEC
         # this thread's two W rows; rows past N re-read row N - 1 (their outputs are dropped)
-        row0 = n_blk * self.n_block + warp_idx * 16 + g
+        w_blk = n_blk
+        if const_expr(first_blk is not None):
+            w_blk = n_blk - first_blk
+        row0 = w_blk * self.n_block + warp_idx * 16 + g
         rows = (cutlass.min(row0, N - 1), cutlass.min(row0 + 8, N - 1))
 
         # ---- prologue: the A slice rides in the first group, with W step 0
@@ -243,24 +287,27 @@ class HopperGemv:
 
 
 def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation, warps, k_slice, stages,
-          m_tiles, epilogue="", epilogue_fn=None):
+          m_tiles, epilogue="", epilogue_fn=None, weights=1):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions
-    (both operands K-major: a_major = b_major = "k")."""
+    (both operands K-major: a_major = b_major = "k"). With `weights` > 1, w and d are tuples of
+    that many tensors sharing A (see the module docstring)."""
     problem = GemmProblem(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation, epilogue)
     cfg = GemvConfig(warps, k_slice, stages, m_tiles)
-    err = unsupported_reason(problem, cfg)
+    err = unsupported_reason(problem, cfg, weights=weights)
     if err:
         raise ValueError(err)
     ab_t, d_t = CUTE_DTYPES[dtype_name], CUTE_DTYPES[out_dtype_name]
     # one symbol per extent, shared by all tensors, so the FFI checks that they agree
     M, N, K = cute.sym_int(), cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
+    Ns = [N] + [cute.sym_int(divisibility=8) for _ in range(1, weights)]
 
     def ld():
         return cute.sym_int64(divisibility=8)  # 16-byte aligned rows
 
     a = make_fake_tensor(ab_t, (M, K), stride=(ld(), 1), assumed_align=16)
-    w = make_fake_tensor(ab_t, (N, K), stride=(ld(), 1), assumed_align=16)
-    d = make_fake_tensor(d_t, (M, N), stride=(cute.sym_int64(), 1))
+    ws = [make_fake_tensor(ab_t, (n, K), stride=(ld(), 1), assumed_align=16) for n in Ns]
+    ds = [make_fake_tensor(d_t, (M, n), stride=(cute.sym_int64(), 1)) for n in Ns]
+    w, d = (ws[0], ds[0]) if weights == 1 else (tuple(ws), tuple(ds))
     c = make_fake_tensor(d_t, (M, N), stride=(cute.sym_int64(), 1)) if has_c else None
     bias = make_fake_tensor(d_t, (N,), stride=(1,)) if has_bias else None
     partials = make_fake_tensor(Float32, (cute.sym_int(divisibility=8),), stride=(1,), assumed_align=16)
@@ -272,5 +319,5 @@ def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activat
 
         epilogue_fn = make_epilogue_fn(epilogue, fast)
     epilogue_fn = epilogue_fn or make_epilogue(activation, fast=fast)
-    fn = HopperGemv(cfg, ab_t, d_t, has_bias, has_c, epilogue_fn)
+    fn = HopperGemv(cfg, ab_t, d_t, has_bias, has_c, epilogue_fn, weights)
     return fn, (a, w, d, c, bias, partials, counters, Float32(1.0), Float32(0.0), stream)
