@@ -13,6 +13,8 @@ five ways, side by side in one process (us per call):
             on its own copy of the weight (the copies together 3x L2, so every call reads its
             weight from memory, as a model's layers do), replay time over calls
   wall:     back-to-back calls, wall time per call (the host cost when it exceeds the device's)
+Then q/k/v and gate/up as one launch over the weights sharing A (ops.gemv_shared_a) against one
+cuBLAS call per weight, in the model column's terms.
 
     python3 benchmarks/autotune_timing.py [--m 8]
 """
@@ -89,6 +91,30 @@ def main() -> None:
             model = model_time_us(make, weights, calls=max(24, copies))
             wall = host_overhead_us(fn, calls=500)
             print(f"{ind:8.1f} {graph:8.1f} {dev:8.1f} {model:8.1f} {wall:8.1f}  {name}")
+    grouped(args.m, props.L2_cache_size)
+
+
+def grouped(m: int, l2_bytes: int) -> None:
+    """q/k/v and gate/up of a Llama-3.1-8B layer: our one-launch GEMV over the weights that share A
+    (ops.gemv_shared_a) against one cuBLAS call per weight, in the model column's terms."""
+    from inductor_cute import ops
+
+    for ns, k in (((4096, 1024, 1024), 4096), ((14336, 14336), 4096)):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        copies = max(2, -(-3 * l2_bytes // (2 * sum(ns) * k)))
+        sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n in ns] for _ in range(copies)]
+        outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for n in ns]
+
+        def separate(ws):
+            return lambda: [torch.mm(a, w.t(), out=o) for w, o in zip(ws, outs)]
+
+        def ours(ws):
+            return lambda: ops.gemv_shared_a(a, ws)
+
+        floor = 2 * sum(ns) * k / 4.29e6
+        print(f"-- {m}x({'+'.join(map(str, ns))})x{k} (floor {floor:.1f} us): model column, us per set of GEMMs")
+        for name, make in (("cuBLAS, one call per weight", separate), ("ops.gemv_shared_a, one launch", ours)):
+            print(f"{model_time_us(make, sets, calls=max(24, copies)):8.1f}  {name}")
 
 
 if __name__ == "__main__":
