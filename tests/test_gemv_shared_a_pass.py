@@ -1,6 +1,6 @@
 """inductor/gemm/shared_a.py on the CPU: the post-grad pass that turns the decode mm's sharing
 their activation (q/k/v, gate/up) into one gemv_shared_a call, on graphs traced with fake CUDA
-tensors; the op's fallback for what only real tensors show."""
+tensors; the op's fallback for what only real tensors show; enable(group_gemv=True)'s config."""
 
 import hashlib
 import operator
@@ -10,11 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.source import ConstantSource
+from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+import inductor_cute
+from inductor_cute.inductor import install
 from inductor_cute.inductor.gemm import shared_a
 
 BF16 = torch.bfloat16
@@ -234,3 +237,43 @@ def test_op_impl_falls_back_to_mm_for_what_the_kernel_cannot_take(cpu_gemm_kerne
     for out, w in zip(outs, weights):
         torch.testing.assert_close(out, torch.mm(a, w.t()))
 
+
+# ---- enable(group_gemv=True)
+
+@pytest.fixture
+def no_user_pass():
+    assert inductor_config.post_grad_custom_post_pass is None and not install._saved
+    yield
+    while install._saved:
+        inductor_cute.disable()
+    assert inductor_config.post_grad_custom_post_pass is None
+
+
+def test_enable_group_gemv_sets_the_pass_and_disable_restores(no_user_pass):
+    assert install.Settings().group_gemv is False  # opt-in
+    with inductor_cute.enable():
+        assert inductor_config.post_grad_custom_post_pass is None
+    with inductor_cute.enable(group_gemv=True):
+        assert inductor_config.post_grad_custom_post_pass is shared_a.GROUP_GEMV_PASS
+        from torch._inductor.virtualized import V
+
+        assert V.choices.settings.group_gemv
+        with inductor_cute.enable(group_gemv=True):  # nesting keeps ours
+            assert inductor_config.post_grad_custom_post_pass is shared_a.GROUP_GEMV_PASS
+        with inductor_cute.enable():  # a level without it has none
+            assert inductor_config.post_grad_custom_post_pass is None
+        assert inductor_config.post_grad_custom_post_pass is shared_a.GROUP_GEMV_PASS
+    assert inductor_config.post_grad_custom_post_pass is None
+
+
+def test_enable_refuses_to_replace_a_users_pass(no_user_pass):
+    def users_pass(graph):
+        pass
+
+    with inductor_config.patch(post_grad_custom_post_pass=users_pass):
+        with pytest.raises(RuntimeError, match="post_grad_custom_post_pass is already set"):
+            inductor_cute.enable(group_gemv=True)
+        assert not install._saved and inductor_config.post_grad_custom_post_pass is users_pass
+        with inductor_cute.enable():  # without group_gemv the user's pass stays
+            assert inductor_config.post_grad_custom_post_pass is users_pass
+        assert inductor_config.post_grad_custom_post_pass is users_pass

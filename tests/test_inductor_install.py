@@ -19,7 +19,8 @@ from inductor_cute.inductor.gemm.template import CudaSchedulingConstructor
 HOP = torch.ops.higher_order.flex_attention
 BACKWARD_HOP = torch.ops.higher_order.flex_attention_backward
 GROUPED_MM = torch.ops.aten._grouped_mm.default
-CONFIG_KEYS = ("inductor_choices_class", "max_autotune_gemm_backends", "benchmark_epilogue_fusion")
+CONFIG_KEYS = ("inductor_choices_class", "max_autotune_gemm_backends", "benchmark_epilogue_fusion",
+               "post_grad_custom_post_pass")
 
 
 def state() -> dict:
@@ -90,7 +91,7 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
     with inductor_cute.enable(flex_decode=False, flex_prefill=True):
         assert installed()["flex_attention_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True)
-        assert V.choices.uuid().endswith("flex0-prefill1-bwd0")
+        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv0")
     with inductor_cute.enable():
         assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False)
         assert not installed()["flex_attention_backward_lowering"]  # training through our kernels is opt-in
@@ -101,7 +102,7 @@ def test_flex_backward_installs_the_backward_lowering(stock):
     with inductor_cute.enable(flex_backward=True):
         assert installed()["flex_attention_lowering"] and installed()["flex_attention_backward_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True)
-        assert V.choices.uuid().endswith("flex1-prefill0-bwd1")
+        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv0")
 
 
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
@@ -220,5 +221,5 @@ def test_settings_enter_the_factorys_tag():
     tags = {install.choices_factory(f, d, p, b)().uuid() for f in (False, True) for d in (False, True)
             for p in (False, True) for b in (False, True)}
     assert len(tags) == 16
-    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0")
+    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0")
     assert install.choices_factory(True, False)().settings == install.Settings(True, False)

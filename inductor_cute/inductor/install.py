@@ -1,10 +1,11 @@
 """Everything inductor-cute changes in torch, put in and taken out in one place.
 
-`enable()` saves what it is about to replace, sets three Inductor config values
+`enable()` saves what it is about to replace, sets up to four Inductor config values
 (`inductor_choices_class`: our factory; our token in `max_autotune_gemm_backends`;
-`benchmark_epilogue_fusion` off when fusing) and brings each hook in HOOKS to the state its
-settings ask for. `disable()` puts back the last saved state exactly, so calls nest and
-`with enable(): ...` undoes itself even when the block raises.
+`benchmark_epilogue_fusion` off when fusing; `post_grad_custom_post_pass`: our grouped-GEMV pass
+with `group_gemv`, None in a level without it nested in one with it) and brings each hook in
+HOOKS to the state its settings ask for. `disable()` puts back the last saved state exactly, so
+calls nest and `with enable(): ...` undoes itself even when the block raises.
 
 A hook replaces one thing in torch: `install()` is idempotent and `uninstall()` puts back exactly
 what `install()` replaced (a no-op when not installed). A family that wraps a stock lowering adds one
@@ -130,7 +131,21 @@ def _config_values(settings: Settings) -> dict:
         values["max_autotune_gemm_backends"] = ",".join([*backends, BACKEND_TOKEN])
     if settings.fuse_epilogues:  # otherwise only Triton templates are fused
         values["benchmark_epilogue_fusion"] = False
+    if settings.group_gemv:
+        from .gemm.shared_a import GROUP_GEMV_PASS
+
+        values["post_grad_custom_post_pass"] = GROUP_GEMV_PASS
+    elif _is_group_gemv_pass(config.post_grad_custom_post_pass):  # an outer enable()'s
+        values["post_grad_custom_post_pass"] = None
     return values
+
+
+def _is_group_gemv_pass(value) -> bool:
+    if value is None:
+        return False
+    from .gemm.shared_a import GroupGemvPass
+
+    return isinstance(value, GroupGemvPass)
 
 
 class _Enabled:
@@ -144,7 +159,7 @@ class _Enabled:
 
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
-           flex_backward: bool = False) -> _Enabled:
+           flex_backward: bool = False, group_gemv: bool = False) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -161,7 +176,11 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     backward kernel when both can take the call, and both stock kernels otherwise (one decision for
     the two graphs: inductor/flex/lowering.py); without it training graphs keep the stock kernels.
     `torch._grouped_mm` calls of the MoE forward form (bf16, 2-D x 3-D with offsets) get our grouped
-    GEMM's configs among their autotuning choices (inductor/grouped/lowering.py)."""
+    GEMM's configs among their autotuning choices (inductor/grouped/lowering.py).
+    With `group_gemv` (off by default: one launch should save ~9 us per layer, not yet measured on
+    a GPU), a post-grad graph pass (Inductor's `post_grad_custom_post_pass`, which must then be
+    unset) turns the 2 or 3 decode mm's (M <= 16, bf16/fp16) that share their activation, the q/k/v
+    and gate/up projections, into one call of the grouped GEMV (inductor/gemm/shared_a.py)."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -170,7 +189,11 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     if current is not None and getattr(current, "func", current) is not CuteChoices:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
                            f"({current!r}); inductor-cute needs to install its own")
-    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward)
+    user_pass = config.post_grad_custom_post_pass
+    if group_gemv and user_pass is not None and not _is_group_gemv_pass(user_pass):
+        raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_post_pass is already set "
+                           f"({user_pass!r}); group_gemv needs to install its own")
+    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv)
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:
