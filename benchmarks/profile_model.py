@@ -6,6 +6,7 @@ by total device time, the device time and wall time per step, and the output cod
         [--batch 8] [--tokens 8192] [--mode default] [--steps 20] [--out DIR] [--runners stock,enabled]
 
 --mode default skips autotuning (fast to compile; our GEMMs take part only in max-autotune modes).
+The enabled runner gets the models suite's enable() switches (INDUCTOR_CUTE_MODEL_ENABLE adds opt-in ones).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main() -> None:
             continue
         codes: list[str] = []
         torch._dynamo.reset()
-        enabled = inductor_cute.enable() if ours else contextlib.nullcontext()
+        enabled = inductor_cute.enable(**models.enable_kwargs(args.phase)) if ours else contextlib.nullcontext()
         with enabled, config.patch(**COLD), _fresh_cache(), capture(codes, []), torch.no_grad():
             forward = torch.compile(model.forward, mode=args.mode, dynamic=False)
             start = time.perf_counter()

@@ -111,3 +111,14 @@ def test_our_kernel_calls_count_prefill_and_backward_launchers():
     code = ("f0 = inductor_cute.inductor.flex.runtime.FlexPrefillLauncher(scale=0.1).call\n"
             "f1 = inductor_cute.inductor.flex.runtime.FlexBackwardLauncher(scale=0.1)\n")
     assert M.our_kernel_calls(code) == 2
+
+
+def test_opt_in_switches_named_in_the_environment_join_each_phases_enable_kwargs(monkeypatch):
+    from inductor_cute.bench.suites import models
+
+    monkeypatch.delenv("INDUCTOR_CUTE_MODEL_ENABLE", raising=False)
+    assert models.enable_kwargs("decode") == {}
+    assert models.enable_kwargs("train") == {"flex_prefill": True, "flex_backward": True}
+    monkeypatch.setenv("INDUCTOR_CUTE_MODEL_ENABLE", " group_gemv, flex_prefill ")
+    assert models.enable_kwargs("decode") == {"group_gemv": True, "flex_prefill": True}
+    assert models.enable_kwargs("train") == {"flex_prefill": True, "flex_backward": True, "group_gemv": True}

@@ -22,7 +22,9 @@ call and wrap round before the end, so every step attends over about KV keys.
 
 Environment: INDUCTOR_CUTE_MODEL_LAYERS (decoder layers of every model; default 32 for Llama, the
 real depth for the others), INDUCTOR_CUTE_MODEL_WARM=1 (also time a warm compile in a second
-process: cold compile caches of this one reused). transformers is an optional extra.
+process: cold compile caches of this one reused), INDUCTOR_CUTE_MODEL_ENABLE=group_gemv,... (opt-in
+enable() switches turned on for the inductor_cute runner, named in the notes). transformers is an
+optional extra.
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ QUICK = [("llama3-8b", "decode", 8, 8192, "nocg")]
 TRAIN = [("llama3-8b", "train", 1, 4096, "nocg")]  # CUDA graphs left out: a training step rarely runs in them
 # what enable() gets per phase: prefill and training attention are opt-in (see README)
 ENABLE = {"decode": {}, "prefill": {}, "train": {"flex_prefill": True, "flex_backward": True}}
+
+
+def enable_kwargs(phase: str) -> dict:
+    """ENABLE[phase], plus the opt-in switches INDUCTOR_CUTE_MODEL_ENABLE names (comma-separated,
+    e.g. "group_gemv") turned on: how an opt-in feature is measured in a model before it is a default."""
+    extra = [name.strip() for name in os.environ.get("INDUCTOR_CUTE_MODEL_ENABLE", "").split(",") if name.strip()]
+    return {**ENABLE[phase], **{name: True for name in extra}}
 
 
 def case_name(model: str, phase: str, batch: int, tokens: int, mode: str) -> str:
@@ -307,13 +316,16 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
     params = {"model": model_name, "layers": layers, "phase": phase, "batch": batch, "tokens": tokens,
               "mode": MODES[mode_key], "dtype": "bfloat16"}
     notes = [f"{layers} decoder layers"]
+    kwargs = enable_kwargs(phase)
+    if kwargs:
+        notes.append("inductor_cute: enable(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")")
     with _grad_mode(step):
         step.reference_inputs()
         ref = step(model.forward).clone()
     runners = {"aten": functools.partial(_run_step, step, model.forward)}
     torch._dynamo.reset()  # once per case: both runners' graphs must stay (see _compile)
     for backend, ours in (("inductor_cute", True), ("triton", False)):
-        forward, logits, seconds, code = _compile(step, MODES[mode_key], ours, ENABLE[phase])
+        forward, logits, seconds, code = _compile(step, MODES[mode_key], ours, kwargs)
         runners[backend] = functools.partial(_run_step, step, forward)
         if phase == "train":  # each on its own scale: the loss is ~12, a gradient norm far smaller
             what = (f"loss rel err {_agreement(logits[:1], ref[:1]):.2e}, q_proj grad norm rel err "
