@@ -28,7 +28,6 @@ roofline is the matmul time of that work (matmul=True). Bytes: q, k, v and the o
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass, field
@@ -268,12 +267,10 @@ def persistent_config(p: Prefill):
     """The default config of the case's head dims with one persistent CTA per SM, and two Q
     buffers where they fit beside its K/V ring."""
     from ...host.common import sm_count
-    from ...kernels.attention.flex_prefill_config import FlexPrefillProblem, config_error, default_config
+    from ...kernels.attention import flex_prefill_config as fpc
 
-    problem = FlexPrefillProblem(p.dqk, p.dv, "bfloat16")
-    config = dataclasses.replace(default_config(problem), persistent_ctas=sm_count(0))
-    two_q = dataclasses.replace(config, q_stages=2)
-    return two_q if config_error(two_q, problem) is None else config
+    problem = fpc.FlexPrefillProblem(p.dqk, p.dv, "bfloat16")
+    return fpc.persistent_config(fpc.default_config(problem), problem, sm_count(0))
 
 
 def _case(p: Prefill) -> Case:

@@ -172,10 +172,17 @@ def default_config(problem: FlexPrefillProblem, num_sms: int = 0) -> FlexPrefill
             <= SMEM_BUDGET:
         config = dataclasses.replace(config, stages=config.stages + 1)
     if num_sms > 0 and (problem.head_dim_qk, problem.head_dim_v) in PERSISTENT_HEAD_DIMS:
-        persistent = dataclasses.replace(config, persistent_ctas=num_sms, q_stages=2)
-        if config_error(persistent, problem) is None:
+        persistent = persistent_config(config, problem, num_sms)
+        if persistent.q_stages == 2:
             return persistent
     return config
+
+
+def persistent_config(config: FlexPrefillConfig, problem: FlexPrefillProblem, num_sms: int) -> FlexPrefillConfig:
+    """`config` with `num_sms` persistent CTAs, and two Q buffers where they fit beside its ring."""
+    persistent = dataclasses.replace(config, persistent_ctas=num_sms)
+    two_q = dataclasses.replace(persistent, q_stages=2)
+    return two_q if config_error(two_q, problem) is None else persistent
 
 
 def m_blocks(q_len: int) -> int:
