@@ -116,3 +116,25 @@ def test_enable_wraps_the_schedulers_fusion_benchmarks():
         for name, fn in stock.items():
             assert vars(Scheduler)[name] is not fn and vars(Scheduler)[name].__wrapped__ is fn
     assert all(vars(Scheduler)[name] is fn for name, fn in stock.items())
+
+
+def test_enable_wraps_the_run_time_config_benchmark_of_triton_kernels(graph_calls):
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    stock = vars(CachingAutotuner)["bench"]
+    seen = []
+
+    def bench(self, launcher, *args, **kwargs):  # what the stock bench ends in: the benchmarker's timing
+        seen.append(launcher)
+        return benchmarker.benchmark_gpu(lambda: None, rep=40, is_vetted_benchmarking=True)
+
+    try:
+        CachingAutotuner.bench = bench
+        with inductor_cute.enable():
+            wrapped = vars(CachingAutotuner)["bench"]
+            assert wrapped is not bench and wrapped.__wrapped__ is bench
+            assert CachingAutotuner.bench(object(), "launcher") == 7.0
+        assert vars(CachingAutotuner)["bench"] is bench
+    finally:
+        CachingAutotuner.bench = stock
+    assert seen[0] == "launcher" and len(graph_calls) == 1

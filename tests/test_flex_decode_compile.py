@@ -109,6 +109,17 @@ def test_both_kernels_are_in_the_object(compiled):
     assert any("split_kernel" in e for e in entries) and any("combine_kernel" in e for e in entries)
 
 
+def test_each_kernel_waits_for_the_previous_grid_before_any_global_access_then_releases_the_next(compiled):
+    # PTX entries in order; each entry's body runs up to the next entry
+    bodies = re.split(r"^\.visible \.entry ", compiled.ptx, flags=re.M)[1:]
+    assert len(bodies) == 2
+    for body in bodies:
+        wait, release = body.find("griddepcontrol.wait;"), body.find("griddepcontrol.launch_dependents;")
+        first_global = min(m.start() for m in re.finditer(r"cp\.async|ld\.global|st\.global|atom\.global|"
+                                                          r"prefetch\.global", body))
+        assert 0 <= wait < release < first_global, body.split("(")[0]
+
+
 def test_ptxas_reports_no_spills_and_no_stack(compiled):
     report = compiled.ptxas_report
     assert report and report.count("Used") == 2

@@ -7,6 +7,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor import lowering, select_algorithm
 from torch._inductor.codegen import common
 from torch._inductor.kernel import mm_grouped
+from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 from torch._inductor.scheduler import Scheduler
 from torch._inductor.virtualized import V
 
@@ -20,7 +21,7 @@ HOP = torch.ops.higher_order.flex_attention
 BACKWARD_HOP = torch.ops.higher_order.flex_attention_backward
 GROUPED_MM = torch.ops.aten._grouped_mm.default
 CONFIG_KEYS = ("inductor_choices_class", "max_autotune_gemm_backends", "benchmark_epilogue_fusion",
-               "post_grad_custom_post_pass")
+               "post_grad_custom_post_pass", "triton.enable_pdl")
 
 
 def state() -> dict:
@@ -33,6 +34,7 @@ def state() -> dict:
             "choice timing": vars(select_algorithm.AlgorithmSelectorCache)["benchmark_choice"],
             "fusion timing of fused nodes": vars(Scheduler)["benchmark_fused_nodes"],
             "fusion timing of modules": vars(Scheduler)["benchmark_codegened_module"],
+            "run-time tuning timing": vars(CachingAutotuner)["bench"],
             "cuda codegen": common.device_codegens.get("cuda"),
             "extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_gemm", None),
             "grouped extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_grouped_mm", None),
@@ -79,7 +81,8 @@ def test_enable_installs_what_its_settings_ask_for(stock):
                                "flex_attention_lowering": False, "flex_attention_backward_lowering": False,
                                "grouped_extern_kernel": True,
                                "grouped_mm_autotuning": True, "grouped_mm_lowering": True, "choice_timing": True,
-                               "fusion_timing_fused_nodes": True, "fusion_timing_codegened_module": True}
+                               "fusion_timing_fused_nodes": True, "fusion_timing_codegened_module": True,
+                               "runtime_tuning_timing": True}
         assert install.stock_lowering(GROUPED_MM) is stock["grouped_mm lowering"]
         assert inductor_config.benchmark_epilogue_fusion == stock["benchmark_epilogue_fusion"]
         with pytest.raises(RuntimeError, match="no lowering of ours"):
@@ -91,7 +94,7 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
     with inductor_cute.enable(flex_decode=False, flex_prefill=True):
         assert installed()["flex_attention_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True)
-        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv0")
+        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv0-pdl0")
     with inductor_cute.enable():
         assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False)
         assert not installed()["flex_attention_backward_lowering"]  # training through our kernels is opt-in
@@ -102,7 +105,7 @@ def test_flex_backward_installs_the_backward_lowering(stock):
     with inductor_cute.enable(flex_backward=True):
         assert installed()["flex_attention_lowering"] and installed()["flex_attention_backward_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True)
-        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv0")
+        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv0-pdl0")
 
 
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
@@ -221,5 +224,14 @@ def test_settings_enter_the_factorys_tag():
     tags = {install.choices_factory(f, d, p, b)().uuid() for f in (False, True) for d in (False, True)
             for p in (False, True) for b in (False, True)}
     assert len(tags) == 16
-    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0")
+    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0-pdl0")
     assert install.choices_factory(True, False)().settings == install.Settings(True, False)
+
+
+def test_pdl_turns_on_inductors_dependent_launch_for_the_enabled_level_only():
+    assert inductor_config.triton.enable_pdl is False
+    with inductor_cute.enable(pdl=True):
+        assert inductor_config.triton.enable_pdl is True
+        with inductor_cute.enable():
+            assert inductor_config.triton.enable_pdl is True  # an inner level without it leaves it alone
+    assert inductor_config.triton.enable_pdl is False

@@ -167,8 +167,10 @@ def _l2_bytes() -> int:
 # ----------------------------------------------------------------- the hook's replacement
 
 def timed_in_graphs(stock_benchmark_choice):
-    """`AlgorithmSelectorCache.benchmark_choice` as the class holds it (a classmethod in torch
-    2.11-2.13), wrapped so that Inductor's GPU benchmarker times in graphs while it runs."""
+    """A benchmarking method as its class holds it (`AlgorithmSelectorCache.benchmark_choice`, a
+    classmethod in torch 2.11-2.13; the scheduler's fusion benchmarks; `CachingAutotuner.bench`, a
+    Triton kernel's run-time config pick), wrapped so that Inductor's GPU benchmarker times in
+    graphs while it runs."""
     kind = type(stock_benchmark_choice)
     func = getattr(stock_benchmark_choice, "__func__", stock_benchmark_choice)
 

@@ -101,6 +101,11 @@ HOOKS: tuple[Hook, ...] = (
                      _attr(".choice_timing", "timed_in_graphs")),
     AttributeWrapper("fusion_timing_codegened_module", "torch._inductor.scheduler:Scheduler",
                      "benchmark_codegened_module", _attr(".choice_timing", "timed_in_graphs")),
+    # a Triton kernel's run-time config choice (several configs, coordinate descent): at the first
+    # call of a compiled graph, in the user's process; an 8 x 4096 RMSNorm's pick took 19 us a call
+    # where another config takes 2.5 when stock-timed at that size
+    AttributeWrapper("runtime_tuning_timing", "torch._inductor.runtime.triton_heuristics:CachingAutotuner",
+                     "bench", _attr(".choice_timing", "timed_in_graphs")),
 )
 
 
@@ -137,6 +142,8 @@ def _config_values(settings: Settings) -> dict:
         values["post_grad_custom_post_pass"] = GROUP_GEMV_PASS
     elif _is_group_gemv_pass(config.post_grad_custom_post_pass):  # an outer enable()'s
         values["post_grad_custom_post_pass"] = None
+    if settings.pdl:
+        values["triton.enable_pdl"] = True
     return values
 
 
@@ -159,7 +166,7 @@ class _Enabled:
 
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
-           flex_backward: bool = False, group_gemv: bool = False) -> _Enabled:
+           flex_backward: bool = False, group_gemv: bool = False, pdl: bool = False) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -180,7 +187,12 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     With `group_gemv` (off by default: one launch should save ~9 us per layer, not yet measured on
     a GPU), a post-grad graph pass (Inductor's `post_grad_custom_post_pass`, which must then be
     unset) turns the 2 or 3 decode mm's (M <= 16, bf16/fp16) that share their activation, the q/k/v
-    and gate/up projections, into one call of the grouped GEMV (inductor/gemm/shared_a.py)."""
+    and gate/up projections, into one call of the grouped GEMV (inductor/gemm/shared_a.py).
+    With `pdl` (off by default until measured in a model), Inductor's Triton kernels use
+    programmatic dependent launch (`triton.enable_pdl`): each lets the next kernel start its
+    prologue once its loads are issued. Our decode kernels (GEMV, flex decoding) always launch
+    that way and wait for the previous kernel before touching memory
+    (kernels/common/dependent_launch.py)."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -193,7 +205,7 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     if group_gemv and user_pass is not None and not _is_group_gemv_pass(user_pass):
         raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_post_pass is already set "
                            f"({user_pass!r}); group_gemv needs to install its own")
-    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv)
+    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl)
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

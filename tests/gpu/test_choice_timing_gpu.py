@@ -86,3 +86,30 @@ def test_max_autotune_with_enable_times_choices_in_graphs_and_is_right(monkeypat
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-1)
     assert len(timed) >= 2  # every choice, ours and stock
     assert choice_timing.counts["stock"] == stock_before  # Triton's, cuBLAS's and ours all captured
+
+
+def test_a_triton_kernels_run_time_config_pick_is_timed_in_graphs(monkeypatch):
+    # an 8 x 4096 RMSNorm-like reduction: several configs and coordinate descent, tuned at its
+    # first call (CachingAutotuner.bench), in the user's process on the default stream
+    timed = []
+    real = choice_timing.graph_time_ms
+
+    def counting(fn, stock):
+        timed.append(fn)
+        return real(fn, stock)
+
+    monkeypatch.setattr(choice_timing, "graph_time_ms", counting)
+    torch._dynamo.reset()
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+
+    def rms_norm(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * w
+
+    settings = dict(fx_graph_cache=False, coordinate_descent_tuning=True, max_autotune_pointwise=True)
+    with inductor_cute.enable(), torch._inductor.config.patch(**settings):
+        out = torch.compile(rms_norm)(x, w)
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the side stream was left
+    torch.testing.assert_close(out.float(), rms_norm(x.double(), w.double()).float(), rtol=2e-2, atol=2e-2)
+    assert timed  # the configs were timed in graphs

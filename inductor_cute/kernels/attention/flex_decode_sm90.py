@@ -58,7 +58,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common import barriers
+from ..common import barriers, dependent_launch
 from .accumulator import acc_as_operand_a, check_acc_layout, row_half
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
@@ -138,10 +138,11 @@ class FlexDecodeSm90:
                           mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.mma_qk, self.mma_pv,
                           self.sQ_layout, self.sK_layout, self.sV_layout
                           ).launch(grid=[row_tiles, mOp.shape[0], batch * (mQ.shape[1] // self.rows.group)],
-                                   block=[128 + self.consumer_threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+                                   block=[128 + self.consumer_threads, 1, 1], min_blocks_per_mp=1, stream=stream,
+                                   **dependent_launch.LAUNCH)
         rows = batch * mQ.shape[1] * q_len
         self.combine_kernel(mOp, mLp, mOut, mLse).launch(
-            grid=self.combine.grid(rows), block=self.combine.block(), stream=stream)
+            grid=self.combine.grid(rows), block=self.combine.block(), stream=stream, **dependent_launch.LAUNCH)
 
     # ------------------------------------------------------------------------------ split kernel
     @cute.kernel
@@ -173,6 +174,7 @@ class FlexDecodeSm90:
         kv_pipe = tma_pipeline(storage.kv_bars, self.config.stages, stage_bytes(self.dtype, sK_layout, sV_layout),
                                4 * self.wgs)
         cute.arch.mbarrier_init_fence()
+        dependent_launch.wait_then_release()  # the set-up above overlaps the previous kernel's tail
 
         # The split's KV blocks: this batch's length cut into blocks (or the block mask's list of
         # partial then full blocks), dealt out evenly over splits.
@@ -329,6 +331,7 @@ class FlexDecodeSm90:
     # ------------------------------------------------------------------------------ combine kernel
     @cute.kernel
     def combine_kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor):
+        dependent_launch.wait_then_release()
         self.combine.run(mOp, mLp, mOut, mLse)
 
 

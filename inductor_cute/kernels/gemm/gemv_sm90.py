@@ -52,6 +52,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import make_fake_tensor
 
+from ..common import dependent_launch
 from .config import GemmProblem
 from .sm90 import CUTE_DTYPES, make_epilogue
 from .gemv_config import K_STEP, MAX_REGISTERS, GemvConfig, smem_bytes, unsupported_reason
@@ -98,13 +99,15 @@ class HopperGemv:
         mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.ab_dtype, Float32, (16, 8, 16)))
         self.kernel(mA, mW, mD, mC, mBias, mPartial, mCount, alpha, beta, mma).launch(
             grid=[n_blocks, splits, 1], block=[self.threads, 1, 1],
-            min_blocks_per_mp=65536 // (MAX_REGISTERS * self.threads), preferred_smem_carveout=100, stream=stream)
+            min_blocks_per_mp=65536 // (MAX_REGISTERS * self.threads), preferred_smem_carveout=100, stream=stream,
+            **dependent_launch.LAUNCH)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mW: Union[cute.Tensor, tuple], mD: Union[cute.Tensor, tuple],
                mC: Optional[cute.Tensor], mBias: Optional[cute.Tensor], mPartial: cute.Tensor, mCount: cute.Tensor,
                alpha: Float32, beta: Float32, mma: cute.TiledMma):
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)  # once: CTAs run one branch
+        dependent_launch.wait_then_release()  # before the first global access (see dependent_launch)
         if const_expr(self.weights == 1):
             self._n_block(mA, mW, mD, mC, mBias, mPartial, mCount, alpha, beta, mma, storage, None)
         else:
