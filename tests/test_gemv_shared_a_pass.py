@@ -116,6 +116,13 @@ def test_five_siblings_make_groups_of_three_and_two():
     assert sorted(len(c.args[1]) for c in calls(gm, shared_a.OP)) == [2, 3] and not calls(gm, MM)
 
 
+def test_llama_qkv_is_grouped_but_its_gate_up_weights_are_too_large():
+    # Llama-3.1-8B at M = 8: q/k/v 32 + 8 + 8 MiB, gate/up 112 MiB each (above MAX_WEIGHT_BYTES)
+    assert shared_a.group_shared_a_mms(trace(linears, (8, 4096), (4096, 1024, 1024), k=4096).graph) == 1
+    gm = trace(linears, (8, 4096), (14336, 14336), k=4096)
+    assert shared_a.group_shared_a_mms(gm.graph) == 0 and len(calls(gm, MM)) == 2
+
+
 def test_mms_of_different_activations_are_not_grouped():
     def two_inputs(x, wq, wk):
         return F.linear(x, wq), F.linear(x + 1, wk)

@@ -130,9 +130,13 @@ def test_compiled_calls_repeat_the_remembered_launch_and_match(name, dtype, chec
             out, lse = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
                                 return_lse=True)
             assert_matches(out, lse, *reference(q, k, v, score_mod, block_mask), dtype)
-    assert len(checked_runs) == 1, "a repeat took the checked path"
-    (launcher,) = launchers
-    assert launcher._static is not None, "a static call site repeats its first launch without a key"
+    # one checked call per compiled graph; every repeat takes the remembered launch. Dynamo may
+    # compile the call twice (seen once on the H200 under xdist, fp16 plain GQA: two launchers, one
+    # checked call each, every output right), so the count is per launcher
+    assert launchers and len(launchers) <= 2
+    assert len(checked_runs) == len(launchers), "a repeat took the checked path"
+    assert all(launcher._static is not None for launcher in launchers), \
+        "a static call site repeats its first launch without a key"
 
 
 def test_layout_changes_take_the_checked_path_and_match(checked_runs, caplog):

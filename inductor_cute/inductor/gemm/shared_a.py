@@ -5,7 +5,7 @@ ops.gemv_shared_a (host/gemm.py). Inductor emits the op as an extern fallback ca
 
 A group is 2 or 3 mm's, in graph order, of one x (M <= 16 static rows, K-major, bf16/fp16, on
 CUDA) against the transposes of contiguous (N_i, K) graph inputs or constants, with sizes the
-grouped GEMV takes (gemv_config.unsupported_reason). Anything else, symbolic sizes included, is
+grouped GEMV takes (gemv_config.unsupported_reason) and weights of at most MAX_WEIGHT_BYTES. Anything else, symbolic sizes included, is
 left as it is. "One x" is one node, or views of one node to one shape: Inductor's decomposition of
 a 3-D linear gives each projection its own reshape of the hidden states, and the post-grad graph
 keeps them apart.
@@ -26,6 +26,13 @@ from ...host import gemm as _host_gemm
 from ...host.common import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
+
+# A weight above this is left to its own mm. Measured on the H200 at M = 8 (eleventh session,
+# benchmarks/results/autotune-timing-h200-20261204-s11.txt): q/k/v of Llama-3.1-8B (32 + 8 + 8 MiB)
+# take 21.2 us grouped against 28.8 us as three cuBLAS calls, but gate/up (112 MiB each) 62.7 us
+# against 59.7: at that size one launch saves little and our one-weight GEMV trails cuBLAS (34.8
+# against 29.9 us for 14336 x 4096), which the group inherits.
+MAX_WEIGHT_BYTES = 64 << 20
 
 # ---------------------------------------------------------------------------- the custom op
 
@@ -113,6 +120,8 @@ def _groupable(mm: torch.fx.Node) -> bool:
     # K-major rows with 16-byte aligned starts and row strides (8 elements of 2 bytes)
     rows_fit = xv.stride(1) == 1 and (m == 1 or xv.stride(0) % 8 == 0) and xv.storage_offset() % 8 == 0
     if wk != k or not rows_fit or not wv.is_contiguous() or wv.storage_offset() % 8:
+        return False
+    if n * k * wv.element_size() > MAX_WEIGHT_BYTES:
         return False
     problem = GemmProblem(DTYPE_NAMES[xv.dtype], DTYPE_NAMES[xv.dtype], "k", "k")
     return gemv_config.unsupported_reason(problem, m=m, n=n, k=k) is None
