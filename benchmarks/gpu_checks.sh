@@ -11,7 +11,7 @@ step() {  # name, seconds, command...
     local name=$1 limit=$2
     shift 2
     local start=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1  # INT: pytest still reports
     local rc=$?
     echo "$name: rc=$rc in $((SECONDS - start)) s; $(grep -E '[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -1)"
 }
@@ -31,6 +31,14 @@ for s in $steps; do
         inductor) step inductor 400 python3 -m pytest -m gpu tests/gpu/test_inductor_gpu.py -q -p no:cacheprovider ;;
         rmsnorm) step rmsnorm 200 python3 -m pytest -m gpu tests/gpu/test_rmsnorm_gpu.py -q -p no:cacheprovider ;;
         sweep_gemv) step sweep_gemv 300 python3 benchmarks/sweep_gemv.py ;;
+        # the whole GPU tier; SIGINT at the limit still prints what failed so far (-rf)
+        all) step all 470 python3 -m pytest -m gpu tests/gpu -q -rf -n 14 -p no:cacheprovider ;;
+        # one decode model case, 4 layers, CUDA graphs: CASE="llama3-8b decode B32 KV4096 cg" by default
+        model) INDUCTOR_CUTE_MODEL_LAYERS=4 step model 540 python3 -m inductor_cute bench models \
+                   --match "${CASE:-llama3-8b decode B32 KV4096 cg}" --out "$OUT/models" ;;
+        # PyTorch's test_flex_decoding.py (fetched into .device/pt with expecttest beside it; never committed)
+        pt_decoding) PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step pt_decoding 560 python3 benchmarks/pytorch_flex_tests.py \
+                         .device/pt/test_flex_decoding.py --out "$OUT/pt" -n 14 ;;
         *) echo "unknown step $s" ;;
     esac
 done

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from inductor_cute.bench.profile import device_us_per_call, kernel_times, top_kernels
+from inductor_cute.bench.profile import (boundary_gaps, busy_us, device_us_per_call, kernel_timeline, times_by_kernel,
+                                         top_kernels)
 
 
 def profile(step, forward, steps: int):
@@ -30,14 +31,21 @@ def profile(step, forward, steps: int):
         step(forward)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps * 1e6
-    return wall, kernel_times(lambda: step(forward), steps)
+    return wall, kernel_timeline(lambda: step(forward), steps)
 
 
-def report(name: str, wall: float, kernels: dict, steps: int) -> str:
-    lines = [f"== {name}: wall {wall:.1f} us/step, device {device_us_per_call(kernels, steps):.1f} us/step",
+def report(name: str, wall: float, timeline: list, steps: int) -> str:
+    kernels = times_by_kernel(timeline)
+    lines = [f"== {name}: wall {wall:.1f} us/step, device {busy_us(timeline) / steps:.1f} us/step covered by kernels "
+             f"({device_us_per_call(kernels, steps):.1f} summed; more where PDL launches overlap)",
              f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  kernel"]
     for per_step, launches, kname in top_kernels(kernels, steps, n=40):
         lines.append(f"{per_step:9.1f} {launches:10.1f} {per_step / launches:8.1f}  {kname[:110]}")
+    lines.append(f"-- between kernels (negative: started early under PDL)\n{'us/step':>9} {'gaps/step':>10} "
+                 f"{'us/gap':>8}  boundary")
+    gaps = boundary_gaps(timeline)
+    for (before, after), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{sum(g) / steps:9.1f} {len(g) / steps:10.1f} {sum(g) / len(g):8.2f}  {before} -> {after}")
     return "\n".join(lines)
 
 
@@ -75,7 +83,7 @@ def main() -> None:
             step(forward)
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - start
-            wall, kernels = profile(step, forward, args.steps)
+            wall, timeline = profile(step, forward, args.steps)
         with open(os.path.join(args.out, f"profile-{name}-code.py"), "w") as f:
             f.write("\n\n# ---- next graph ----\n\n".join(codes))
         from inductor_cute.inductor.choice_timing import counts
@@ -83,7 +91,7 @@ def main() -> None:
         text.append(f"(compile {compile_s:.1f} s, our call sites {models.our_kernel_calls(chr(10).join(codes))}, "
                     f"autotuning choices timed so far in graphs / by Inductor's benchmarker: "
                     f"{counts['graph']} / {counts['stock']})")
-        text.append(report(name, wall, kernels, args.steps))
+        text.append(report(name, wall, timeline, args.steps))
     out = "\n\n".join(text)
     print(out)
     with open(os.path.join(args.out, "profile.txt"), "w") as f:

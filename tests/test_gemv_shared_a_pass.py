@@ -257,8 +257,10 @@ def no_user_pass():
 
 
 def test_enable_group_gemv_sets_the_pass_and_disable_restores(no_user_pass):
-    assert install.Settings().group_gemv is False  # opt-in
-    with inductor_cute.enable():
+    with inductor_cute.enable():  # on by default
+        assert inductor_config.post_grad_custom_post_pass is shared_a.GROUP_GEMV_PASS
+    assert inductor_config.post_grad_custom_post_pass is None
+    with inductor_cute.enable(group_gemv=False):
         assert inductor_config.post_grad_custom_post_pass is None
     with inductor_cute.enable(group_gemv=True):
         assert inductor_config.post_grad_custom_post_pass is shared_a.GROUP_GEMV_PASS
@@ -267,7 +269,7 @@ def test_enable_group_gemv_sets_the_pass_and_disable_restores(no_user_pass):
         assert V.choices.settings.group_gemv
         with inductor_cute.enable(group_gemv=True):  # nesting keeps ours
             assert inductor_config.post_grad_custom_post_pass is shared_a.GROUP_GEMV_PASS
-        with inductor_cute.enable():  # a level without it has none
+        with inductor_cute.enable(group_gemv=False):  # a level without it has none
             assert inductor_config.post_grad_custom_post_pass is None
         assert inductor_config.post_grad_custom_post_pass is shared_a.GROUP_GEMV_PASS
     assert inductor_config.post_grad_custom_post_pass is None
@@ -281,6 +283,9 @@ def test_enable_refuses_to_replace_a_users_pass(no_user_pass):
         with pytest.raises(RuntimeError, match="post_grad_custom_post_pass is already set"):
             inductor_cute.enable(group_gemv=True)
         assert not install._saved and inductor_config.post_grad_custom_post_pass is users_pass
-        with inductor_cute.enable():  # without group_gemv the user's pass stays
+        with inductor_cute.enable():  # the default leaves the user's pass in place and groups nothing
             assert inductor_config.post_grad_custom_post_pass is users_pass
+            from torch._inductor.virtualized import V
+
+            assert not V.choices.settings.group_gemv
         assert inductor_config.post_grad_custom_post_pass is users_pass

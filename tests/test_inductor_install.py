@@ -93,10 +93,10 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
     assert install.Settings().flex_prefill is False  # opt-in
     with inductor_cute.enable(flex_decode=False, flex_prefill=True):
         assert installed()["flex_attention_lowering"]
-        assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True)
-        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv0-pdl0")
+        assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True, group_gemv=True)
+        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0")
     with inductor_cute.enable():
-        assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False)
+        assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False, group_gemv=True)
         assert not installed()["flex_attention_backward_lowering"]  # training through our kernels is opt-in
 
 
@@ -104,8 +104,8 @@ def test_flex_backward_installs_the_backward_lowering(stock):
     assert install.Settings().flex_backward is False  # opt-in
     with inductor_cute.enable(flex_backward=True):
         assert installed()["flex_attention_lowering"] and installed()["flex_attention_backward_lowering"]
-        assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True)
-        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv0-pdl0")
+        assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True)
+        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0")
 
 
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
@@ -113,14 +113,14 @@ def test_nesting_with_other_settings_restores_each_level_exactly(stock):
     outer = state()
     inductor_cute.enable(fuse_epilogues=False, flex_decode=False)  # takes the outer's hooks out
     assert not installed()["cuda_scheduling"] and not installed()["flex_attention_lowering"]
-    assert V.choices.settings == install.Settings(fuse_epilogues=False, flex_decode=False)
-    assert install.active_settings() == install.Settings()
+    assert V.choices.settings == install.Settings(fuse_epilogues=False, flex_decode=False, group_gemv=True)
+    assert install.active_settings() == install.Settings(group_gemv=True)
     inductor_cute.enable(fuse_epilogues=True, flex_decode=False)
     assert install.active_settings().fuse_epilogues and installed()["cuda_scheduling"]
     inductor_cute.disable()
     inductor_cute.disable()
     assert_same(outer, state())  # the same objects back, not copies
-    assert V.choices.settings == install.Settings(fuse_epilogues=True, flex_decode=True)
+    assert V.choices.settings == install.Settings(fuse_epilogues=True, flex_decode=True, group_gemv=True)
     inductor_cute.disable()
     assert_same(stock, state())
     assert not any(installed().values())
@@ -212,7 +212,8 @@ def test_inductor_configured_directly_registers_the_extern_kernel_on_first_use(s
 def test_this_threads_choices_follow_the_config(stock):
     assert not isinstance(V.choices, CuteChoices)  # built from the stock config (and kept by Inductor)
     with inductor_cute.enable(flex_decode=False):
-        assert isinstance(V.choices, CuteChoices) and V.choices.settings == install.Settings(flex_decode=False)
+        assert isinstance(V.choices, CuteChoices)
+        assert V.choices.settings == install.Settings(flex_decode=False, group_gemv=True)
         assert V.choices.uuid() == inductor_config.inductor_choices_class().uuid()
     with inductor_config.patch(inductor_choices_class=install.choices_factory(flex_decode=True)):
         assert V.choices.settings == install.Settings(flex_decode=True)  # the config set directly after disable()

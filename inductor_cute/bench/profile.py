@@ -1,13 +1,22 @@
 """Device time per call by kernel, from torch.profiler: what a wall-time benchmark cannot tell
-apart (a host-bound call's wall time is the host's, not the kernels')."""
+apart (a host-bound call's wall time is the host's, not the kernels').
+
+Kernels launched with programmatic dependent launch (PDL) start before the previous kernel ends
+and wait inside; their durations then overlap, so a step's device time is the time covered by at
+least one kernel (`busy_us`), not the sum of durations, and the boundaries between kernels
+(`boundary_gaps`) are what is left of the step."""
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
 
+Launch = namedtuple("Launch", "name start end")  # microseconds on the device's clock
 
-def kernel_times(fn, calls: int = 5) -> dict[str, list[float]]:
-    """{kernel name: [device microseconds of each launch]} over `calls` calls of fn() (warm)."""
+
+def kernel_timeline(fn, calls: int = 5) -> list[Launch]:
+    """Every kernel of `calls` calls of fn() (warm), in start order."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -16,14 +25,60 @@ def kernel_times(fn, calls: int = 5) -> dict[str, list[float]]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    launches = [Launch(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(launches, key=lambda k: (k.start, k.end))
+
+
+def kernel_times(fn, calls: int = 5) -> dict[str, list[float]]:
+    """{kernel name: [device microseconds of each launch]} over `calls` calls of fn() (warm)."""
+    return times_by_kernel(kernel_timeline(fn, calls))
+
+
+def times_by_kernel(timeline: list[Launch]) -> dict[str, list[float]]:
     kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(event.name, []).append(event.device_time)
+    for k in timeline:
+        kernels.setdefault(k.name, []).append(k.end - k.start)
     return kernels
 
 
+def busy_us(timeline: list[Launch]) -> float:
+    """Time covered by at least one kernel: overlapping launches (PDL) count once."""
+    total, reach = 0.0, float("-inf")
+    for k in timeline:  # in start order
+        if k.end > reach:
+            total += k.end - max(k.start, reach)
+            reach = k.end
+    return total
+
+
+def family(name: str) -> str:
+    """Who wrote a kernel, from its name: ours (CuTe DSL), cuBLAS, Triton, or other."""
+    if name.startswith("kernel_cutlass") or "inductor_cute" in name:
+        return "ours"
+    if name.startswith(("nvjet", "cutlass", "sm90_xmma")) or "cublas" in name.lower():
+        return "cublas"
+    if name.startswith("triton"):
+        return "triton"
+    return "other"
+
+
+def boundary_gaps(timeline: list[Launch], max_gap_us: float = 50.0) -> dict[tuple[str, str], list[float]]:
+    """{(family before, family after): [idle microseconds between them]}: from the end of the
+    kernels so far to the next kernel's start, negative where it started early (PDL). Gaps longer
+    than `max_gap_us` (between calls: the host's) are left out."""
+    gaps: dict[tuple[str, str], list[float]] = {}
+    reach, before = None, None
+    for k in timeline:
+        if reach is not None and k.start - reach <= max_gap_us:
+            gaps.setdefault((family(before), family(k.name)), []).append(k.start - reach)
+        if reach is None or k.end >= reach:
+            reach, before = k.end, k.name
+    return gaps
+
+
 def device_us_per_call(kernels: dict[str, list[float]], calls: int) -> float:
+    """Sum of kernel durations per call (overlapping PDL launches count twice: see busy_us)."""
     return sum(sum(times) for times in kernels.values()) / calls
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..case import Case, named
-from ..profile import device_us_per_call, kernel_times
+from ..profile import boundary_gaps, busy_us, kernel_timeline
 from . import moe_block
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
@@ -335,14 +335,23 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
         notes.append(f"{backend}: cold compile {seconds:.1f} s, {what}, "
                      f"{our_kernel_calls(code)} call site(s) of our kernels")
     times = wall_us(runners)
-    # device time per step (kernel sums): a wall time above it is the host's
-    device = {k: device_us_per_call(kernel_times(fn, 5), 5) for k, fn in runners.items()}
-    notes.append("device us/step " + ", ".join(f"{k} {t:.0f}" for k, t in device.items()))
+    notes.append(device_note(runners))
     new = batch * (1 if phase == "decode" else tokens)
     notes.append("tokens/s " + ", ".join(f"{k} {new / t * 1e6:.0f}" for k, t in times.items()))
     return Case(name=case_name(model_name, phase, batch, tokens, mode_key), params=params, flops=flops,
                 bytes=n_bytes, matmul=True, runners=runners, notes=notes, atol=float("inf"), rtol=float("inf"),
                 wall_times_us=times)
+
+
+def device_note(runners: dict, calls: int = 5) -> str:
+    """Per step and runner: the time its kernels cover (a wall time above it is the host's or the
+    boundaries') and the idle time between consecutive kernels of a step."""
+    parts = []
+    for k, fn in runners.items():
+        timeline = kernel_timeline(fn, calls)
+        idle = sum(sum(g) for g in boundary_gaps(timeline).values())
+        parts.append(f"{k} {busy_us(timeline) / calls:.0f} ({idle / calls:.0f} between kernels)")
+    return "device us/step " + ", ".join(parts)
 
 
 def _grad_mode(step):
@@ -377,8 +386,7 @@ def _moe_case(step: str, tokens: int, mode_key: str) -> Case:
         notes.append(note)
     del ref_out, ref_grads
     times = wall_us(runners)
-    device = {k: device_us_per_call(kernel_times(fn, 5), 5) for k, fn in runners.items()}
-    notes.append("device us/step " + ", ".join(f"{k} {t:.0f}" for k, t in device.items()))
+    notes.append(device_note(runners))
     m = block.model
     flops, n_bytes = moe_block.cost(m, tokens, sum(1 for s in sizes if s), train)
     params = {"model": moe_block.MODEL_NAME, "block": "moe", "step": step, "tokens": tokens, "hidden": m.hidden,
