@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from inductor_cute.bench.profile import (boundary_gaps, busy_us, device_us_per_call, kernel_timeline, times_by_kernel,
-                                         top_kernels)
+from inductor_cute.bench.profile import (boundary_gaps, busy_us, device_us_per_call, idle_and_overlap_us,
+                                         kernel_timeline, times_by_kernel, top_kernels)
 
 
 def profile(step, forward, steps: int):
@@ -41,11 +41,13 @@ def report(name: str, wall: float, timeline: list, steps: int) -> str:
              f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  kernel"]
     for per_step, launches, kname in top_kernels(kernels, steps, n=40):
         lines.append(f"{per_step:9.1f} {launches:10.1f} {per_step / launches:8.1f}  {kname[:110]}")
-    lines.append(f"-- between kernels (negative: started early under PDL)\n{'us/step':>9} {'gaps/step':>10} "
-                 f"{'us/gap':>8}  boundary")
+    idle, overlap = idle_and_overlap_us(timeline)
+    lines.append(f"-- between kernels: {idle / steps:.1f} us/step idle, {overlap / steps:.1f} overlapped (early PDL "
+                 f"starts)\n{'idle us':>9} {'overlap us':>10} {'gaps':>6}  boundary (per step)")
     gaps = boundary_gaps(timeline)
-    for (before, after), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1])):
-        lines.append(f"{sum(g) / steps:9.1f} {len(g) / steps:10.1f} {sum(g) / len(g):8.2f}  {before} -> {after}")
+    for (before, after), g in sorted(gaps.items(), key=lambda kv: -sum(max(x, 0) for x in kv[1])):
+        lines.append(f"{sum(max(x, 0) for x in g) / steps:9.1f} {-sum(min(x, 0) for x in g) / steps:10.1f} "
+                     f"{len(g) / steps:6.1f}  {before} -> {after}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ from inductor_cute.kernels.attention.flex_decode_config import (DEFAULT_SM_COUNT
                                                                 unsupported_reason)
 from inductor_cute.kernels.common.programs.score import dumps
 from inductor_cute.runtime.compiler import compile_spec
+from ptx_order import check_waits_then_releases, entries
 
 # (head_dim_qk, head_dim_v, dtype, q_per_kv, has_kv_len)
 VARIANTS = {
@@ -110,14 +111,10 @@ def test_both_kernels_are_in_the_object(compiled):
 
 
 def test_each_kernel_waits_for_the_previous_grid_before_any_global_access_then_releases_the_next(compiled):
-    # PTX entries in order; each entry's body runs up to the next entry
-    bodies = re.split(r"^\.visible \.entry ", compiled.ptx, flags=re.M)[1:]
+    bodies = entries(compiled.ptx)
     assert len(bodies) == 2
     for body in bodies:
-        wait, release = body.find("griddepcontrol.wait;"), body.find("griddepcontrol.launch_dependents;")
-        first_global = min(m.start() for m in re.finditer(r"cp\.async|ld\.global|st\.global|atom\.global|"
-                                                          r"prefetch\.global", body))
-        assert 0 <= wait < release < first_global, body.split("(")[0]
+        check_waits_then_releases(body)
 
 
 def test_ptxas_reports_no_spills_and_no_stack(compiled):

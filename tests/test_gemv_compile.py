@@ -11,6 +11,7 @@ from inductor_cute.kernels.gemm.config import GemmProblem
 from inductor_cute.kernels.gemm.gemv_config import (MAX_REGISTERS, GemvConfig, candidates, default_config, spec, splits,
                                                     unsupported_reason, workspace_sizes)
 from inductor_cute.runtime.compiler import compile_spec, ptx_fingerprint
+from ptx_order import check_waits_then_releases, entries
 
 BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
 PROGRAM = dumps([["v0", "add", "acc", "row"], ["v1", "mul", "full", 0.5], ["v2", "add", "v0", "v1"],
@@ -54,10 +55,8 @@ def test_single_weight_ptx_is_unchanged(compiled, request):
 
 
 def test_waits_for_the_previous_grid_before_any_global_access_and_then_releases_the_next(compiled):
-    ptx = compiled.ptx
-    wait, release = ptx.find("griddepcontrol.wait;"), ptx.find("griddepcontrol.launch_dependents;")
-    first_global = min(m.start() for m in re.finditer(r"cp\.async|ld\.global|st\.global|atom\.global", ptx))
-    assert 0 <= wait < release < first_global
+    (body,) = entries(compiled.ptx)
+    check_waits_then_releases(body)
 
 
 def test_streams_w_with_cp_async_and_feeds_mma_sync(compiled):

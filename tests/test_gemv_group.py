@@ -14,6 +14,7 @@ from inductor_cute.kernels.gemm.config import GemmProblem
 from inductor_cute.kernels.gemm.gemv_config import (MAX_REGISTERS, GemvConfig, candidates, default_config, n_blocks,
                                                     spec, splits, unsupported_reason, workspace_sizes)
 from inductor_cute.runtime.compiler import compile_spec
+from ptx_order import check_waits_then_releases, entries
 
 BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
 FP16 = GemmProblem("float16", "float16", "k", "k")
@@ -42,6 +43,11 @@ def test_each_weight_runs_its_own_copy_of_the_one_weight_code(group):
     assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, 16;", ptx)
     assert "ld.shared.v4.b32" in ptx and "ld.global.cg.v4" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_the_group_waits_for_the_previous_grid_before_any_global_access(group):
+    (body,) = entries(group[2].ptx)
+    check_waits_then_releases(body)
 
 
 def test_ptxas_reports_no_spills_and_fits_the_register_cap(group):

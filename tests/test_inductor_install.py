@@ -233,6 +233,12 @@ def test_pdl_turns_on_inductors_dependent_launch_for_the_enabled_level_only():
     assert inductor_config.triton.enable_pdl is False
     with inductor_cute.enable(pdl=True):
         assert inductor_config.triton.enable_pdl is True
-        with inductor_cute.enable():
-            assert inductor_config.triton.enable_pdl is True  # an inner level without it leaves it alone
+        with inductor_cute.enable():  # an inner level without it has the value from before
+            assert inductor_config.triton.enable_pdl is False
+        assert inductor_config.triton.enable_pdl is True
     assert inductor_config.triton.enable_pdl is False
+    with inductor_config.patch({"triton.enable_pdl": True}):  # the user's own setting
+        with inductor_cute.enable(pdl=True), inductor_cute.enable():
+            assert inductor_config.triton.enable_pdl is True
+        with inductor_cute.enable():
+            assert inductor_config.triton.enable_pdl is True

@@ -53,14 +53,22 @@ def busy_us(timeline: list[Launch]) -> float:
 
 
 def family(name: str) -> str:
-    """Who wrote a kernel, from its name: ours (CuTe DSL), cuBLAS, Triton, or other."""
+    """Who wrote a kernel, from its name: CuTe DSL ("cute": ours in our runs, FlashAttention-4's in
+    the FLASH column), cuBLAS (its nvjet and CUTLASS-template kernels), Triton, or other."""
     if name.startswith("kernel_cutlass") or "inductor_cute" in name:
-        return "ours"
-    if name.startswith(("nvjet", "cutlass", "sm90_xmma")) or "cublas" in name.lower():
+        return "cute"
+    if name.startswith(("nvjet", "cutlass", "void cutlass", "sm90_xmma")) or "cublas" in name.lower():
         return "cublas"
     if name.startswith("triton"):
         return "triton"
     return "other"
+
+
+def idle_and_overlap_us(timeline: list[Launch]) -> tuple[float, float]:
+    """Idle time at kernel boundaries (positive gaps) and overlap of early starts (negative gaps,
+    PDL), apart: summed together, one would cancel the other."""
+    gaps = [g for gs in boundary_gaps(timeline).values() for g in gs]
+    return sum(g for g in gaps if g > 0), -sum(g for g in gaps if g < 0)
 
 
 def boundary_gaps(timeline: list[Launch], max_gap_us: float = 50.0) -> dict[tuple[str, str], list[float]]:

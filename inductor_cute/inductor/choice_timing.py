@@ -42,7 +42,13 @@ def graph_time_ms(fn, stock_benchmark_gpu) -> float:
     stream = torch.cuda.current_stream()
     if torch.cuda.is_current_stream_capturing() or stream == torch.cuda.default_stream():
         return _stock(fn, stock_benchmark_gpu, "no side stream to capture on")
-    if _synchronizes(fn):  # would fail the capture, and a failed capture upsets torch's RNG state
+    try:
+        syncs = _synchronizes(fn)
+    except Exception as e:  # noqa: BLE001 - the stock benchmarker's own handling (an invalid
+        # Triton config is timed as inf there, not raised) decides what a failing call means
+        torch.cuda.synchronize()
+        return _stock(fn, stock_benchmark_gpu, f"its first call raised: {e}")
+    if syncs:  # would fail the capture, and a failed capture upsets torch's RNG state
         return _stock(fn, stock_benchmark_gpu, "it synchronizes with the host")
     torch.cuda.synchronize()
     flush = torch.ones(2 * _l2_bytes() // 4, dtype=torch.float32, device="cuda")
@@ -166,30 +172,36 @@ def _l2_bytes() -> int:
 
 # ----------------------------------------------------------------- the hook's replacement
 
-def timed_in_graphs(stock_benchmark_choice):
+def timed_in_graphs(stock_benchmark_choice, *, in_process: bool = False):
     """A benchmarking method as its class holds it (`AlgorithmSelectorCache.benchmark_choice`, a
-    classmethod in torch 2.11-2.13; the scheduler's fusion benchmarks; `CachingAutotuner.bench`, a
-    Triton kernel's run-time config pick), wrapped so that Inductor's GPU benchmarker times in
-    graphs while it runs."""
+    classmethod in torch 2.11-2.13; the scheduler's fusion benchmarks), wrapped so that Inductor's
+    GPU benchmarker times in graphs while it runs. `in_process`: every candidate the method
+    compares is timed in this process, whatever `autotune_in_subproc` says."""
     kind = type(stock_benchmark_choice)
     func = getattr(stock_benchmark_choice, "__func__", stock_benchmark_choice)
 
     @functools.wraps(func)
     def benchmark_choice(*args, **kwargs):
-        with _timing_in_graphs():
+        with _timing_in_graphs(in_process):
             return func(*args, **kwargs)
 
     return kind(benchmark_choice) if kind in (classmethod, staticmethod) else benchmark_choice
 
 
+def run_time_tuning_in_graphs(stock_bench):
+    """`CachingAutotuner.bench`: a Triton kernel's run-time config pick (several configs, coordinate
+    descent) at its first call, always in the user's process."""
+    return timed_in_graphs(stock_bench, in_process=True)
+
+
 @contextlib.contextmanager
-def _timing_in_graphs():
+def _timing_in_graphs(in_process: bool = False):
     from torch._inductor import config
     from torch._inductor.runtime.benchmarking import benchmarker
 
     # nested, or someone else's replacement: leave it. With autotune_in_subproc the Triton choices
     # are timed in a subprocess, the stock way: ours and ATen's must be timed the same way
-    if "benchmark_gpu" in vars(benchmarker) or config.autotune_in_subproc:
+    if "benchmark_gpu" in vars(benchmarker) or (config.autotune_in_subproc and not in_process):
         yield
         return
     stock = benchmarker.benchmark_gpu

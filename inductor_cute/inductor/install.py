@@ -105,7 +105,7 @@ HOOKS: tuple[Hook, ...] = (
     # call of a compiled graph, in the user's process; an 8 x 4096 RMSNorm's pick took 19 us a call
     # where another config takes 2.5 when stock-timed at that size
     AttributeWrapper("runtime_tuning_timing", "torch._inductor.runtime.triton_heuristics:CachingAutotuner",
-                     "bench", _attr(".choice_timing", "timed_in_graphs")),
+                     "bench", _attr(".choice_timing", "run_time_tuning_in_graphs")),
 )
 
 
@@ -144,6 +144,11 @@ def _config_values(settings: Settings) -> dict:
         values["post_grad_custom_post_pass"] = None
     if settings.pdl:
         values["triton.enable_pdl"] = True
+    else:  # a level without it under an outer enable(pdl=True) gets the value from before that level
+        before = next((level.config["triton.enable_pdl"] for level in _saved if "triton.enable_pdl" in level.config),
+                      None)
+        if before is not None:
+            values["triton.enable_pdl"] = before
     return values
 
 
@@ -190,9 +195,12 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     grouped GEMV (inductor/gemm/shared_a.py): 21.2 us against 28.8 us for three cuBLAS calls at
     Llama-3.1-8B's q/k/v, M = 8. The default leaves a pass the user set in place (and groups
     nothing); `group_gemv=True` asks for the pass and refuses to replace the user's.
-    With `pdl` (off by default until measured in a model), Inductor's Triton kernels use
-    programmatic dependent launch (`triton.enable_pdl`): each lets the next kernel start its
-    prologue once its loads are issued. Our decode kernels (GEMV, flex decoding) always launch
+    With `pdl` (off by default: experimental, unmeasured on its own), Inductor's Triton kernels
+    use programmatic dependent launch (`triton.enable_pdl`): each lets the next kernel start its
+    prologue once its loads are issued. Inductor makes a kernel wait only for accesses that depend
+    on the kernel just before it, so a kernel that neither waits nor releases can let a later one
+    start while an earlier one still runs; that is Inductor's scheme, and the reason this stays
+    opt-in. Our decode kernels (GEMV, flex decoding) always launch
     that way and wait for the previous kernel before touching memory
     (kernels/common/dependent_launch.py)."""
     from torch._inductor import config

@@ -102,6 +102,7 @@ def test_a_triton_kernels_run_time_config_pick_is_timed_in_graphs(monkeypatch):
     torch._dynamo.reset()
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    graph_before, stock_before = choice_timing.counts["graph"], choice_timing.counts["stock"]
 
     def rms_norm(x, w):
         xf = x.float()
@@ -112,4 +113,5 @@ def test_a_triton_kernels_run_time_config_pick_is_timed_in_graphs(monkeypatch):
         out = torch.compile(rms_norm)(x, w)
         assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the side stream was left
     torch.testing.assert_close(out.float(), rms_norm(x.double(), w.double()).float(), rtol=2e-2, atol=2e-2)
-    assert timed  # the configs were timed in graphs
+    assert timed and choice_timing.counts["graph"] > graph_before  # the configs were timed in graphs,
+    assert choice_timing.counts["stock"] == stock_before  # none fell back to the stock timing

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..case import Case, named
-from ..profile import boundary_gaps, busy_us, kernel_timeline
+from ..profile import busy_us, idle_and_overlap_us, kernel_timeline
 from . import moe_block
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
@@ -345,12 +345,13 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
 
 def device_note(runners: dict, calls: int = 5) -> str:
     """Per step and runner: the time its kernels cover (a wall time above it is the host's or the
-    boundaries') and the idle time between consecutive kernels of a step."""
+    boundaries'), the idle time between consecutive kernels, and the overlap of early (PDL) starts."""
     parts = []
     for k, fn in runners.items():
         timeline = kernel_timeline(fn, calls)
-        idle = sum(sum(g) for g in boundary_gaps(timeline).values())
-        parts.append(f"{k} {busy_us(timeline) / calls:.0f} ({idle / calls:.0f} between kernels)")
+        idle, overlap = idle_and_overlap_us(timeline)
+        parts.append(f"{k} {busy_us(timeline) / calls:.0f} ({idle / calls:.0f} idle between kernels, "
+                     f"{overlap / calls:.0f} overlapped)")
     return "device us/step " + ", ".join(parts)
 
 
