@@ -19,7 +19,12 @@ Weights are held as torchtitan and nn.Linear hold them, (E, N, K) row-major, and
 transposed (E, K, N) view (K-major), scaled by 1/sqrt(K) so outputs are O(1).
 
 Runners (same a, b, offs):
-  inductor_cute  host.grouped_mm (ops.grouped_mm), eager, its heuristic default config (in notes)
+  inductor_cute  as users get it: torch.compile(torch._grouped_mm) with inductor_cute.enable(),
+                 max-autotune-no-cudagraphs with max_autotune_gemm_backends="ICUTE": our configs,
+                 autotuned like Triton's below; where that compile holds no call of ours (or fails),
+                 the eager call below instead, with a note
+  inductor_cute_default  host.grouped_mm (ops.grouped_mm), eager, its heuristic default config
+                 (in notes)
   triton         torch.compile(torch._grouped_mm), max-autotune-no-cudagraphs with
                  max_autotune_gemm_backends="TRITON": Inductor's grouped-mm template, autotuned
                  (on its own evenly split offsets), cold caches; left out with a note where it
@@ -194,6 +199,26 @@ def triton_runner(a, b, offs):
     return c.run, f"triton: Inductor's grouped-mm template, compile and autotune {c.seconds:.1f} s"
 
 
+# our grouped GEMM under torch.compile (inductor/grouped/): one launcher definition per call site (the
+# module path alone would also count the output code's import of it)
+GROUPED_CALL = "inductor_cute.inductor.grouped.runtime.GroupedLauncher("
+
+
+def tuned_runner(a, b, offs):
+    """(runner or None, note): our configs as torch.compile with enable() autotunes them, and only
+    ours (the stock choices left out), compiled now."""
+    from ...errors import first_line
+    from .gemm_compiled import compile_now
+
+    try:
+        c = compile_now(_grouped_mm, (a, b, offs), mode="max-autotune-no-cudagraphs", ours=True, backends="ICUTE")
+    except Exception as e:  # no valid choice of ours, or a compile failure
+        return None, f"inductor_cute tuned omitted: {first_line(e)[:200]}"
+    if GROUPED_CALL not in c.code:
+        return None, "inductor_cute tuned omitted: the compiled code holds no call of ours (Inductor fell back)"
+    return c.run, f"inductor_cute: our configs autotuned under torch.compile, compile and autotune {c.seconds:.1f} s"
+
+
 def _b_major(case: Grouped) -> str:
     """b's contiguous mode as the kernel sees it: K for the forward's transposed weight view, N for
     dgrad's weight as held and wgrad's tokens."""
@@ -223,10 +248,12 @@ def _case(case: Grouped) -> Case:
     a, b, offs = make_inputs(case, sizes)
     flops, n_bytes = cost(case, sizes)
     triton, triton_note = triton_runner(a, b, offs)
+    tuned, tuned_note = tuned_runner(a, b, offs)
+    eager = lambda: grouped_mm(a, b, offs)  # noqa: E731
     n, k = case.n_k
     empty = sum(1 for s in sizes if s == 0)
     notes = [f"{case.model.experts} groups: rows min {min(sizes)} mean {case.rows / len(sizes):.0f} max {max(sizes)}, "
-             f"{empty} empty", _default_config_note(case), triton_note]
+             f"{empty} empty", _default_config_note(case), tuned_note, triton_note]
     m = case.model
     return Case(
         name=case.name,
@@ -235,7 +262,7 @@ def _case(case: Grouped) -> Case:
                 "N": n, "K": k, "empty_groups": empty, "max_group": max(sizes), "form": case.form,
                 "b_major": _b_major(case), "dtype": "bfloat16"},
         flops=flops, bytes=n_bytes, matmul=True, notes=notes,
-        runners={"inductor_cute": lambda: grouped_mm(a, b, offs), "triton": triton,
+        runners={"inductor_cute": tuned or eager, "inductor_cute_default": eager, "triton": triton,
                  "aten": lambda: torch._grouped_mm(a, b, offs)},
     )
 

@@ -40,6 +40,7 @@ import torch
 from ..case import Case, named
 from ..profile import busy_us, idle_and_overlap_us, kernel_timeline
 from . import moe_block
+from .grouped_gemm import GROUPED_CALL
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
 METHOD = ("wall time per step, 10 steps back to back then a sync, median of 5 rounds with the runners "
@@ -249,11 +250,6 @@ def wall_us(fns: dict, calls: int = 10, rounds: int = 5, warmup: int = 3) -> dic
             torch.cuda.synchronize()
             samples[k].append((time.perf_counter() - start) / calls * 1e6)
     return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
-
-
-# our grouped GEMM under torch.compile (inductor/grouped/): one launcher definition per call site (the
-# module path alone would also count the output code's import of it)
-GROUPED_CALL = "inductor_cute.inductor.grouped.runtime.GroupedLauncher("
 
 
 def our_kernel_calls(code: str) -> int:
