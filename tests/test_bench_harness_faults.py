@@ -84,3 +84,33 @@ def test_triton_is_omitted_where_its_grouped_template_faulted():
     a, b = torch.empty(7168, 32768, device="meta"), torch.empty(32768, 2048, device="meta")
     runner, note = grouped_gemm.triton_runner(a, b, torch.empty(256, dtype=torch.int32, device="meta"))
     assert runner is None and "faulted on outputs of 2^31 elements" in note and "3.76e+09" in note
+
+
+def test_our_tuned_grouped_runner_is_omitted_with_its_reason_where_it_does_not_compile_to_ours(monkeypatch):
+    from inductor_cute.bench.suites import gemm_compiled
+
+    class Compiled:  # what compile_now returns when autotuning picked a stock choice
+        code, seconds = "extern_kernels._grouped_mm(buf0, arg1_1, arg2_1)", 1.0
+
+        def run(self):
+            pass
+
+    calls = []
+
+    def compile_now(fn, args, **kw):
+        calls.append(kw)
+        return Compiled()
+
+    monkeypatch.setattr(gemm_compiled, "compile_now", compile_now)
+    runner, note = grouped_gemm.tuned_runner(None, None, None)
+    assert runner is None and "holds no call of ours" in note
+    assert calls == [{"mode": "max-autotune-no-cudagraphs", "ours": True, "backends": "ICUTE"}]
+    Compiled.code = f"x = {grouped_gemm.GROUPED_CALL}...)"
+    runner, note = grouped_gemm.tuned_runner(None, None, None)
+    assert runner is not None and "autotuned under torch.compile" in note
+
+    def failing(fn, args, **kw):
+        raise RuntimeError("no valid choice\nmore")
+
+    monkeypatch.setattr(gemm_compiled, "compile_now", failing)
+    assert grouped_gemm.tuned_runner(None, None, None) == (None, "inductor_cute tuned omitted: no valid choice")
