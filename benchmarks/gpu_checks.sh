@@ -38,8 +38,13 @@ for s in $steps; do
         model) INDUCTOR_CUTE_MODEL_LAYERS=4 step model 540 python3 -m inductor_cute bench models \
                    --match "${CASE:-llama3-8b decode B32 KV4096 cg}" --out "$OUT/models" ;;
         # PyTorch's test_flex_decoding.py (fetched into .device/pt with expecttest beside it; never committed)
-        pt_decoding) PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step pt_decoding 560 python3 benchmarks/pytorch_flex_tests.py \
-                         .device/pt/test_flex_decoding.py --out "$OUT/pt" -n 14 ;;
+        # (pt_stock and pt_enabled: one run each, e.g. in two calls of a warm machine; /tmp/pt keeps the
+        # first's results for the second's summary)
+        pt_decoding|pt_stock|pt_enabled)
+            modes=stock,enabled; [ "$s" = pt_stock ] && modes=stock; [ "$s" = pt_enabled ] && modes=enabled
+            PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
+                .device/pt/test_flex_decoding.py --out /tmp/pt --modes "$modes" -n 14
+            cp /tmp/pt/*-summary.md /tmp/pt/*.jsonl "$OUT/" 2>/dev/null ;;
         *) echo "unknown step $s" ;;
     esac
 done

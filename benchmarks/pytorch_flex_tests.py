@@ -9,16 +9,18 @@ inductor_cute.enable(flex_decode=True, flex_prefill=...), every test under torch
 pytest's junit XML, the decisions from a hook on the lowering (this file is also the pytest plugin).
 
     python3 benchmarks/pytorch_flex_tests.py .device/pt/test_flex_decoding.py --out $OUT [-n 8]
-        [--prefill] [--with-grad] [-k EXPR]
+        [--prefill] [--with-grad] [-k EXPR] [--modes stock|enabled|stock,enabled]
 
 Writes <out>/<test file stem>-summary.md: passed/failed/skipped each way, the tests that pass stock
-but not enabled, and the calls taken and declined (bf16/fp16 apart, declines by reason).
+but not enabled, and the calls taken and declined (bf16/fp16 apart, declines by reason). The two
+runs may be separate invocations with one --out (--modes): the summary reads what it finds there.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -47,14 +49,19 @@ def pytest_configure(config):
     from inductor_cute.inductor.flex import lowering
 
     inductor_cute.enable(flex_decode=True, flex_prefill=os.environ.get("ICUTE_PT_PREFILL") == "1")
-    record_path = f"{os.environ['ICUTE_PT_DECISIONS']}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl"
+    # one file for every worker: each record is one small append, whole on its own line
+    record_path = f"{os.environ['ICUTE_PT_DECISIONS']}.jsonl"
     call_reason = lowering._call_reason
 
     def recording(problem, query, key):
         reason = call_reason(problem, query, key)
-        with open(record_path, "a") as f:
-            f.write(json.dumps({"test": _CURRENT["test"], "kernel": problem.kernel if problem else "?",
-                                "dtype": str(problem.dtypes[0]) if problem else "?", "reason": reason}) + "\n")
+        line = json.dumps({"test": _CURRENT["test"], "kernel": problem.kernel if problem else "?",
+                           "dtype": str(problem.dtypes[0]) if problem else "?", "reason": reason}) + "\n"
+        fd = os.open(record_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
         return reason
 
     lowering._call_reason = recording
@@ -78,8 +85,11 @@ def _inference_only():
 # ---- the driver half
 
 def _outcomes(junit: str) -> dict:
-    """test id -> "passed" | "failed" | "skipped" from a junit XML file."""
+    """test id -> "passed" | "failed" | "skipped" from a junit XML file ({} where there is none: a
+    mode not run, or cut off before pytest wrote it)."""
     out = {}
+    if not os.path.exists(junit):
+        return out
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
         kinds = {child.tag for child in case}
@@ -98,7 +108,6 @@ def _run(path: str, mode: str, out: str, args) -> dict:
            f"--junitxml={junit}", "-n", str(args.n)] + (["-k", args.k] if args.k else [])
     with open(os.path.join(out, f"{_stem(path)}-{mode}.log"), "w") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
-    return _outcomes(junit)
 
 
 def _stem(path: str) -> str:
@@ -106,18 +115,18 @@ def _stem(path: str) -> str:
 
 
 def _decisions(out: str, stem: str) -> list:
-    rows = []
-    for name in sorted(os.listdir(out)):
-        if name.startswith(f"{stem}-decisions.") and name.endswith(".jsonl"):
-            with open(os.path.join(out, name)) as f:
-                rows += [json.loads(line) for line in f]
-    return rows
+    path = os.path.join(out, f"{stem}-decisions.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]  # a cut-off last line is left out
 
 
 def summary(stem: str, stock: dict, enabled: dict, decisions: list) -> str:
     lines = [f"# {stem}: stock vs enabled", ""]
     for name, res in (("stock", stock), ("enabled", enabled)):
-        lines.append(f"- {name}: " + ", ".join(f"{n} {k}" for k, n in sorted(collections.Counter(res.values()).items())))
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(collections.Counter(res.values()).items()))
+        lines.append(f"- {name}: " + (counts or "no results (not run, or cut off)"))
     regressions = sorted(t for t, r in stock.items() if r == "passed" and enabled.get(t) != "passed")
     lines += [f"- pass stock but not enabled: {len(regressions)}", *(f"  - {t}" for t in regressions), ""]
     half = [d for d in decisions if d["dtype"] in ("torch.bfloat16", "torch.float16")]
@@ -142,11 +151,18 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true", help="also offer our prefill kernel (enable(flex_prefill=True))")
     p.add_argument("--with-grad", action="store_true", help="run the tests as written (training graphs included)")
     p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--modes", default="stock,enabled",
+                   help="which runs to make now; the summary reads every run's results found in --out, so "
+                        "the two may be separate calls with one --out")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     stem = _stem(args.test_file)
-    stock = _run(args.test_file, "stock", args.out, args)
-    enabled = _run(args.test_file, "enabled", args.out, args)
+    for mode in args.modes.split(","):
+        if mode == "enabled":  # this run's decisions only
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(args.out, f"{stem}-decisions.jsonl"))
+        _run(args.test_file, mode, args.out, args)
+    stock, enabled = (_outcomes(os.path.join(args.out, f"{stem}-{mode}.xml")) for mode in ("stock", "enabled"))
     text = summary(stem, stock, enabled, _decisions(args.out, stem))
     with open(os.path.join(args.out, f"{stem}-summary.md"), "w") as f:
         f.write(text)

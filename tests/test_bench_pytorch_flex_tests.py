@@ -53,7 +53,17 @@ def test_plugin_records_each_flex_call_and_runs_tests_without_grad(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", str(test), "-p", "pytorch_flex_tests", "-q",
                           "-p", "no:cacheprovider"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:]
-    (log,) = tmp_path.glob("d.*.jsonl")  # named by the xdist worker this test runs in, if any
+    log = tmp_path / "d.jsonl"  # one file for every worker
     (row,) = [json.loads(line) for line in log.read_text().splitlines()]
     assert row["test"].endswith("test_one.py::test_flex") and row["dtype"] == "torch.float32"
     assert row["reason"].startswith("device cpu")
+
+
+def test_a_run_cut_off_or_not_made_reads_as_no_results_and_a_cut_line_is_dropped(tmp_path):
+    assert driver._outcomes(str(tmp_path / "missing.xml")) == {}
+    (tmp_path / "f-decisions.jsonl").write_text('{"test": "a", "kernel": "decode", "dtype": "torch.bfloat16", '
+                                                '"reason": null}\n{"test": "b", "ker')
+    decisions = driver._decisions(str(tmp_path), "f")
+    assert [d["test"] for d in decisions] == ["a"]
+    text = driver.summary("f", {}, {"t::x": "passed"}, decisions)
+    assert "- stock: no results (not run, or cut off)" in text and "- enabled: 1 passed" in text
