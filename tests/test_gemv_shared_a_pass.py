@@ -289,3 +289,22 @@ def test_enable_refuses_to_replace_a_users_pass(no_user_pass):
 
             assert not V.choices.settings.group_gemv
         assert inductor_config.post_grad_custom_post_pass is users_pass
+
+
+def _decomposed_with_coordinate_descent(ns, m):
+    with inductor_config.patch(coordinate_descent_tuning=True):
+        return trace(linears, (m, K), ns)
+
+
+def test_keep_m1_mm_leaves_batch_1_products_for_autotuning_and_grouping(no_user_pass):
+    # stock: under coordinate descent an M = 1 mm becomes mul + sum before lowering
+    stock = _decomposed_with_coordinate_descent((128, 32, 32), 1)
+    assert not calls(stock, MM) and calls(stock, torch.ops.aten.sum.dim_IntList)
+    with inductor_cute.enable(keep_m1_mm=True):
+        kept = _decomposed_with_coordinate_descent((128, 32, 32), 1)
+        assert len(calls(kept, MM)) == 3 and not calls(kept, torch.ops.aten.sum.dim_IntList)
+        assert shared_a.group_shared_a_mms(kept.graph) == 1  # and the three are one grouped call
+        with inductor_config.patch(coordinate_descent_tuning=True):  # fp32 keeps Inductor's reduction
+            assert calls(trace(linears, (1, K), (128,), dtype=torch.float32), torch.ops.aten.sum.dim_IntList)
+    again = _decomposed_with_coordinate_descent((128, 32, 32), 1)  # disable() put the decomposition back
+    assert not calls(again, MM) and calls(again, torch.ops.aten.sum.dim_IntList)

@@ -4,7 +4,7 @@ exactly that, however calls nest and whatever a `with` block raises."""
 import pytest
 import torch
 from torch._inductor import config as inductor_config
-from torch._inductor import lowering, select_algorithm
+from torch._inductor import decomposition, lowering, select_algorithm
 from torch._inductor.codegen import common
 from torch._inductor.kernel import mm_grouped
 from torch._inductor.runtime.triton_heuristics import CachingAutotuner
@@ -35,6 +35,8 @@ def state() -> dict:
             "fusion timing of fused nodes": vars(Scheduler)["benchmark_fused_nodes"],
             "fusion timing of modules": vars(Scheduler)["benchmark_codegened_module"],
             "run-time tuning timing": vars(CachingAutotuner)["bench"],
+            "mm decomposition": decomposition.decompositions[torch.ops.aten.mm.default],
+            "mm decomposition (fast random table)": decomposition.fast_random_decomps()[torch.ops.aten.mm.default],
             "cuda codegen": common.device_codegens.get("cuda"),
             "extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_gemm", None),
             "grouped extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_grouped_mm", None),
@@ -69,7 +71,7 @@ def installed() -> dict:
 
 
 def test_enable_installs_what_its_settings_ask_for(stock):
-    with inductor_cute.enable(fuse_epilogues=True, flex_decode=True, flex_backward=True):
+    with inductor_cute.enable(fuse_epilogues=True, flex_decode=True, flex_backward=True, keep_m1_mm=True):
         assert all(installed().values())
         assert install.stock_lowering(BACKWARD_HOP) is stock["flex backward lowering"]
         assert isinstance(common.device_codegens["cuda"].scheduling, CudaSchedulingConstructor)
@@ -82,7 +84,7 @@ def test_enable_installs_what_its_settings_ask_for(stock):
                                "grouped_extern_kernel": True,
                                "grouped_mm_autotuning": True, "grouped_mm_lowering": True, "choice_timing": True,
                                "fusion_timing_fused_nodes": True, "fusion_timing_codegened_module": True,
-                               "runtime_tuning_timing": True}
+                               "runtime_tuning_timing": True, "m1_mm_kept": False}
         assert install.stock_lowering(GROUPED_MM) is stock["grouped_mm lowering"]
         assert inductor_config.benchmark_epilogue_fusion == stock["benchmark_epilogue_fusion"]
         with pytest.raises(RuntimeError, match="no lowering of ours"):
@@ -94,7 +96,7 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
     with inductor_cute.enable(flex_decode=False, flex_prefill=True):
         assert installed()["flex_attention_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True, group_gemv=True)
-        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0")
+        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0")
     with inductor_cute.enable():
         assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False, group_gemv=True)
         assert not installed()["flex_attention_backward_lowering"]  # training through our kernels is opt-in
@@ -105,7 +107,7 @@ def test_flex_backward_installs_the_backward_lowering(stock):
     with inductor_cute.enable(flex_backward=True):
         assert installed()["flex_attention_lowering"] and installed()["flex_attention_backward_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True)
-        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0")
+        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0-m1mm0")
 
 
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
@@ -142,7 +144,7 @@ def test_enable_twice_then_disable_twice(stock):
 
 def test_an_exception_inside_with_enable_still_restores(stock):
     with pytest.raises(ValueError, match="inside"):
-        with inductor_cute.enable(fuse_epilogues=True, flex_backward=True):
+        with inductor_cute.enable(fuse_epilogues=True, flex_backward=True, keep_m1_mm=True):
             assert all(installed().values())
             raise ValueError("raised inside the block")
     assert_same(stock, state())
@@ -225,7 +227,7 @@ def test_settings_enter_the_factorys_tag():
     tags = {install.choices_factory(f, d, p, b)().uuid() for f in (False, True) for d in (False, True)
             for p in (False, True) for b in (False, True)}
     assert len(tags) == 16
-    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0-pdl0")
+    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0-pdl0-m1mm0")
     assert install.choices_factory(True, False)().settings == install.Settings(True, False)
 
 

@@ -227,3 +227,42 @@ def stock_lowering(op) -> Callable:
         if h.stock is not None and h.op() is op:
             return h.stock
     raise RuntimeError(f"inductor-cute: no lowering of ours is installed for {op}")
+
+
+class DecompositionWrapper(Hook):
+    """`make(replaced)` in place of Inductor's decomposition of `op()`, in both tables
+    `select_decomp_table()` may return: `torch._inductor.decomposition.decompositions` and the
+    cached copy `fast_random_decomps()` (made once, at the first compile)."""
+
+    def __init__(self, name: str, op: Callable[[], Any], make: Callable[[], Callable], **kw) -> None:
+        super().__init__(name, **kw)
+        self.op, self._make = op, make
+        self._replaced = self._ours = None  # kept after uninstall to reuse `_ours`
+
+    @staticmethod
+    def _tables() -> list[dict]:
+        from torch._inductor import decomposition
+
+        return [decomposition.decompositions, decomposition.fast_random_decomps()]
+
+    def installed(self) -> bool:
+        return self._ours is not None and all(t.get(self.op()) is self._ours for t in self._tables())
+
+    def install(self) -> None:
+        if self.installed():
+            return
+        current = self._tables()[0].get(self.op())
+        if current is None:
+            log.warning("inductor-cute: Inductor has no decomposition of %s; %s not installed", self.op(), self.name)
+            return
+        if current is not self._replaced or self._ours is None:
+            self._replaced, self._ours = current, self._make()(current)
+        for table in self._tables():
+            table[self.op()] = self._ours
+
+    def uninstall(self) -> None:
+        if self._ours is None:
+            return
+        for table in self._tables():
+            if table.get(self.op()) is self._ours:
+                table[self.op()] = self._replaced

@@ -28,7 +28,8 @@ from typing import Any
 
 from .gemm.extern import GEMM_KERNEL
 from .grouped.extern import GROUPED_KERNEL
-from .hooks import AttributeWrapper, FeedbackSaver, Hook, LoweringWrapper, SchedulingWrapper, _attr
+from .hooks import (AttributeWrapper, DecompositionWrapper, FeedbackSaver, Hook, LoweringWrapper, SchedulingWrapper,
+                    _attr)
 from .hooks import stock_lowering  # noqa: F401  (public here too)
 from .settings import Settings, active_settings  # noqa: F401  (public here too)
 
@@ -78,6 +79,12 @@ def _grouped_mm_op():
     return torch.ops.aten._grouped_mm.default
 
 
+def _mm_op():
+    import torch
+
+    return torch.ops.aten.mm.default
+
+
 HOOKS: tuple[Hook, ...] = (
     GEMM_KERNEL,
     FeedbackSaver("gemm_feedback_log", _attr(".gemm.extern", "log_timings")),
@@ -104,6 +111,8 @@ HOOKS: tuple[Hook, ...] = (
     # a Triton kernel's run-time config choice (several configs, coordinate descent): at the first
     # call of a compiled graph, in the user's process; an 8 x 4096 RMSNorm's pick took 19 us a call
     # where another config takes 2.5 when stock-timed at that size
+    # batch-1 decode GEMMs stay mm's instead of Inductor's mul+sum (gemm/m1.py; opt-in)
+    DecompositionWrapper("m1_mm_kept", _mm_op, _attr(".gemm.m1", "keep_m1_mm"), when=lambda settings: settings.keep_m1_mm),
     AttributeWrapper("runtime_tuning_timing", "torch._inductor.runtime.triton_heuristics:CachingAutotuner",
                      "bench", _attr(".choice_timing", "run_time_tuning_in_graphs")),
 )
@@ -171,7 +180,8 @@ class _Enabled:
 
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
-           flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False) -> _Enabled:
+           flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
+           keep_m1_mm: bool = False) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -202,7 +212,11 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     start while an earlier one still runs; that is Inductor's scheme, and the reason this stays
     opt-in. Our decode kernels (GEMV, flex decoding) always launch
     that way and wait for the previous kernel before touching memory
-    (kernels/common/dependent_launch.py)."""
+    (kernels/common/dependent_launch.py).
+    With `keep_m1_mm` (off by default, unmeasured), M = 1 bf16/fp16 mm's stay mm's where
+    coordinate-descent tuning (the max-autotune modes) would decompose them into a mul+sum
+    reduction, so they are autotuned (cuBLAS, our GEMV) and grouped like other decode GEMMs
+    (inductor/gemm/m1.py)."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -220,7 +234,7 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         group_gemv = not users_own
         if users_own:
             log.info("inductor-cute: post_grad_custom_post_pass is the user's; decode GEMVs are not grouped")
-    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl)
+    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm)
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

@@ -21,6 +21,7 @@ class Settings:
     flex_backward: bool = _setting("bwd")  # training graphs may run our flex forward and backward kernels
     group_gemv: bool = _setting("ggemv")  # decode mm's sharing an activation become one grouped GEMV (gemm/shared_a.py)
     pdl: bool = _setting("pdl")  # Inductor's Triton kernels launch dependents early (triton.enable_pdl)
+    keep_m1_mm: bool = _setting("m1mm")  # M = 1 mm's stay mm's under coordinate descent (gemm/m1.py)
 
     def tag(self) -> str:
         return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))

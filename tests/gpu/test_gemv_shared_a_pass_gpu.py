@@ -1,6 +1,7 @@
 """enable(group_gemv=True) end to end on the H200: torch.compile of q/k/v-like projections sharing
 one decode activation runs one gemv_shared_a call (inductor/gemm/shared_a.py), matching an fp32
-eager reference; without the switch the code has no such call."""
+eager reference; without the switch the code has no such call; at batch 1 under coordinate descent only with
+enable(keep_m1_mm=True)."""
 
 import pytest
 import torch
@@ -77,3 +78,19 @@ def test_fp32_and_large_m_are_left_to_inductor():
         _, m32_codes = run_and_get_code(torch.compile(module),
                                         torch.randn(32, K, device="cuda", dtype=torch.bfloat16))
     assert OP_CALL not in "\n".join(fp32_codes) and OP_CALL not in "\n".join(m32_codes)
+
+
+def test_under_coordinate_descent_batch_1_is_grouped_only_with_keep_m1_mm():
+    torch.manual_seed(0)
+    module = Projections((4096, 1024, 1024)).to("cuda", torch.bfloat16)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    codes = {}
+    for keep in (False, True):
+        torch._dynamo.reset()
+        with inductor_cute.enable(keep_m1_mm=keep), inductor_config.patch(coordinate_descent_tuning=True):
+            outs, code = run_and_get_code(torch.compile(module), x)
+        codes[keep] = "\n".join(code)
+        for out, ref in zip(outs, reference(module, x)):
+            torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+    assert OP_CALL not in codes[False]  # Inductor's mul + sum reductions
+    assert codes[True].count(OP_CALL) == 1
