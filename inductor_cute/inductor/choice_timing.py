@@ -8,13 +8,14 @@ timed, 64.6 us in the step; the 8x4096x4096 GEMM 27 us timed, 12 us in the step)
 constant factor: the K projection's pick took 18-19 us in the step where the V projection's,
 an equal GEMM, took 11.
 
-With enable(), every choice `select_algorithm` benchmarks is timed the way a CUDA-graph step runs
-it instead: `calls` calls, each after a read of a buffer twice the L2 size (so L2 holds clean
+With enable(), every choice `select_algorithm` benchmarks, every fusion the scheduler benchmarks
+and every config a Triton kernel compares at its first call (`CachingAutotuner.bench`: run-time
+tuning, coordinate descent) is timed the way a CUDA-graph step runs it instead: `calls` calls, each after a read of a buffer twice the L2 size (so L2 holds clean
 lines and the call reads its operands from memory, as in a model whose weights exceed L2), are
 captured in one CUDA graph; a second graph holds the reads alone; a call's time is the difference
 of the two replays' median times over `calls`. Replays launch once, so host cost, which a CUDA-graph
-step does not pay, does not enter. A callable that cannot be captured (it synchronizes, or a
-capture is already under way) is timed by Inductor's benchmarker as before.
+step does not pay, does not enter. A callable that cannot be captured (it synchronizes, its first
+call raises, or a capture is already under way) is timed by Inductor's benchmarker as before.
 """
 
 from __future__ import annotations
