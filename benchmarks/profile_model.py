@@ -19,7 +19,7 @@ import time
 import torch
 
 from inductor_cute.bench.profile import (boundary_gaps, busy_us, device_us_per_call, idle_and_overlap_us,
-                                         kernel_timeline, times_by_kernel, top_kernels)
+                                         kernel_timeline, split_gaps, times_by_kernel, top_kernels)
 
 
 def profile(step, forward, steps: int):
@@ -44,10 +44,9 @@ def report(name: str, wall: float, timeline: list, steps: int) -> str:
     idle, overlap = idle_and_overlap_us(timeline)
     lines.append(f"-- between kernels: {idle / steps:.1f} us/step idle, {overlap / steps:.1f} overlapped (early PDL "
                  f"starts)\n{'idle us':>9} {'overlap us':>10} {'gaps':>6}  boundary (per step)")
-    gaps = boundary_gaps(timeline)
-    for (before, after), g in sorted(gaps.items(), key=lambda kv: -sum(max(x, 0) for x in kv[1])):
-        lines.append(f"{sum(max(x, 0) for x in g) / steps:9.1f} {-sum(min(x, 0) for x in g) / steps:10.1f} "
-                     f"{len(g) / steps:6.1f}  {before} -> {after}")
+    by_boundary = {pair: (*split_gaps(g), len(g)) for pair, g in boundary_gaps(timeline).items()}
+    for (before, after), (b_idle, b_overlap, n) in sorted(by_boundary.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"{b_idle / steps:9.1f} {b_overlap / steps:10.1f} {n / steps:6.1f}  {before} -> {after}")
     return "\n".join(lines)
 
 

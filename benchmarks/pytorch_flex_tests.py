@@ -50,7 +50,7 @@ def pytest_configure(config):
 
     inductor_cute.enable(flex_decode=True, flex_prefill=os.environ.get("ICUTE_PT_PREFILL") == "1")
     # one file for every worker: each record is one small append, whole on its own line
-    record_path = f"{os.environ['ICUTE_PT_DECISIONS']}.jsonl"
+    record_path = os.environ["ICUTE_PT_DECISIONS"]
     call_reason = lowering._call_reason
 
     def recording(problem, query, key):
@@ -101,9 +101,9 @@ def _run(path: str, mode: str, out: str, args) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, ICUTE_PT_MODE=mode, ICUTE_PT_PREFILL="1" if args.prefill else "0",
                ICUTE_PT_GRAD="1" if args.with_grad else "0",
-               ICUTE_PT_DECISIONS=os.path.join(out, f"{_stem(path)}-decisions"),
+               ICUTE_PT_DECISIONS=_decisions_path(out, _stem(path)),
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    junit = os.path.join(out, f"{_stem(path)}-{mode}.xml")
+    junit = _junit_path(out, _stem(path), mode)
     cmd = [sys.executable, "-m", "pytest", path, "-p", "pytorch_flex_tests", "-q", "-p", "no:cacheprovider",
            f"--junitxml={junit}", "-n", str(args.n)] + (["-k", args.k] if args.k else [])
     with open(os.path.join(out, f"{_stem(path)}-{mode}.log"), "w") as log:
@@ -114,8 +114,17 @@ def _stem(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
 
+def _junit_path(out: str, stem: str, mode: str) -> str:
+    return os.path.join(out, f"{stem}-{mode}.xml")
+
+
+def _decisions_path(out: str, stem: str) -> str:
+    """The enabled run's decisions, one JSON line each (the plugin's ICUTE_PT_DECISIONS)."""
+    return os.path.join(out, f"{stem}-decisions.jsonl")
+
+
 def _decisions(out: str, stem: str) -> list:
-    path = os.path.join(out, f"{stem}-decisions.jsonl")
+    path = _decisions_path(out, stem)
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -160,9 +169,9 @@ def main() -> None:
     for mode in args.modes.split(","):
         if mode == "enabled":  # this run's decisions only
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(args.out, f"{stem}-decisions.jsonl"))
+                os.remove(_decisions_path(args.out, stem))
         _run(args.test_file, mode, args.out, args)
-    stock, enabled = (_outcomes(os.path.join(args.out, f"{stem}-{mode}.xml")) for mode in ("stock", "enabled"))
+    stock, enabled = (_outcomes(_junit_path(args.out, stem, mode)) for mode in ("stock", "enabled"))
     text = summary(stem, stock, enabled, _decisions(args.out, stem))
     with open(os.path.join(args.out, f"{stem}-summary.md"), "w") as f:
         f.write(text)

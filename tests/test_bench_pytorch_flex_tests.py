@@ -48,7 +48,7 @@ def test_plugin_records_each_flex_call_and_runs_tests_without_grad(tmp_path):
             out = torch.compile(flex_attention)(q, q, q)
             assert out.shape == q.shape
     """))
-    env = dict(os.environ, ICUTE_PT_MODE="enabled", ICUTE_PT_DECISIONS=str(tmp_path / "d"),
+    env = dict(os.environ, ICUTE_PT_MODE="enabled", ICUTE_PT_DECISIONS=str(tmp_path / "d.jsonl"),
                PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
     run = subprocess.run([sys.executable, "-m", "pytest", str(test), "-p", "pytorch_flex_tests", "-q",
                           "-p", "no:cacheprovider"], env=env, capture_output=True, text=True, timeout=600)

@@ -67,7 +67,11 @@ def family(name: str) -> str:
 def idle_and_overlap_us(timeline: list[Launch]) -> tuple[float, float]:
     """Idle time at kernel boundaries (positive gaps) and overlap of early starts (negative gaps,
     PDL), apart: summed together, one would cancel the other."""
-    gaps = [g for gs in boundary_gaps(timeline).values() for g in gs]
+    return split_gaps([g for gs in boundary_gaps(timeline).values() for g in gs])
+
+
+def split_gaps(gaps: list[float]) -> tuple[float, float]:
+    """(idle, overlap) of some boundary gaps: the positive ones summed, the negative ones' size."""
     return sum(g for g in gaps if g > 0), -sum(g for g in gaps if g < 0)
 
 

@@ -10,8 +10,9 @@ an equal GEMM, took 11.
 
 With enable(), every choice `select_algorithm` benchmarks, every fusion the scheduler benchmarks
 and every config a Triton kernel compares at its first call (`CachingAutotuner.bench`: run-time
-tuning, coordinate descent) is timed the way a CUDA-graph step runs it instead: `calls` calls, each after a read of a buffer twice the L2 size (so L2 holds clean
-lines and the call reads its operands from memory, as in a model whose weights exceed L2), are
+tuning, coordinate descent) is timed the way a CUDA-graph step runs it instead: `calls` calls,
+each after a read of a buffer twice the L2 size (so L2 holds clean lines and the call reads its
+operands from memory, as in a model whose weights exceed L2), are
 captured in one CUDA graph; a second graph holds the reads alone; a call's time is the difference
 of the two replays' median times over `calls`. Replays launch once, so host cost, which a CUDA-graph
 step does not pay, does not enter. A callable that cannot be captured (it synchronizes, its first

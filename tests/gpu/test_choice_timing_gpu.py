@@ -19,6 +19,20 @@ def on_side_stream(fn, stock):
         return choice_timing.graph_time_ms(fn, stock)
 
 
+@pytest.fixture
+def graph_timed(monkeypatch):
+    """Every callable graph_time_ms times from now on (it still times them)."""
+    timed = []
+    real = choice_timing.graph_time_ms
+
+    def counting(fn, stock):
+        timed.append(fn)
+        return real(fn, stock)
+
+    monkeypatch.setattr(choice_timing, "graph_time_ms", counting)
+    return timed
+
+
 def test_a_kernel_is_timed_in_graphs():
     # how close the graph timing comes to a model's step is measured by benchmarks/autotune_timing.py
     src = torch.randn(16 << 20, device="cuda")
@@ -63,15 +77,8 @@ def test_on_the_default_stream_or_for_a_call_on_another_stream_it_falls_back():
     assert on_side_stream(elsewhere, lambda fn: 42.0) == 42.0
 
 
-def test_max_autotune_with_enable_times_choices_in_graphs_and_is_right(monkeypatch):
-    timed = []
-    real = choice_timing.graph_time_ms
-
-    def counting(fn, stock):
-        timed.append(fn)
-        return real(fn, stock)
-
-    monkeypatch.setattr(choice_timing, "graph_time_ms", counting)
+def test_max_autotune_with_enable_times_choices_in_graphs_and_is_right(graph_timed):
+    timed = graph_timed
     stock_before = choice_timing.counts["stock"]
     torch._dynamo.reset()
     a = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
@@ -88,17 +95,10 @@ def test_max_autotune_with_enable_times_choices_in_graphs_and_is_right(monkeypat
     assert choice_timing.counts["stock"] == stock_before  # Triton's, cuBLAS's and ours all captured
 
 
-def test_a_triton_kernels_run_time_config_pick_is_timed_in_graphs(monkeypatch):
+def test_a_triton_kernels_run_time_config_pick_is_timed_in_graphs(graph_timed):
     # an 8 x 4096 RMSNorm-like reduction: several configs and coordinate descent, tuned at its
     # first call (CachingAutotuner.bench), in the user's process on the default stream
-    timed = []
-    real = choice_timing.graph_time_ms
-
-    def counting(fn, stock):
-        timed.append(fn)
-        return real(fn, stock)
-
-    monkeypatch.setattr(choice_timing, "graph_time_ms", counting)
+    timed = graph_timed
     torch._dynamo.reset()
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)

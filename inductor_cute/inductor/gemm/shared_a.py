@@ -1,14 +1,15 @@
-"""One launch for the decode GEMMs that share their activation: an opt-in post-grad graph pass
-(enable(group_gemv=True)) that replaces the q/k/v (or gate/up) `mm(x, w.t())` nodes of one x by one
-call of `torch.ops.inductor_cute.gemv_shared_a(x, [w, ...])`, the custom op of
-ops.gemv_shared_a (host/gemm.py). Inductor emits the op as an extern fallback call.
+"""One launch for the decode GEMMs that share their activation: a post-grad graph pass (on with
+enable() unless the user has a post-grad pass of their own; enable(group_gemv=False) turns it off)
+that replaces the q/k/v (or gate/up) `mm(x, w.t())` nodes of one x by one call of
+`torch.ops.inductor_cute.gemv_shared_a(x, [w, ...])`, the custom op of ops.gemv_shared_a
+(host/gemm.py). Inductor emits the op as an extern fallback call.
 
 A group is 2 or 3 mm's, in graph order, of one x (M <= 16 static rows, K-major, bf16/fp16, on
 CUDA) against the transposes of contiguous (N_i, K) graph inputs or constants, with sizes the
-grouped GEMV takes (gemv_config.unsupported_reason) and weights of at most MAX_WEIGHT_BYTES. Anything else, symbolic sizes included, is
-left as it is. "One x" is one node, or views of one node to one shape: Inductor's decomposition of
-a 3-D linear gives each projection its own reshape of the hidden states, and the post-grad graph
-keeps them apart.
+grouped GEMV takes (gemv_config.unsupported_reason) and weights of at most MAX_WEIGHT_BYTES.
+Anything else, symbolic sizes included, is left as it is. "One x" is one node, or views of one
+node to one shape: Inductor's decomposition of a 3-D linear gives each projection its own reshape
+of the hidden states, and the post-grad graph keeps them apart.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ MAX_WEIGHT_BYTES = 64 << 20
 # ---------------------------------------------------------------------------- the custom op
 
 # A plain Library, as the flex ops (flex/lowering.py says why); importing this module registers it,
-# and enable(group_gemv=True) imports it, so output code from Inductor's FX cache finds the op.
+# and enable() with grouping on imports it, so output code from Inductor's FX cache finds the op.
 SCHEMA = "gemv_shared_a(Tensor a, Tensor[] weights) -> Tensor[]"
 _LIBRARY = torch.library.Library("inductor_cute", "FRAGMENT")  # owns the registrations while imported
 _LIBRARY.define(SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
@@ -185,7 +186,7 @@ def group_shared_a_mms(graph: torch.fx.Graph) -> int:
 
 
 class GroupGemvPass(CustomGraphPass):
-    """enable(group_gemv=True)'s `config.post_grad_custom_post_pass`; its uuid (this module's
+    """The `config.post_grad_custom_post_pass` of enable() with grouping on; its uuid (this module's
     source) enters the FX graph cache key."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
