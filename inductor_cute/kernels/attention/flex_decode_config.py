@@ -198,20 +198,22 @@ def num_splits(batch: int, kv_heads: int, row_tiles: int, kv_len: int, kv_block:
                num_sms: int = DEFAULT_SM_COUNT) -> int:
     """KV splits per (batch, KV head, row tile), chosen at run time from the problem size.
 
-    Every SM should stream K/V: take at least enough splits for one CTA per SM, then among the
-    candidates minimise waves x (blocks per split + 1), the time model of a kernel that keeps
-    one CTA per SM busy streaming (the +1 stands for a CTA's fixed cost: Q load, pipeline fill,
-    writing partials). Splits never get fewer than MIN_BLOCKS_PER_SPLIT blocks.
+    Among 1 to `most` splits, minimise waves x (blocks per split + 1), the time model of a kernel
+    that keeps one CTA per SM busy streaming (the +1 stands for a CTA's fixed cost: Q load,
+    pipeline fill, writing partials). One round of CTAs that leaves a few SMs idle beats two
+    rounds that fill them all: measured at Llama-3.1-8B decode shapes (benchmarks/
+    sweep_flex_splits.py, perf notes, twelfth session), 16 splits (128 CTAs) took 38.7 us against
+    47.7 for 32 (256 CTAs) at B1 KV32768, and 2 splits 68.6 against 70.8 for 4 at B8 KV8192.
+    Splits never get fewer than MIN_BLOCKS_PER_SPLIT blocks.
     """
     blocks = max(1, -(-kv_len // kv_block))
     base = max(1, batch * kv_heads * row_tiles)
     most = max(1, min(MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT))
-    least = min(most, -(-num_sms // base))
 
     def cost(s):
         return -(-base * s // num_sms) * (-(-blocks // s) + 1)
 
-    return min(range(least, most + 1), key=lambda s: (cost(s), s))
+    return min(range(1, most + 1), key=lambda s: (cost(s), s))
 
 
 KERNEL_MODULE = "inductor_cute.kernels.attention.flex_decode_sm90"
