@@ -122,3 +122,48 @@ def test_opt_in_switches_named_in_the_environment_join_each_phases_enable_kwargs
     monkeypatch.setenv("INDUCTOR_CUTE_MODEL_ENABLE", " group_gemv, flex_prefill ")
     assert models.enable_kwargs("decode") == {"group_gemv": True, "flex_prefill": True}
     assert models.enable_kwargs("train") == {"flex_prefill": True, "flex_backward": True, "group_gemv": True}
+
+
+def test_our_kernel_calls_count_the_grouped_decode_gemv():
+    code = ("buf2 = torch.ops.inductor_cute.gemv_shared_a.default(reinterpret_tensor(buf1, (1, 64), (0, 1), 0), "
+            "[arg4_1, arg5_1])\n"
+            "buf3 = buf2[0]\n")
+    assert M.our_kernel_calls(code) == 1
+
+
+def _late_runners(model, step, poison_after: int | None = None):
+    """An eager runner and a 'compiled' one (the same forward) that returns NaN logits from its
+    `poison_after`-th call on: a fault that shows only after many steps."""
+    calls = [0]
+
+    def compiled(*args, **kwargs):
+        out = model.forward(*args, **kwargs)
+        calls[0] += 1
+        if poison_after is not None and calls[0] > poison_after:
+            out.logits.fill_(float("nan"))
+        return out
+
+    return {"aten": lambda: M._run_step(step, model.forward), "inductor_cute": lambda: M._run_step(step, compiled)}
+
+
+def test_late_agreement_compares_each_runner_with_eager_at_the_same_positions():
+    model = _tiny("llama3-8b")
+    step = M.DecodeStep(model, batch=2, kv=64, device="cpu")
+    runners = _late_runners(model, step)
+    for _ in range(5):  # "timing": the steps walk on and write the cache
+        runners["inductor_cute"]()
+    note = M.late_agreement(step, runners)
+    assert note.startswith(f"late logits rel err at positions {step.first}/62: inductor_cute ")
+    assert "0.00e+00/0.00e+00" in note and "MISMATCH" not in note
+    assert runners["inductor_cute"] is not None and step.pos == step.first  # rewound for the next check
+
+
+def test_late_agreement_disqualifies_a_runner_whose_logits_turn_non_finite():
+    model = _tiny("llama3-8b")
+    step = M.DecodeStep(model, batch=2, kv=64, device="cpu")
+    runners = _late_runners(model, step, poison_after=3)
+    for _ in range(3):
+        assert torch.isfinite(runners["inductor_cute"]()).all()  # fine at first, as at compile time
+    note = M.late_agreement(step, runners)
+    assert "inductor_cute nan/nan" in note and "MISMATCH: inductor_cute gave non-finite logits" in note
+    assert runners["inductor_cute"] is None

@@ -1,7 +1,8 @@
 """bench/profile.py's arithmetic on kernel timelines (what torch.profiler's CUDA events give): the
 time kernels cover, with overlapping (PDL) launches counted once, and the gaps at each boundary."""
 
-from inductor_cute.bench.profile import Launch, boundary_gaps, busy_us, family, idle_and_overlap_us, times_by_kernel
+from inductor_cute.bench.profile import (Launch, boundary_gaps, busy_us, count_syncs, family, host_gaps_us,
+                                         idle_and_overlap_us, times_by_kernel)
 
 OURS = "kernel_cutlass_split_kernel_inductor_cute_flex_decode"
 CUBLAS = "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT"
@@ -35,3 +36,18 @@ def test_a_kernel_inside_a_longer_one_keeps_the_longer_ones_end_and_long_gaps_ar
                 Launch(OURS, 200.0, 201.0)]  # the next call, after the host's gap
     assert busy_us(timeline) == 12.0
     assert boundary_gaps(timeline) == {("cute", "triton"): [-8.0], ("cute", "cublas"): [1.0]}
+
+
+def test_the_hosts_gaps_are_the_long_ones_boundary_gaps_leaves_out():
+    timeline = [Launch(OURS, 0.0, 10.0), Launch(TRITON, 2.0, 4.0), Launch(CUBLAS, 11.0, 12.0),
+                Launch(OURS, 200.0, 201.0), Launch(TRITON, 201.5, 202.0), Launch(OURS, 300.0, 301.0)]
+    assert host_gaps_us(timeline) == (200.0 - 12.0) + (300.0 - 202.0)
+    assert host_gaps_us(timeline, max_gap_us=100.0) == 188.0
+    assert host_gaps_us(timeline[:3]) == 0.0
+
+
+def test_syncs_are_counted_by_event_name():
+    names = ["aten::mm", "cudaLaunchKernel", "aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize",
+             "cudaDeviceSynchronize", "cudaGraphLaunch"]
+    assert count_syncs(names) == 3
+    assert count_syncs([]) == 0

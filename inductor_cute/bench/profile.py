@@ -89,6 +89,41 @@ def boundary_gaps(timeline: list[Launch], max_gap_us: float = 50.0) -> dict[tupl
     return gaps
 
 
+def host_gaps_us(timeline: list[Launch], max_gap_us: float = 50.0) -> float:
+    """The idle time boundary_gaps leaves out: gaps longer than `max_gap_us`, where the device
+    waited for the host between calls (e.g. after a sync, the next call's first launch)."""
+    total, reach = 0.0, None
+    for k in timeline:
+        if reach is not None and k.start - reach > max_gap_us:
+            total += k.start - reach
+        if reach is None or k.end >= reach:
+            reach = k.end
+    return total
+
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+def count_syncs(names) -> int:
+    """How many of these profiler event names make the host wait for the device (a sync, or
+    `.item()`'s aten::_local_scalar_dense, which syncs inside)."""
+    return sum(1 for name in names if name in SYNC_EVENTS)
+
+
+def host_syncs_per_call(fn, calls: int = 5) -> float:
+    """Host waits for the device per fn() call (count_syncs over a CPU profile of `calls` warm
+    calls, less the one synchronize that ends the profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return (count_syncs(e.name for e in prof.events()) - 1) / calls
+
+
 def device_us_per_call(kernels: dict[str, list[float]], calls: int) -> float:
     """Sum of kernel durations per call (overlapping PDL launches count twice: see busy_us)."""
     return sum(sum(times) for times in kernels.values()) / calls

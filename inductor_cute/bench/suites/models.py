@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..case import Case, named
-from ..profile import busy_us, idle_and_overlap_us, kernel_timeline
+from ..profile import busy_us, host_gaps_us, host_syncs_per_call, idle_and_overlap_us, kernel_timeline
 from . import moe_block
 from .grouped_gemm import GROUPED_CALL
 
@@ -156,6 +156,14 @@ class DecodeStep:
         """Rewind to the first position (a deterministic step to compare runners on)."""
         self._set(self.first)
 
+    def late_positions(self) -> tuple[int, int]:
+        """Where runners are compared again after timing: the first position, and the last one a
+        step reaches (in the cache's last block, where a block mask's lists are longest)."""
+        return self.first, self.kv - 2
+
+    def at(self, pos: int) -> None:
+        self._set(pos)
+
 
 class TrainStep:
     """One training step on `tokens` tokens per sequence: the causal LM loss on the input ids
@@ -252,12 +260,16 @@ def wall_us(fns: dict, calls: int = 10, rounds: int = 5, warmup: int = 3) -> dic
     return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
 
 
+SHARED_A_CALL = "torch.ops.inductor_cute.gemv_shared_a.default("  # the grouped decode GEMV (shared_a pass)
+
+
 def our_kernel_calls(code: str) -> int:
     """Call sites of our kernels in Inductor's output code."""
     return (code.count("inductor_cute.inductor.gemm.runtime.GemmLauncher(")  # one definition per GEMM call site
             + sum(code.count(f"inductor_cute.inductor.flex.runtime.{name}(")
                   for name in ("FlexDecodeLauncher", "FlexPrefillLauncher", "FlexBackwardLauncher"))
-            + code.count(GROUPED_CALL))
+            + code.count(GROUPED_CALL)
+            + code.count(SHARED_A_CALL))
 
 
 def _compile(step, mode: str, ours: bool, enable_kwargs: dict | None = None):
@@ -331,6 +343,8 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
         notes.append(f"{backend}: cold compile {seconds:.1f} s, {what}, "
                      f"{our_kernel_calls(code)} call site(s) of our kernels")
     times = wall_us(runners)
+    if phase == "decode":
+        notes.append(late_agreement(step, runners))
     notes.append(device_note(runners))
     new = batch * (1 if phase == "decode" else tokens)
     notes.append("tokens/s " + ", ".join(f"{k} {new / t * 1e6:.0f}" for k, t in times.items()))
@@ -339,15 +353,47 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
                 wall_times_us=times)
 
 
+def late_agreement(step: DecodeStep, runners: dict) -> str:
+    """After timing (hundreds of steps, CUDA graphs replayed), each compiled runner's logits against
+    eager's at the same positions (late_positions): a fault that shows only in replays or at
+    other positions (a stale block list, an unwritten workspace) shows here; the logits of the
+    first step, compared at compile time, cannot show it. A step at position p reads the cache
+    below p, which no step of this check writes, and writes slot p: every runner sees the same
+    cache. A runner with non-finite logits is disqualified (its runner dropped, MISMATCH noted)."""
+    errors = {backend: [] for backend in runners if backend != "aten"}
+    for pos in step.late_positions():
+        step.at(pos)
+        ref = runners["aten"]().float()
+        for backend in errors:
+            step.at(pos)
+            out = runners[backend]().float()
+            finite = bool(torch.isfinite(out).all())
+            errors[backend].append(_agreement(out, ref) if finite else float("nan"))
+    step.reference_inputs()
+    parts, bad = [], []
+    for backend, errs in errors.items():
+        parts.append(f"{backend} " + "/".join(f"{e:.2e}" for e in errs))
+        if any(e != e for e in errs):  # NaN: non-finite logits
+            bad.append(backend)
+            runners[backend] = None
+    note = f"late logits rel err at positions {'/'.join(map(str, step.late_positions()))}: " + ", ".join(parts)
+    return note + "".join(f"; MISMATCH: {b} gave non-finite logits after timing" for b in bad)
+
+
 def device_note(runners: dict, calls: int = 5) -> str:
     """Per step and runner: the time its kernels cover (a wall time above it is the host's or the
-    boundaries'), the idle time between consecutive kernels, and the overlap of early (PDL) starts."""
+    boundaries'), the idle time between consecutive kernels, the overlap of early (PDL) starts,
+    the device's idle time between steps (gaps over 50 us: waiting on the host) and the host's
+    syncs per step (which make the device wait for the next step's launches)."""
     parts = []
     for k, fn in runners.items():
+        if fn is None:  # disqualified
+            continue
         timeline = kernel_timeline(fn, calls)
         idle, overlap = idle_and_overlap_us(timeline)
         parts.append(f"{k} {busy_us(timeline) / calls:.0f} ({idle / calls:.0f} idle between kernels, "
-                     f"{overlap / calls:.0f} overlapped)")
+                     f"{overlap / calls:.0f} overlapped, {host_gaps_us(timeline) / calls:.0f} waiting on the "
+                     f"host between steps, {host_syncs_per_call(fn, calls):.1f} host syncs per step)")
     return "device us/step " + ", ".join(parts)
 
 
