@@ -29,6 +29,11 @@ VARIANTS = {
     "epilogue-program": (GemmProblem("bfloat16", "bfloat16", "k", "k", True, True, epilogue=PROGRAM),
                          GemvConfig(4, 512, 4, 2)),
     "8-warps-8-stages": (BF16, GemvConfig(8, 512, 8, 2)),
+    # wide steps: each thread copies 2 or 4 K-adjacent vectors per W row and stage
+    "wide-2-m16": (BF16, GemvConfig(8, 1024, 6, 2, vecs=2)),
+    "wide-2-m8": (BF16, GemvConfig(8, 4096, 6, 1, vecs=2)),
+    "wide-2-bias-silu": (GemmProblem("bfloat16", "bfloat16", "k", "k", True, False, "silu"),
+                         GemvConfig(4, 512, 4, 1, vecs=2)),
 }
 
 
@@ -51,6 +56,8 @@ def compiled(request):
 
 def test_single_weight_ptx_is_unchanged(compiled, request):
     name = request.node.callspec.params["compiled"]
+    if name not in SINGLE_WEIGHT_PTX:
+        pytest.skip("a wide-step variant: no pinned PTX")
     assert ptx_fingerprint(compiled.ptx) == SINGLE_WEIGHT_PTX[name], f"{name}: the one-weight kernel's PTX changed"
 
 
@@ -84,11 +91,33 @@ def test_ptxas_reports_no_spills_and_fits_the_register_cap(compiled):
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= MAX_REGISTERS
 
 
-def test_token_tiles_issue_one_mma_pair_each():
-    for name, pairs in (("bf16-m8", 1), ("bf16-m16", 2)):
+def test_token_tiles_issue_one_mma_pair_each_per_vector():
+    for name, pairs in (("bf16-m8", 1), ("bf16-m16", 2), ("wide-2-m16", 2 * 2), ("wide-2-m8", 2)):
         problem, config = VARIANTS[name]
         ptx = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True).ptx
         assert ptx.count("mma.sync.aligned") == 2 * pairs
+
+
+def test_wide_steps_copy_k_adjacent_vectors_per_row():
+    # the same config at 1 and 2 vectors: the A slice's copies are the same (it holds k_slice
+    # either way), and each of the stages - 1 prologue stages and the mainloop's refill copy
+    # 2 rows x vecs W vectors
+    def copies(cfg):
+        ptx = compile_spec(spec(BF16, cfg), "sm_90a", keep_ptx=True).ptx
+        return ptx.count("cp.async.cg.shared.global")
+
+    one, two = GemvConfig(8, 4096, 6, 1), GemvConfig(8, 4096, 6, 1, vecs=2)
+    assert copies(two) - copies(one) == 2 * one.stages
+
+
+def test_wide_step_configs_keep_their_old_specs_at_one_vector():
+    assert "vecs" not in GemvConfig().as_params() and GemvConfig(vecs=2).as_params()["vecs"] == 2
+    assert spec(BF16, GemvConfig(vecs=2)).name != spec(BF16, GemvConfig()).name
+    assert GemvConfig(8, 1024, 6, 2, vecs=2).describe() == "gemv w8 k1024 s6 m16 v2"
+    from inductor_cute.kernels.gemm.family import as_tuple, from_tuple
+
+    for cfg in (GemvConfig(), GemvConfig(8, 1024, 6, 2, vecs=2)):
+        assert from_tuple(as_tuple(cfg)) == cfg
 
 
 def test_problems_outside_the_kernel_are_named():
@@ -111,6 +140,8 @@ def test_invalid_configs_are_named():
     assert "shared memory" in unsupported_reason(BF16, GemvConfig(k_slice=8192, m_tiles=2))
     assert "m_tiles=2" in unsupported_reason(BF16, GemvConfig(m_tiles=1), m=9)
     assert "splits" in unsupported_reason(BF16, GemvConfig(k_slice=32), k=4096)
+    assert "vecs" in unsupported_reason(BF16, GemvConfig(vecs=4))
+    assert "multiple of 64" in unsupported_reason(BF16, GemvConfig(k_slice=96, vecs=2))
 
 
 DECODE = [(16, 4096, 4096), (8, 14336, 4096), (8, 6144, 4096), (8, 4096, 14336), (1, 4096, 4096)]

@@ -22,7 +22,10 @@ TOKENS = (1, 2, 7, 8, 16)
 NK = [(8, 8), (8, 1000), (1000, 8), (1000, 1000), (4096, 4096), (14336, 4096), (4096, 14336)]
 # configs that force many splits with a ragged K tail, one-step slices, and the 8-warp CTA
 FORCED = {"k32": GemvConfig(4, 32, 2, 2), "k96-s3": GemvConfig(4, 96, 3, 1), "w8-s8": GemvConfig(8, 512, 8, 2),
-          "w1": GemvConfig(1, 256, 4, 1)}
+          "w1": GemvConfig(1, 256, 4, 1),
+          # wide steps (2 K-adjacent vectors per thread and row): many splits with ragged K tails,
+          # and the shape the H200 sweep is to try at large N
+          "v2-k64": GemvConfig(4, 64, 2, 2, vecs=2), "v2-w8-s6": GemvConfig(8, 1024, 6, 2, vecs=2)}
 PROGRAM = dumps([["v0", "add", "acc", "row"], ["v1", "mul", "full", 0.5], ["v2", "add", "v0", "v1"],
                  ["v3", "sigmoid", "v2"]])
 

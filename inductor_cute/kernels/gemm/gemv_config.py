@@ -39,20 +39,33 @@ class GemvConfig:
     k_slice: int = 512  # K elements per CTA; K > k_slice splits K over CTAs
     stages: int = 4  # cp.async ring depth: 32 bytes of W per thread and stage in flight
     m_tiles: int = 1  # 8 tokens per tile (the mma.sync N); 2 covers M up to 16
+    # 16-byte vectors each thread copies per W row and stage, K-adjacent: a warp's copies of one
+    # row are 64 * vecs contiguous bytes (a stage covers K_STEP * vecs of K)
+    vecs: int = 1
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
     @property
+    def k_step(self) -> int:
+        """K elements one stage covers."""
+        return K_STEP * self.vecs
+
+    @property
     def n_block(self) -> int:
         return 16 * self.warps
 
     def as_params(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, vecs left out at 1 (so the configs that predate it keep their kernel specs)."""
+        params = dataclasses.asdict(self)
+        if self.vecs == 1:
+            del params["vecs"]
+        return params
 
     def describe(self) -> str:
-        return f"gemv w{self.warps} k{self.k_slice} s{self.stages} m{8 * self.m_tiles}"
+        wide = f" v{self.vecs}" if self.vecs > 1 else ""
+        return f"gemv w{self.warps} k{self.k_slice} s{self.stages} m{8 * self.m_tiles}{wide}"
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -60,8 +73,9 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def smem_bytes(cfg: GemvConfig, ab_bytes: int = 2) -> int:
-    """W ring (two 16-byte vectors per thread and stage), the A slice, and a 16-byte flag."""
-    ring = cfg.stages * cfg.threads * 2 * 16
+    """W ring (two rows of `vecs` 16-byte vectors per thread and stage), the A slice, and a
+    16-byte flag."""
+    ring = cfg.stages * cfg.threads * 2 * 16 * cfg.vecs
     a_slice = 8 * cfg.m_tiles * cfg.k_slice * ab_bytes
     return ring + a_slice + 16
 
@@ -112,8 +126,10 @@ def _config_reason(c: GemvConfig, p: GemmProblem, m: int | None, k: int | None) 
         return "warps must be 1, 2, 4 or 8"
     if c.m_tiles not in (1, 2):
         return "m_tiles must be 1 (M <= 8) or 2 (M <= 16)"
-    if c.k_slice % K_STEP or c.k_slice < K_STEP:
-        return f"k_slice must be a positive multiple of {K_STEP}"
+    if c.vecs not in (1, 2):  # 4 spills at the register cap (ptxas, CuTe DSL 4.8.1)
+        return "vecs must be 1 or 2"
+    if c.k_slice % c.k_step or c.k_slice < c.k_step:
+        return f"k_slice must be a positive multiple of {c.k_step} (K_STEP * vecs)"
     if c.stages < 2:
         return "at least 2 pipeline stages"
     need = smem_bytes(c, ELEMENT_BYTES[p.dtype_name])

@@ -13,6 +13,9 @@ Design:
     lane (g = lane / 4, t = lane % 4) takes 8 *consecutive* K elements, one 16-byte vector, of W
     rows g and g + 8 and of A row g, for every 32 K; the first 4 feed one MMA's k slots
     {2t, 2t+1, 2t+8, 2t+9}, the other 4 a second MMA's. Both operands are plain vector loads.
+    With `vecs` = 2 a step is 64 K deep and each lane takes 2 K-adjacent vectors per row (vectors
+    2t and 2t + 1 of the step, 4 MMAs), so a warp's copies of one W row are 128 contiguous bytes,
+    a whole L2 line, rather than 64: for DRAM efficiency at large N (perf notes, twelfth session).
   * W streams through a private per-thread cp.async ring in shared memory (`stages` deep): each
     thread waits only for its own copies (cp.async.wait_group), so the mainloop has no barrier.
     The CTA's A slice (8 * m_tiles rows x k_slice) is copied to shared memory once, with the
@@ -55,7 +58,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from ..common import dependent_launch
 from .config import GemmProblem
 from .sm90 import CUTE_DTYPES, make_epilogue
-from .gemv_config import K_STEP, MAX_REGISTERS, GemvConfig, smem_bytes, unsupported_reason
+from .gemv_config import MAX_REGISTERS, GemvConfig, smem_bytes, unsupported_reason
 
 VEC = 8  # elements per 16-byte vector
 
@@ -67,12 +70,13 @@ class HopperGemv:
         self.has_bias, self.has_c, self.epilogue_fn = has_bias, has_c, epilogue_fn
         self.threads, self.n_block = cfg.threads, cfg.n_block
         self.m_pad = 8 * cfg.m_tiles
-        self.steps = cfg.k_slice // K_STEP  # pipeline steps of one full split
+        self.vecs = cfg.vecs  # 16-byte vectors per thread, W row and step, K-adjacent
+        self.steps = cfg.k_slice // cfg.k_step  # pipeline steps of one full split
         self.frag = 4 * cfg.m_tiles  # fp32 accumulators per thread
 
     def _shared_storage(self):
-        ring = self.cfg.stages * 2 * self.threads * VEC
-        a_slice = self.steps * self.m_pad * 4 * VEC
+        ring = self.cfg.stages * 2 * self.threads * VEC * self.vecs
+        a_slice = self.steps * self.m_pad * 4 * VEC * self.vecs
 
         @cute.struct
         class SharedStorage:
@@ -144,14 +148,17 @@ class HopperGemv:
         M, K = mA.shape
         N = mW.shape[0]
 
-        # W ring: (vector element, row g / g + 8, thread, stage); a warp's 32 vectors of one row
-        # half are 512 contiguous bytes, so its 16-byte accesses never conflict.
+        # W ring: (vector element, vector, row g / g + 8, thread, stage); a warp's 32 vectors of
+        # one (vector, row half) are 512 contiguous bytes, so its 16-byte accesses never conflict.
+        V = self.vecs
+        plane = VEC * self.threads
         sW = storage.sW.get_tensor(cute.make_layout(
-            (VEC, 2, self.threads, self.cfg.stages),
-            stride=(1, VEC * self.threads, VEC, 2 * VEC * self.threads)))
-        # A slice: (vector element, lane t, row, step), read by lanes (g, t) as 512 contiguous bytes
-        sA = storage.sA.get_tensor(cute.make_layout((VEC, 4, self.m_pad, self.steps),
-                                                    stride=(1, VEC, 4 * VEC, 4 * VEC * self.m_pad)))
+            (VEC, V, 2, self.threads, self.cfg.stages),
+            stride=(1, plane, V * plane, VEC, 2 * V * plane)))
+        # A slice: (vector element, vector, lane t, row, step), in K order within a row's step
+        # (lane t's vectors are K vectors t * V .. t * V + V - 1 of the step, as its W vectors)
+        sA = storage.sA.get_tensor(cute.make_layout((VEC, V, 4, self.m_pad, self.steps),
+                                                    stride=(1, VEC, V * VEC, 4 * V * VEC, 4 * V * VEC * self.m_pad)))
 
         # 16-byte vectors of the operands: (element, row, vector index along K)
         gW = cute.flat_divide(mW, (1, VEC))[(0, None, None, None)]
@@ -160,7 +167,7 @@ class HopperGemv:
                                   self.ab_dtype, num_bits_per_copy=128)
 
         step0 = split * self.steps
-        n_steps = cutlass.min(cute.ceil_div(K, K_STEP) - step0, self.steps)
+        n_steps = cutlass.min(cute.ceil_div(K, self.cfg.k_step) - step0, self.steps)
         k_vecs = K // VEC
         # this thread's two W rows; rows past N re-read row N - 1 (their outputs are dropped)
         w_blk = n_blk
@@ -170,13 +177,14 @@ class HopperGemv:
         rows = (cutlass.min(row0, N - 1), cutlass.min(row0 + 8, N - 1))
 
         # ---- prologue: the A slice rides in the first group, with W step 0
-        a_vecs = self.steps * self.m_pad * 4
+        a_vecs = self.steps * self.m_pad * 4 * V
         for i in cutlass.range_constexpr(-(-a_vecs // self.threads)):
             v = tidx + i * self.threads
             if v < a_vecs:
-                vt, vrow, vstep = v % 4, (v // 4) % self.m_pad, v // (4 * self.m_pad)
-                kv = (step0 + vstep) * (K_STEP // VEC) + vt
-                dst = sA[(None, vt, vrow, vstep)]
+                # consecutive v: consecutive K vectors of one row's step, then rows, then steps
+                vk, vrow, vstep = v % (4 * V), (v // (4 * V)) % self.m_pad, v // (4 * V * self.m_pad)
+                kv = (step0 + vstep) * (4 * V) + vk
+                dst = sA[(None, vk % V, vk // V, vrow, vstep)]
                 if kv < k_vecs:
                     cute.copy(g2s, gA[(None, cutlass.min(vrow, M - 1), kv)], dst)
                 else:
@@ -188,32 +196,32 @@ class HopperGemv:
         cute.arch.cp_async_wait_group(self.cfg.stages - 2)
         cute.arch.sync_threads()  # every thread's share of the A slice has landed
 
-        # ---- mainloop: one 32-deep K step per iteration, no barrier
-        rW = cute.make_rmem_tensor(cute.make_layout((VEC, 2)), self.ab_dtype)
-        rA = cute.make_rmem_tensor(cute.make_layout((VEC, self.cfg.m_tiles)), self.ab_dtype)
+        # ---- mainloop: one K step (32 * vecs deep) per iteration, no barrier
+        rW = cute.make_rmem_tensor(cute.make_layout((VEC, V, 2)), self.ab_dtype)
+        rA = cute.make_rmem_tensor(cute.make_layout((VEC, V, self.cfg.m_tiles)), self.ab_dtype)
         acc = cute.make_rmem_tensor(cute.make_layout(self.frag), Float32)
         acc.fill(0.0)
-        # register views in mma.sync fragment order (see the module docstring): MMA j of a step
-        # takes elements 4j..4j+3 of each vector
-        quad = cute.make_layout(((2, 2, 2), 1, 1), stride=((1, VEC, 2), 0, 0))  # (k pair, row + 8, k + 8)
-        frag_a = [cute.make_tensor(rW.iterator + 4 * j, quad) for j in range(2)]
+        # register views in mma.sync fragment order (see the module docstring): MMA (u, j) of a
+        # step takes elements 4j..4j+3 of vector u of each operand
+        quad = cute.make_layout(((2, 2, 2), 1, 1), stride=((1, VEC * V, 2), 0, 0))  # (k pair, row + 8, k + 8)
+        frag_a = [cute.make_tensor(rW.iterator + VEC * u + 4 * j, quad) for u in range(V) for j in range(2)]
         pair = cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0))
-        frag_b = [[cute.make_tensor(rA.iterator + VEC * mt + 4 * j, pair) for j in range(2)]
-                  for mt in range(self.cfg.m_tiles)]
+        frag_b = [[cute.make_tensor(rA.iterator + VEC * V * mt + VEC * u + 4 * j, pair)
+                   for u in range(V) for j in range(2)] for mt in range(self.cfg.m_tiles)]
         frag_c = [cute.make_tensor(acc.iterator + 4 * mt, pair) for mt in range(self.cfg.m_tiles)]
         for i in range(n_steps):
             cute.arch.cp_async_wait_group(self.cfg.stages - 2)
             slot = i % self.cfg.stages
-            cute.autovec_copy(sW[(None, None, tidx, slot)], rW)
+            cute.autovec_copy(sW[(None, None, None, tidx, slot)], rW)
             for mt in cutlass.range_constexpr(self.cfg.m_tiles):
-                cute.autovec_copy(sA[(None, t, g + 8 * mt, i)], rA[(None, mt)])
+                cute.autovec_copy(sA[(None, None, t, g + 8 * mt, i)], rA[(None, None, mt)])
             # refill the slot read one iteration ago (its registers were consumed by that MMA)
             if i + self.cfg.stages - 1 < n_steps:
                 self._load_w(g2s, gW, sW, rows, step0 + i + self.cfg.stages - 1,
                              (i + self.cfg.stages - 1) % self.cfg.stages, t, tidx, k_vecs)
             cute.arch.cp_async_commit_group()
             for mt in cutlass.range_constexpr(self.cfg.m_tiles):
-                for j in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(2 * V):
                     cute.gemm(mma, frag_c[mt], frag_a[j], frag_b[mt][j], frag_c[mt])
         cute.arch.cp_async_wait_group(0)
 
@@ -248,14 +256,16 @@ class HopperGemv:
 
     @cute.jit
     def _load_w(self, g2s, gW, sW, rows, step, slot, t, tidx, k_vecs):
-        """Copy this thread's two W vectors of K step `step` into ring slot `slot`; zeros past K."""
-        kv = step * (K_STEP // VEC) + t
+        """Copy this thread's W vectors of K step `step` (vecs K-adjacent ones in each of its two
+        rows) into ring slot `slot`; zeros past K."""
         for h in cutlass.range_constexpr(2):
-            dst = sW[(None, h, tidx, slot)]
-            if kv < k_vecs:
-                cute.copy(g2s, gW[(None, rows[h], kv)], dst)
-            else:
-                dst.fill(0)
+            for u in cutlass.range_constexpr(self.vecs):
+                kv = step * (4 * self.vecs) + t * self.vecs + u
+                dst = sW[(None, u, h, tidx, slot)]
+                if kv < k_vecs:
+                    cute.copy(g2s, gW[(None, rows[h], kv)], dst)
+                else:
+                    dst.fill(0)
 
     @cute.jit
     def _epilogue(self, acc: cute.Tensor, mD: cute.Tensor, mC: Optional[cute.Tensor], mBias: Optional[cute.Tensor],
@@ -290,12 +300,12 @@ class HopperGemv:
 
 
 def build(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation, warps, k_slice, stages,
-          m_tiles, epilogue="", epilogue_fn=None, weights=1):
+          m_tiles, epilogue="", epilogue_fn=None, weights=1, vecs=1):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions
     (both operands K-major: a_major = b_major = "k"). With `weights` > 1, w and d are tuples of
     that many tensors sharing A (see the module docstring)."""
     problem = GemmProblem(dtype_name, out_dtype_name, a_major, b_major, has_bias, has_c, activation, epilogue)
-    cfg = GemvConfig(warps, k_slice, stages, m_tiles)
+    cfg = GemvConfig(warps, k_slice, stages, m_tiles, vecs)
     err = unsupported_reason(problem, cfg, weights=weights)
     if err:
         raise ValueError(err)
