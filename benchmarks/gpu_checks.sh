@@ -30,7 +30,7 @@ for s in $steps; do
         gemm) step gemm 300 python3 -m pytest -m gpu tests/gpu/test_gemm_gpu.py -q -p no:cacheprovider ;;
         inductor) step inductor 400 python3 -m pytest -m gpu tests/gpu/test_inductor_gpu.py -q -p no:cacheprovider ;;
         rmsnorm) step rmsnorm 200 python3 -m pytest -m gpu tests/gpu/test_rmsnorm_gpu.py -q -p no:cacheprovider ;;
-        sweep_gemv) step sweep_gemv 300 python3 benchmarks/sweep_gemv.py ;;
+        sweep_gemv) step sweep_gemv 400 python3 benchmarks/sweep_gemv.py quick ;;
         flex_splits) step flex_splits 300 python3 benchmarks/sweep_flex_splits.py ;;
         # the whole GPU tier; SIGINT at the limit still prints what failed so far (-rf)
         all) step all 470 python3 -m pytest -m gpu tests/gpu -q -rf -n 14 -p no:cacheprovider ;;

@@ -26,7 +26,7 @@ from . import config as gemm_config
 from .config import ELEMENT_BYTES, SM_COUNT, SMEM_BUDGET, GemmProblem
 
 MAX_M = 16
-K_STEP = 32  # K elements one warp consumes per pipeline stage (a 16-byte vector per thread and row)
+K_STEP = 32  # K elements a pipeline stage covers per vector (a 16-byte vector per thread and row)
 MAX_REGISTERS = 64  # per thread; tests hold ptxas to it (occupancy)
 MAX_SPLITS = 64
 MAX_WEIGHTS = 3  # weights one group launch takes
@@ -37,10 +37,10 @@ KERNEL_MODULE = "inductor_cute.kernels.gemm.gemv_sm90"
 class GemvConfig:
     warps: int = 4  # each warp owns 16 rows of W (an mma.sync M of 16)
     k_slice: int = 512  # K elements per CTA; K > k_slice splits K over CTAs
-    stages: int = 4  # cp.async ring depth: 32 bytes of W per thread and stage in flight
+    stages: int = 4  # cp.async ring depth: 32 * vecs bytes of W per thread and stage in flight
     m_tiles: int = 1  # 8 tokens per tile (the mma.sync N); 2 covers M up to 16
-    # 16-byte vectors each thread copies per W row and stage, K-adjacent: a warp's copies of one
-    # row are 64 * vecs contiguous bytes (a stage covers K_STEP * vecs of K)
+    # 16-byte vectors each thread copies per W row and stage (vectors t, t + 4, ... of the stage's
+    # K): a warp's copies of one row are 64 * vecs contiguous bytes (a stage covers K_STEP * vecs)
     vecs: int = 1
 
     @property

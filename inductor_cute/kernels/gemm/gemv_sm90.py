@@ -13,9 +13,10 @@ Design:
     lane (g = lane / 4, t = lane % 4) takes 8 *consecutive* K elements, one 16-byte vector, of W
     rows g and g + 8 and of A row g, for every 32 K; the first 4 feed one MMA's k slots
     {2t, 2t+1, 2t+8, 2t+9}, the other 4 a second MMA's. Both operands are plain vector loads.
-    With `vecs` = 2 a step is 64 K deep and each lane takes 2 K-adjacent vectors per row (vectors
-    2t and 2t + 1 of the step, 4 MMAs), so a warp's copies of one W row are 128 contiguous bytes,
-    a whole L2 line, rather than 64: for DRAM efficiency at large N (perf notes, twelfth session).
+    With `vecs` = 2 a step is 64 K deep and each lane takes vectors t and t + 4 of the step in
+    each row (4 MMAs): a warp's two copy instructions per row read 64 contiguous bytes each
+    (whole sectors), back to back a whole 128-byte L2 line rather than half of one: for DRAM
+    efficiency at large N (perf notes, twelfth session).
   * W streams through a private per-thread cp.async ring in shared memory (`stages` deep): each
     thread waits only for its own copies (cp.async.wait_group), so the mainloop has no barrier.
     The CTA's A slice (8 * m_tiles rows x k_slice) is copied to shared memory once, with the
@@ -155,10 +156,12 @@ class HopperGemv:
         sW = storage.sW.get_tensor(cute.make_layout(
             (VEC, V, 2, self.threads, self.cfg.stages),
             stride=(1, plane, V * plane, VEC, 2 * V * plane)))
-        # A slice: (vector element, vector, lane t, row, step), in K order within a row's step
-        # (lane t's vectors are K vectors t * V .. t * V + V - 1 of the step, as its W vectors)
-        sA = storage.sA.get_tensor(cute.make_layout((VEC, V, 4, self.m_pad, self.steps),
-                                                    stride=(1, VEC, V * VEC, 4 * V * VEC, 4 * V * VEC * self.m_pad)))
+        # A slice: (vector element, lane t, row, vector, step): lane t's vector u holds K vector
+        # 4u + t of the step, as its W vectors do; for each u, lanes (g, t) read 512 contiguous
+        # bytes (no bank conflict)
+        sA = storage.sA.get_tensor(cute.make_layout(
+            (VEC, 4, self.m_pad, V, self.steps),
+            stride=(1, VEC, 4 * VEC, 4 * VEC * self.m_pad, 4 * VEC * self.m_pad * V)))
 
         # 16-byte vectors of the operands: (element, row, vector index along K)
         gW = cute.flat_divide(mW, (1, VEC))[(0, None, None, None)]
@@ -181,10 +184,11 @@ class HopperGemv:
         for i in cutlass.range_constexpr(-(-a_vecs // self.threads)):
             v = tidx + i * self.threads
             if v < a_vecs:
-                # consecutive v: consecutive K vectors of one row's step, then rows, then steps
-                vk, vrow, vstep = v % (4 * V), (v // (4 * V)) % self.m_pad, v // (4 * V * self.m_pad)
-                kv = (step0 + vstep) * (4 * V) + vk
-                dst = sA[(None, vk % V, vk // V, vrow, vstep)]
+                # in shared memory order: lane slot, row, vector, step
+                vt, vrow = v % 4, (v // 4) % self.m_pad
+                vu, vstep = (v // (4 * self.m_pad)) % V, v // (4 * self.m_pad * V)
+                kv = (step0 + vstep) * (4 * V) + 4 * vu + vt
+                dst = sA[(None, vt, vrow, vu, vstep)]
                 if kv < k_vecs:
                     cute.copy(g2s, gA[(None, cutlass.min(vrow, M - 1), kv)], dst)
                 else:
@@ -202,7 +206,7 @@ class HopperGemv:
         acc = cute.make_rmem_tensor(cute.make_layout(self.frag), Float32)
         acc.fill(0.0)
         # register views in mma.sync fragment order (see the module docstring): MMA (u, j) of a
-        # step takes elements 4j..4j+3 of vector u of each operand
+        # step takes elements 4j..4j+3 of vector u (K vector 4u + t of the step) of each operand
         quad = cute.make_layout(((2, 2, 2), 1, 1), stride=((1, VEC * V, 2), 0, 0))  # (k pair, row + 8, k + 8)
         frag_a = [cute.make_tensor(rW.iterator + VEC * u + 4 * j, quad) for u in range(V) for j in range(2)]
         pair = cute.make_layout(((2, 2), 1, 1), stride=((1, 2), 0, 0))
@@ -214,7 +218,7 @@ class HopperGemv:
             slot = i % self.cfg.stages
             cute.autovec_copy(sW[(None, None, None, tidx, slot)], rW)
             for mt in cutlass.range_constexpr(self.cfg.m_tiles):
-                cute.autovec_copy(sA[(None, None, t, g + 8 * mt, i)], rA[(None, None, mt)])
+                cute.autovec_copy(sA[(None, t, g + 8 * mt, None, i)], rA[(None, None, mt)])
             # refill the slot read one iteration ago (its registers were consumed by that MMA)
             if i + self.cfg.stages - 1 < n_steps:
                 self._load_w(g2s, gW, sW, rows, step0 + i + self.cfg.stages - 1,
@@ -256,11 +260,11 @@ class HopperGemv:
 
     @cute.jit
     def _load_w(self, g2s, gW, sW, rows, step, slot, t, tidx, k_vecs):
-        """Copy this thread's W vectors of K step `step` (vecs K-adjacent ones in each of its two
-        rows) into ring slot `slot`; zeros past K."""
+        """Copy this thread's W vectors of K step `step` (vectors t, t + 4, ... of the step in each
+        of its two rows) into ring slot `slot`; zeros past K."""
         for h in cutlass.range_constexpr(2):
             for u in cutlass.range_constexpr(self.vecs):
-                kv = step * (4 * self.vecs) + t * self.vecs + u
+                kv = step * (4 * self.vecs) + 4 * u + t
                 dst = sW[(None, u, h, tidx, slot)]
                 if kv < k_vecs:
                     cute.copy(g2s, gW[(None, rows[h], kv)], dst)
