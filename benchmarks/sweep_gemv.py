@@ -20,7 +20,8 @@ from inductor_cute.kernels.gemm.gemv_config import (GemvConfig, default_config, 
                                                     workspace_sizes)
 from inductor_cute.runtime import get_kernel, precompile
 
-DECODE = [(16, 4096, 4096), (8, 4096, 4096), (8, 14336, 4096), (8, 6144, 4096), (8, 4096, 14336), (1, 4096, 4096)]
+DECODE = [(16, 4096, 4096), (8, 4096, 4096), (8, 14336, 4096), (8, 6144, 4096), (8, 4096, 14336), (1, 4096, 4096),
+          (32, 4096, 4096), (32, 6144, 4096), (32, 14336, 4096)]  # M = 32: 4 token tiles, explicit configs only
 BF16 = GemmProblem("bfloat16", "bfloat16", "k", "k")
 
 

@@ -105,9 +105,12 @@ def test_up_to_16_rows_against_a_linear_weight_run_the_gemv(monkeypatch):
     from inductor_cute import UnsupportedError
 
     a = torch.randn(1, 17, 4096, dtype=torch.bfloat16)
-    with pytest.raises(UnsupportedError, match="M in 1..16"):
+    with pytest.raises(UnsupportedError, match="m_tiles=3"):
         _plan(monkeypatch, a, w.t().unsqueeze(0), None, None, 1.0, None, "identity", None, None,
               config=GemvConfig(m_tiles=2))
+    with pytest.raises(UnsupportedError, match="M in 1..32"):  # an explicit config's most rows
+        _plan(monkeypatch, torch.randn(1, 33, 4096, dtype=torch.bfloat16), w.t().unsqueeze(0), None, None, 1.0,
+              None, "identity", None, None, config=GemvConfig(m_tiles=4))
     with pytest.raises(UnsupportedError, match="m_tiles=2"):
         _plan(monkeypatch, a[:, :9], w.t().unsqueeze(0), None, None, 1.0, None, "identity", None, None,
               config=GemvConfig(m_tiles=1))

@@ -34,6 +34,9 @@ VARIANTS = {
     "wide-2-m8": (BF16, GemvConfig(8, 4096, 6, 1, vecs=2)),
     "wide-2-bias-silu": (GemmProblem("bfloat16", "bfloat16", "k", "k", True, False, "silu"),
                          GemvConfig(4, 512, 4, 1, vecs=2)),
+    # more token tiles for an explicit config: M up to 24 and 32
+    "m24": (BF16, GemvConfig(8, 1024, 4, 3)),
+    "m32-residual": (GemmProblem("bfloat16", "bfloat16", "k", "k", False, True), GemvConfig(8, 1024, 8, 4)),
 }
 
 
@@ -57,7 +60,7 @@ def compiled(request):
 def test_single_weight_ptx_is_unchanged(compiled, request):
     name = request.node.callspec.params["compiled"]
     if name not in SINGLE_WEIGHT_PTX:
-        pytest.skip("a wide-step variant: no pinned PTX")
+        pytest.skip("a variant added after the pin (wide steps, more token tiles): no pinned PTX")
     assert ptx_fingerprint(compiled.ptx) == SINGLE_WEIGHT_PTX[name], f"{name}: the one-weight kernel's PTX changed"
 
 
@@ -92,7 +95,8 @@ def test_ptxas_reports_no_spills_and_fits_the_register_cap(compiled):
 
 
 def test_token_tiles_issue_one_mma_pair_each_per_vector():
-    for name, pairs in (("bf16-m8", 1), ("bf16-m16", 2), ("wide-2-m16", 2 * 2), ("wide-2-m8", 2)):
+    for name, pairs in (("bf16-m8", 1), ("bf16-m16", 2), ("wide-2-m16", 2 * 2), ("wide-2-m8", 2), ("m24", 3),
+                        ("m32-residual", 4)):
         problem, config = VARIANTS[name]
         ptx = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True).ptx
         assert ptx.count("mma.sync.aligned") == 2 * pairs
@@ -134,13 +138,20 @@ def test_problems_outside_the_kernel_are_named():
 def test_invalid_configs_are_named():
     assert unsupported_reason(BF16, GemvConfig()) is None
     assert "warps" in unsupported_reason(BF16, GemvConfig(warps=3))
-    assert "m_tiles" in unsupported_reason(BF16, GemvConfig(m_tiles=3))
+    assert "m_tiles" in unsupported_reason(BF16, GemvConfig(m_tiles=5))
     assert "k_slice" in unsupported_reason(BF16, GemvConfig(k_slice=100))
     assert "stages" in unsupported_reason(BF16, GemvConfig(stages=1))
     assert "shared memory" in unsupported_reason(BF16, GemvConfig(k_slice=8192, m_tiles=2))
     assert "m_tiles=2" in unsupported_reason(BF16, GemvConfig(m_tiles=1), m=9)
     assert "splits" in unsupported_reason(BF16, GemvConfig(k_slice=32), k=4096)
     assert "vecs" in unsupported_reason(BF16, GemvConfig(vecs=4))
+    assert "m_tiles must be 1 to 4" in unsupported_reason(BF16, GemvConfig(m_tiles=5))
+    assert "at most 2 token tiles" in unsupported_reason(BF16, GemvConfig(k_slice=1024, m_tiles=3, vecs=2))
+    # up to 32 rows with an explicit config, but only up to 16 by default (routing and autotuning)
+    assert unsupported_reason(BF16, GemvConfig(8, 1024, 4, 4), m=32, n=4096, k=4096) is None
+    assert "M in 1..16" in unsupported_reason(BF16, m=17, n=4096, k=4096)
+    assert "M in 1..32" in unsupported_reason(BF16, GemvConfig(8, 1024, 4, 4), m=33, n=4096, k=4096)
+    assert "m_tiles=3" in unsupported_reason(BF16, GemvConfig(8, 1024, 4, 2), m=20, n=4096, k=4096)
     assert "multiple of 64" in unsupported_reason(BF16, GemvConfig(k_slice=96, vecs=2))
 
 

@@ -317,19 +317,16 @@ def _gemv_shared_a_plan(a, weights: tuple, config):
     problem = GemmProblem(_GEMM_INPUT[a.dtype], _GEMM_INPUT[a.dtype], "k", "k")
     if m == 0:
         return None, ns, None, None
-    error = gemv_config.unsupported_reason(problem, m=m, n=ns, k=k, weights=len(weights))
-    if error:
-        raise UnsupportedError(f"{name}: {error}")
+    error = gemv_config.unsupported_reason(problem, config, m=m, n=ns, k=k, weights=len(weights))
+    if error:  # (a config of more token tiles takes M past the default's 16)
+        raise UnsupportedError(f"{name}: {error}" if config is None else
+                               f"{name}: config {config} cannot run this problem: {error}")
     a_view = _tma_view(a, 1)
     if a_view is None or any(_tma_view(w, 1) is None for w in weights):
         raise UnsupportedError(f"{name}: A and the weights need contiguous rows (unit column stride) with "
                                "16-byte aligned starts and row strides")
     if config is None:
         config = gemv_config.default_config(problem, m, ns, k, num_sms=sm_count(a.device.index or 0))
-    else:
-        error = gemv_config.unsupported_reason(problem, config, m=m, n=ns, k=k, weights=len(weights))
-        if error:
-            raise UnsupportedError(f"{name}: config {config} cannot run this problem: {error}")
     kernel = get_kernel(gemv_config.spec(problem, config, weights=len(weights)))
     n_partials, n_counters = gemv_config.workspace_sizes(ns, k, config)
     a_strides = None if a_view.stride() == a.stride() else a_view.stride()  # M = 1: any row stride

@@ -25,7 +25,9 @@ FORCED = {"k32": GemvConfig(4, 32, 2, 2), "k96-s3": GemvConfig(4, 96, 3, 1), "w8
           "w1": GemvConfig(1, 256, 4, 1),
           # wide steps (2 K-adjacent vectors per thread and row): many splits with ragged K tails,
           # and the shape the H200 sweep is to try at large N
-          "v2-k64": GemvConfig(4, 64, 2, 2, vecs=2), "v2-w8-s6": GemvConfig(8, 1024, 6, 2, vecs=2)}
+          "v2-k64": GemvConfig(4, 64, 2, 2, vecs=2), "v2-w8-s6": GemvConfig(8, 1024, 6, 2, vecs=2),
+          # 3 and 4 token tiles (M up to 24, 32): only explicit configs take them so far
+          "m24-k96": GemvConfig(4, 96, 3, 3), "m32-w8": GemvConfig(8, 1024, 4, 4)}
 PROGRAM = dumps([["v0", "add", "acc", "row"], ["v1", "mul", "full", 0.5], ["v2", "add", "v0", "v1"],
                  ["v3", "sigmoid", "v2"]])
 
@@ -120,7 +122,8 @@ def test_tokens_and_sizes(m, n, k):
 
 
 @pytest.mark.parametrize("name", sorted(FORCED))
-@pytest.mark.parametrize("m,n,k", [(1, 1000, 1000), (7, 4096, 1000), (16, 200, 2008), (8, 8, 2048)])
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 1000), (7, 4096, 1000), (16, 200, 2008), (8, 8, 2048), (19, 4096, 1000),
+                                   (32, 200, 2008)])
 def test_forced_configs(name, m, n, k):
     cfg = FORCED[name]
     if m > 8 * cfg.m_tiles:

@@ -24,8 +24,10 @@ GROUPS = [((4096, 1024, 1024), 4096), ((14336, 14336), 4096), ((1000, 8, 24), 10
 FP16_GROUPS = GROUPS[:3]
 # configs that force many splits with a ragged K tail, one-step slices, 8 warps, and one warp
 FORCED = {"k32": GemvConfig(4, 32, 2, 2), "k96-s3": GemvConfig(4, 96, 3, 1), "w8-s8": GemvConfig(8, 512, 8, 2),
-          "w1": GemvConfig(1, 256, 4, 1), "v2-k64": GemvConfig(4, 64, 2, 2, vecs=2)}  # v2: wide steps
-FORCED_CASES = [(1, (1000, 8, 24), 2008), (7, (200, 64), 1000), (16, (8, 8, 8), 2048), (8, (4096, 1024, 1024), 1000)]
+          "w1": GemvConfig(1, 256, 4, 1), "v2-k64": GemvConfig(4, 64, 2, 2, vecs=2),  # v2: wide steps
+          "m32-w8": GemvConfig(8, 1024, 4, 4)}  # 4 token tiles: explicit configs only so far
+FORCED_CASES = [(1, (1000, 8, 24), 2008), (7, (200, 64), 1000), (16, (8, 8, 8), 2048), (8, (4096, 1024, 1024), 1000),
+                (32, (4096, 1024, 1024), 4096), (27, (1000, 8, 24), 2008)]
 
 _counters: dict[torch.device, torch.Tensor] = {}
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from . import config as gemm_config
 from .config import ELEMENT_BYTES, SM_COUNT, SMEM_BUDGET, GemmProblem
 
-MAX_M = 16
+MAX_M = 16  # the rows the GEMV is picked for by default and offered to autotuning
+MAX_M_TILES = 4  # an explicit config's token tiles: M up to 32 (not yet run on a GPU past 2)
 K_STEP = 32  # K elements a pipeline stage covers per vector (a 16-byte vector per thread and row)
 MAX_REGISTERS = 64  # per thread; tests hold ptxas to it (occupancy)
 MAX_SPLITS = 64
@@ -38,7 +39,7 @@ class GemvConfig:
     warps: int = 4  # each warp owns 16 rows of W (an mma.sync M of 16)
     k_slice: int = 512  # K elements per CTA; K > k_slice splits K over CTAs
     stages: int = 4  # cp.async ring depth: 32 * vecs bytes of W per thread and stage in flight
-    m_tiles: int = 1  # 8 tokens per tile (the mma.sync N); 2 covers M up to 16
+    m_tiles: int = 1  # 8 tokens per tile (the mma.sync N); 2 covers M up to 16, 4 up to 32
     # 16-byte vectors each thread copies per W row and stage (vectors t, t + 4, ... of the stage's
     # K): a warp's copies of one row are 64 * vecs contiguous bytes (a stage covers K_STEP * vecs)
     vecs: int = 1
@@ -113,8 +114,9 @@ def unsupported_reason(problem: GemmProblem, config: GemvConfig | None = None, *
         return "gemv over several weights takes no bias, C, activation or epilogue program"
     if isinstance(n, (tuple, list)) and len(n) != weights:
         return f"gemv over {weights} weights needs {weights} N sizes, got {len(n)}"
-    if m is not None and not 1 <= m <= MAX_M:
-        return f"gemv handles M in 1..{MAX_M}, got M={m}"
+    most = MAX_M if config is None else 8 * MAX_M_TILES  # (the config's own tiles are checked below)
+    if m is not None and not 1 <= m <= most:
+        return f"gemv handles M in 1..{most}, got M={m}"
     ns = () if n is None else _sizes(n)
     if any(x < 1 or x % 8 for x in ns) or (k is not None and (k < 1 or k % 8)):
         return f"gemv needs N and K positive multiples of 8 (16-byte rows), got N={n}, K={k}"
@@ -124,10 +126,12 @@ def unsupported_reason(problem: GemmProblem, config: GemvConfig | None = None, *
 def _config_reason(c: GemvConfig, p: GemmProblem, m: int | None, k: int | None) -> str | None:
     if c.warps not in (1, 2, 4, 8):
         return "warps must be 1, 2, 4 or 8"
-    if c.m_tiles not in (1, 2):
-        return "m_tiles must be 1 (M <= 8) or 2 (M <= 16)"
+    if not 1 <= c.m_tiles <= MAX_M_TILES:
+        return f"m_tiles must be 1 to {MAX_M_TILES} (8 tokens each)"
     if c.vecs not in (1, 2):  # 4 spills at the register cap (ptxas, CuTe DSL 4.8.1)
         return "vecs must be 1 or 2"
+    if c.vecs > 1 and c.m_tiles > 2:  # spills at the register cap too
+        return "vecs = 2 takes at most 2 token tiles (M <= 16)"
     if c.k_slice % c.k_step or c.k_slice < c.k_step:
         return f"k_slice must be a positive multiple of {c.k_step} (K_STEP * vecs)"
     if c.stages < 2:
@@ -152,7 +156,7 @@ def default_config(problem: GemmProblem, m: int, n: int | tuple[int, ...], k: in
     was 5-12% slower. It may still not run K past MAX_SPLITS full A slices (unsupported_reason
     with the config says so)."""
     ab_bytes = ELEMENT_BYTES[problem.dtype_name]
-    m_tiles = 1 if m <= 8 else 2
+    m_tiles = min(_ceil_div(m, 8), MAX_M_TILES)
     base = GemvConfig(warps=8, stages=8, m_tiles=m_tiles)
     steps = _ceil_div(k, K_STEP)
     ring = smem_bytes(dataclasses.replace(base, k_slice=0), ab_bytes)
