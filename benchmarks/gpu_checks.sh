@@ -45,6 +45,13 @@ for s in $steps; do
             PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
                 .device/pt/test_flex_decoding.py --out /tmp/pt --modes "$modes" -n 14
             cp /tmp/pt/*-summary.md /tmp/pt/*.jsonl "$OUT/" 2>/dev/null ;;
+        # PyTorch's test_flex_attention.py (fetched into .device/pt beside the decoding file), every test
+        # under no_grad with our prefill offered too (issue 13): one mode per call, /tmp/pta keeps both
+        pta_stock|pta_enabled)
+            modes=stock; [ "$s" = pta_enabled ] && modes=enabled
+            PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
+                .device/pt/test_flex_attention.py --out /tmp/pta --modes "$modes" --prefill -n 14
+            cp /tmp/pta/*-summary.md /tmp/pta/*.jsonl "$OUT/" 2>/dev/null ;;
         *) echo "unknown step $s" ;;
     esac
 done
