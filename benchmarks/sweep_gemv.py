@@ -3,10 +3,10 @@
     python3 benchmarks/sweep_gemv.py [quick|all]
 
 D (M, N) = A (M, K) @ W.t() for an nn.Linear weight W (N, K), bf16. One line per (shape, config):
-device time (cold L2; and graph-timed, as autotuning times choices in compiled graphs), the fraction of the bytes floor (W + A + D at the measured copy
-bandwidth), the K splits and CTAs; then cuBLAS, ops.mm (our WGMMA GEMM) and a plain read of W
-(`w.sum()`). "heuristic" marks gemv_config.default_config's pick. Used to pick defaults; see
-docs/perf-notes.md.
+device time (cold L2; and graph-timed, as autotuning times choices in compiled graphs), the
+fraction of the bytes floor (W + A + D at the measured copy bandwidth), the K splits and CTAs;
+then cuBLAS, ops.mm (our WGMMA GEMM) and a plain read of W (`w.sum()`). "heuristic" marks
+gemv_config.default_config's pick. Used to pick defaults; see docs/perf-notes.md.
 """
 
 import sys

@@ -340,8 +340,10 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
                     f"{_agreement(logits[1:], ref[1:]):.2e}")
         else:
             what = f"logits rel err {_agreement(logits, ref):.2e}"
-        notes.append(f"{backend}: cold compile {seconds:.1f} s, {what}, "
-                     f"{our_kernel_calls(code)} call site(s) of our kernels")
+        # graphs lowered: more than one means graph breaks (transformers' create_block_mask is
+        # compiled apart from the model), each a separate launch with host work between
+        notes.append(f"{backend}: cold compile {seconds:.1f} s, {what}, {our_kernel_calls(code)} call site(s) "
+                     f"of our kernels, {code.count('# AOT ID:')} graph(s) lowered")
     times = wall_us(runners)
     if phase == "decode":
         notes.append(late_agreement(step, runners))
