@@ -21,6 +21,7 @@ steps=${*:-"gemv flex flex_mask flex_compile flex_compile_mask fusion gemm induc
 for s in $steps; do
     case $s in
         gemv) step gemv 200 python3 -m pytest -m gpu tests/gpu/test_gemv_gpu.py -q -x -p no:cacheprovider ;;
+        gemv_group) step gemv_group 200 python3 -m pytest -m gpu tests/gpu/test_gemv_group_gpu.py -q -p no:cacheprovider ;;
         flex) step flex 240 python3 -m pytest -m gpu tests/gpu/test_flex_decode_gpu.py -q -p no:cacheprovider -k "not mask" ;;
         flex_mask) step flex_mask 240 python3 -m pytest -m gpu tests/gpu/test_flex_decode_gpu.py -q -p no:cacheprovider -k mask ;;
         flex_lowering) step flex_lowering 120 python3 -m pytest tests/test_flex_lowering.py -q -p no:cacheprovider ;;
