@@ -15,17 +15,23 @@ import torch
 Launch = namedtuple("Launch", "name start end")  # microseconds on the device's clock
 
 
-def kernel_timeline(fn, calls: int = 5) -> list[Launch]:
-    """Every kernel of `calls` calls of fn() (warm), in start order."""
+def _profiled_events(fn, calls: int, activity: str):
+    """torch.profiler's events of `calls` calls of fn() (warm: one call first), and the sync that
+    ends them; `activity` "CUDA" (kernels) or "CPU" (host operators and runtime calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    launches = [Launch(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+    return prof.events()
+
+
+def kernel_timeline(fn, calls: int = 5) -> list[Launch]:
+    """Every kernel of `calls` calls of fn() (warm), in start order."""
+    launches = [Launch(e.name, e.time_range.start, e.time_range.end) for e in _profiled_events(fn, calls, "CUDA")
                 if e.device_type == torch.autograd.DeviceType.CUDA]
     return sorted(launches, key=lambda k: (k.start, k.end))
 
@@ -75,30 +81,32 @@ def split_gaps(gaps: list[float]) -> tuple[float, float]:
     return sum(g for g in gaps if g > 0), -sum(g for g in gaps if g < 0)
 
 
-def boundary_gaps(timeline: list[Launch], max_gap_us: float = 50.0) -> dict[tuple[str, str], list[float]]:
-    """{(family before, family after): [idle microseconds between them]}: from the end of the
-    kernels so far to the next kernel's start, negative where it started early (PDL). Gaps longer
-    than `max_gap_us` (between calls: the host's) are left out."""
-    gaps: dict[tuple[str, str], list[float]] = {}
+def _gaps(timeline: list[Launch]):
+    """(kernel before, kernel after, microseconds) at each boundary: from the end of the kernels so
+    far (the one reaching furthest is "before") to the next kernel's start, negative where it
+    started early (PDL)."""
     reach, before = None, None
     for k in timeline:
-        if reach is not None and k.start - reach <= max_gap_us:
-            gaps.setdefault((family(before), family(k.name)), []).append(k.start - reach)
+        if reach is not None:
+            yield before, k.name, k.start - reach
         if reach is None or k.end >= reach:
             reach, before = k.end, k.name
+
+
+def boundary_gaps(timeline: list[Launch], max_gap_us: float = 50.0) -> dict[tuple[str, str], list[float]]:
+    """{(family before, family after): [idle microseconds between them]} (see _gaps). Gaps longer
+    than `max_gap_us` (between calls: the host's) are left out."""
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for before, after, gap in _gaps(timeline):
+        if gap <= max_gap_us:
+            gaps.setdefault((family(before), family(after)), []).append(gap)
     return gaps
 
 
 def host_gaps_us(timeline: list[Launch], max_gap_us: float = 50.0) -> float:
     """The idle time boundary_gaps leaves out: gaps longer than `max_gap_us`, where the device
     waited for the host between calls (e.g. after a sync, the next call's first launch)."""
-    total, reach = 0.0, None
-    for k in timeline:
-        if reach is not None and k.start - reach > max_gap_us:
-            total += k.start - reach
-        if reach is None or k.end >= reach:
-            reach = k.end
-    return total
+    return sum(gap for _, _, gap in _gaps(timeline) if gap > max_gap_us)
 
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
@@ -113,15 +121,7 @@ def count_syncs(names) -> int:
 def host_syncs_per_call(fn, calls: int = 5) -> float:
     """Host waits for the device per fn() call (count_syncs over a CPU profile of `calls` warm
     calls, less the one synchronize that ends the profile)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return (count_syncs(e.name for e in prof.events()) - 1) / calls
+    return (count_syncs(e.name for e in _profiled_events(fn, calls, "CPU")) - 1) / calls
 
 
 def device_us_per_call(kernels: dict[str, list[float]], calls: int) -> float:

@@ -161,9 +161,6 @@ class DecodeStep:
         step reaches (in the cache's last block, where a block mask's lists are longest)."""
         return self.first, self.kv - 2
 
-    def at(self, pos: int) -> None:
-        self._set(pos)
-
 
 class TrainStep:
     """One training step on `tokens` tokens per sequence: the causal LM loss on the input ids
@@ -364,10 +361,10 @@ def late_agreement(step: DecodeStep, runners: dict) -> str:
     cache. A runner with non-finite logits is disqualified (its runner dropped, MISMATCH noted)."""
     errors = {backend: [] for backend in runners if backend != "aten"}
     for pos in step.late_positions():
-        step.at(pos)
+        step._set(pos)
         ref = runners["aten"]().float()
         for backend in errors:
-            step.at(pos)
+            step._set(pos)
             out = runners[backend]().float()
             finite = bool(torch.isfinite(out).all())
             errors[backend].append(_agreement(out, ref) if finite else float("nan"))
