@@ -38,6 +38,9 @@ for s in $steps; do
         # one decode model case, 4 layers, CUDA graphs: CASE="llama3-8b decode B32 KV4096 cg" by default
         model) INDUCTOR_CUTE_MODEL_LAYERS=4 step model 540 python3 -m inductor_cute bench models \
                    --match "${CASE:-llama3-8b decode B32 KV4096 cg}" --out "$OUT/models" ;;
+        # cold and warm compile of one model case, stock and enabled, each in fresh processes
+        compile_cost) step compile_cost 560 python3 benchmarks/model_compile_cost.py \
+                   --case "${CASE:-llama3-8b decode B8 KV8192 cg}" --json "$OUT/compile_cost.json" ;;
         # PyTorch's test_flex_decoding.py (fetched into .device/pt with expecttest beside it; never committed)
         # (pt_stock and pt_enabled: one run each, e.g. in two calls of a warm machine; /tmp/pt keeps the
         # first's results for the second's summary)
@@ -49,9 +52,10 @@ for s in $steps; do
         # PyTorch's test_flex_attention.py (fetched into .device/pt beside the decoding file), every test
         # under no_grad with our prefill offered too (issue 13): one mode per call, /tmp/pta keeps both
         pta_stock|pta_enabled)
+            # (enabled: only the tests stock passed; under no_grad most fail stock, calling backward)
             modes=stock; [ "$s" = pta_enabled ] && modes=enabled
             PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
-                .device/pt/test_flex_attention.py --out /tmp/pta --modes "$modes" --prefill -n 14
+                .device/pt/test_flex_attention.py --out /tmp/pta --modes "$modes" --prefill -n 14 --where-stock-passed
             cp /tmp/pta/*-summary.md /tmp/pta/*.jsonl "$OUT/" 2>/dev/null ;;
         *) echo "unknown step $s" ;;
     esac

@@ -9,11 +9,14 @@ inductor_cute.enable(flex_decode=True, flex_prefill=...), every test under torch
 pytest's junit XML, the decisions from a hook on the lowering (this file is also the pytest plugin).
 
     python3 benchmarks/pytorch_flex_tests.py .device/pt/test_flex_decoding.py --out $OUT [-n 8]
-        [--prefill] [--with-grad] [-k EXPR] [--modes stock|enabled|stock,enabled]
+        [--prefill] [--with-grad] [-k EXPR] [--modes stock|enabled|stock,enabled] [--where-stock-passed]
 
 Writes <out>/<test file stem>-summary.md: passed/failed/skipped each way, the tests that pass stock
 but not enabled, and the calls taken and declined (bf16/fp16 apart, declines by reason). The two
 runs may be separate invocations with one --out (--modes): the summary reads what it finds there.
+--where-stock-passed runs the enabled mode on the tests the stock run in --out passed only: under
+no_grad most of test_flex_attention.py fails stock (its tests call backward), and running those
+enabled too took longer than one 10-minute GPU call (thirteenth session).
 """
 
 from __future__ import annotations
@@ -97,15 +100,26 @@ def _outcomes(junit: str) -> dict:
     return out
 
 
-def _run(path: str, mode: str, out: str, args) -> dict:
+def _node_ids(path: str, outcomes: dict, wanted: str) -> list[str]:
+    """pytest node ids (path::Class::test[params]) of the junit results with outcome `wanted`."""
+    ids = []
+    for name, outcome in outcomes.items():
+        if outcome == wanted:
+            classname, test = name.split("::", 1)
+            cls = classname.rsplit(".", 1)[-1]
+            ids.append(f"{path}::{cls}::{test}" if cls != _stem(path) else f"{path}::{test}")
+    return sorted(ids)
+
+
+def _run(path: str, mode: str, out: str, args, only: list[str] | None = None) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, ICUTE_PT_MODE=mode, ICUTE_PT_PREFILL="1" if args.prefill else "0",
                ICUTE_PT_GRAD="1" if args.with_grad else "0",
                ICUTE_PT_DECISIONS=_decisions_path(out, _stem(path)),
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     junit = _junit_path(out, _stem(path), mode)
-    cmd = [sys.executable, "-m", "pytest", path, "-p", "pytorch_flex_tests", "-q", "-p", "no:cacheprovider",
-           f"--junitxml={junit}", "-n", str(args.n)] + (["-k", args.k] if args.k else [])
+    cmd = [sys.executable, "-m", "pytest", *(only if only is not None else [path]), "-p", "pytorch_flex_tests", "-q",
+           "-p", "no:cacheprovider", f"--junitxml={junit}", "-n", str(args.n)] + (["-k", args.k] if args.k else [])
     with open(os.path.join(out, f"{_stem(path)}-{mode}.log"), "w") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
 
@@ -163,14 +177,21 @@ def main() -> None:
     p.add_argument("--modes", default="stock,enabled",
                    help="which runs to make now; the summary reads every run's results found in --out, so "
                         "the two may be separate calls with one --out")
+    p.add_argument("--where-stock-passed", action="store_true",
+                   help="the enabled run takes only the tests the stock run in --out passed")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     stem = _stem(args.test_file)
     for mode in args.modes.split(","):
+        only = None
         if mode == "enabled":  # this run's decisions only
             with contextlib.suppress(FileNotFoundError):
                 os.remove(_decisions_path(args.out, stem))
-        _run(args.test_file, mode, args.out, args)
+            if args.where_stock_passed:
+                only = _node_ids(args.test_file, _outcomes(_junit_path(args.out, stem, "stock")), "passed")
+                if not only:
+                    raise SystemExit(f"--where-stock-passed: no stock run passed a test in {args.out}")
+        _run(args.test_file, mode, args.out, args, only)
     stock, enabled = (_outcomes(_junit_path(args.out, stem, mode)) for mode in ("stock", "enabled"))
     text = summary(stem, stock, enabled, _decisions(args.out, stem))
     with open(os.path.join(args.out, f"{stem}-summary.md"), "w") as f:

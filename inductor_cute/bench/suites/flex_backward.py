@@ -32,7 +32,6 @@ import functools
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from ..case import Case, named

@@ -21,10 +21,9 @@ included), the runners interleaved in rounds. Decode steps advance the cache pos
 call and wrap round before the end, so every step attends over about KV keys.
 
 Environment: INDUCTOR_CUTE_MODEL_LAYERS (decoder layers of every model; default 32 for Llama, the
-real depth for the others), INDUCTOR_CUTE_MODEL_WARM=1 (also time a warm compile in a second
-process: cold compile caches of this one reused), INDUCTOR_CUTE_MODEL_ENABLE=group_gemv,... (opt-in
+real depth for the others), INDUCTOR_CUTE_MODEL_ENABLE=group_gemv,... (opt-in
 enable() switches turned on for the inductor_cute runner, named in the notes). transformers is an
-optional extra.
+optional extra. Cold and warm compile times in fresh processes: benchmarks/model_compile_cost.py.
 """
 
 from __future__ import annotations
