@@ -27,11 +27,11 @@ OUR_CALL = "inductor_cute.inductor.flex.runtime.FlexDecodeLauncher("  # a call s
 OUR_PREFILL_CALL = "inductor_cute.inductor.flex.runtime.FlexPrefillLauncher("
 
 
-def compiled(fn, *args, dynamic=None, flex_prefill=False, **kwargs):
-    """fn compiled with inductor-cute enabled (and our prefill kernel offered with `flex_prefill`),
-    run once: (result, output code)."""
+def compiled(fn, *args, dynamic=None, flex_prefill=False, trace_block_masks=False, **kwargs):
+    """fn compiled with inductor-cute enabled (and our prefill kernel offered with `flex_prefill`,
+    BlockMasks traced into the graph with `trace_block_masks`), run once: (result, output code)."""
     torch._dynamo.reset()
-    with inductor_cute.enable(flex_decode=True, flex_prefill=flex_prefill), \
+    with inductor_cute.enable(flex_decode=True, flex_prefill=flex_prefill, trace_block_masks=trace_block_masks), \
             inductor_config.patch(fx_graph_cache=False), torch.no_grad():
         result, codes = run_and_get_code(torch.compile(fn, dynamic=dynamic), *args, **kwargs)
     torch._dynamo.reset()

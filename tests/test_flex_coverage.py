@@ -101,15 +101,19 @@ def test_transformers_score_mod_with_a_4d_additive_mask(cpu_accepted, decisions)
     assert decisions[0][0].score_buffers == (Captured(torch.float32, (2, 1, 2, KV)),)
 
 
-def test_a_transformers_llama_decode_step_runs_our_op(cpu_accepted, decisions):
-    """A 1-layer Llama (GQA 2, head dim 64) with attn_implementation="flex_attention" and a
-    StaticCache: prefill 20 tokens (batch 1 left-padded) eagerly, then one compiled decode step.
-    Its mask_mod (causal + padding + the cache-position offset) takes our op, and the logits match
-    the same model on SDPA."""
+@pytest.mark.parametrize("padded, trace_block_masks", [(True, False), (False, False), (False, True), (True, True)])
+def test_a_transformers_llama_decode_step_runs_our_op(cpu_accepted, decisions, padded, trace_block_masks):
+    """A 2-layer Llama (GQA 2, head dim 64) with attn_implementation="flex_attention" and a
+    StaticCache: prefill 20 tokens (`padded`: batch 1 left-padded, the step given the attention
+    mask) eagerly, then one compiled decode step. Its mask_mod (causal, padding, the cache-position
+    offset) takes our op in both layers, and the logits match the same model on SDPA.
+    transformers' create_block_mask(_compile=True) breaks the step's graph; with
+    `trace_block_masks` an unpadded step is one graph (a padded one still breaks where
+    transformers branches on the mask's values)."""
     import copy
 
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
     def model(attn_implementation):
@@ -119,17 +123,23 @@ def test_a_transformers_llama_decode_step_runs_our_op(cpu_accepted, decisions):
 
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     attention_mask = torch.ones(2, 21, dtype=torch.long)
-    attention_mask[1, :3] = 0
+    attention_mask[1, :3] = 0 if padded else 1
     logits = []
     for attn_implementation in ("flex_attention", "sdpa"):
         llama, cache = model(attn_implementation), transformers.StaticCache(config=config, max_cache_len=64)
         with torch.no_grad():
             llama(input_ids=ids, attention_mask=attention_mask[:, :20], past_key_values=cache)
-        step = dict(input_ids=ids[:, -1:], attention_mask=attention_mask, past_key_values=cache,
-                    cache_position=torch.tensor([20]))
+        step = dict(input_ids=ids[:, -1:], past_key_values=cache, cache_position=torch.tensor([20]))
+        if padded:
+            step["attention_mask"] = attention_mask
         if attn_implementation == "flex_attention":
-            out, code = compiled(llama, **step)
-            assert [reason for _, reason in decisions] == [None] and OUR_CALL in code
+            out, code = compiled(llama, trace_block_masks=trace_block_masks, **step)
+            assert [reason for _, reason in decisions] == [None, None] and code.count(OUR_CALL) == 2
+            graphs = code.count("# AOT ID:")
+            if not trace_block_masks:
+                assert graphs > 1
+            elif not padded:
+                assert graphs == 1
         else:
             with torch.no_grad():
                 out = llama(**step)

@@ -216,6 +216,27 @@ class ExternKernel(Hook):
         return self._choice
 
 
+class ModuleHook(Hook):
+    """A replacement kept by a module of ours that has `install()`, `uninstall()` and `installed()`
+    (imported at the first call)."""
+
+    def __init__(self, name: str, module: str, **kw) -> None:
+        super().__init__(name, **kw)
+        self.module = module
+
+    def _impl(self):
+        return importlib.import_module(self.module, "inductor_cute.inductor")
+
+    def installed(self) -> bool:
+        return self._impl().installed()
+
+    def install(self) -> None:
+        self._impl().install()
+
+    def uninstall(self) -> None:
+        self._impl().uninstall()
+
+
 def _attr(module: str, name: str) -> Callable[[], Any]:
     """A reference resolved when a hook installs, so that importing this module imports no family."""
     return lambda: getattr(importlib.import_module(module, "inductor_cute.inductor"), name)

@@ -28,8 +28,8 @@ from typing import Any
 
 from .gemm.extern import GEMM_KERNEL
 from .grouped.extern import GROUPED_KERNEL
-from .hooks import (AttributeWrapper, DecompositionWrapper, FeedbackSaver, Hook, LoweringWrapper, SchedulingWrapper,
-                    _attr)
+from .hooks import (AttributeWrapper, DecompositionWrapper, FeedbackSaver, Hook, LoweringWrapper, ModuleHook,
+                    SchedulingWrapper, _attr)
 from .hooks import stock_lowering  # noqa: F401  (public here too)
 from .settings import Settings, active_settings  # noqa: F401  (public here too)
 
@@ -115,6 +115,9 @@ HOOKS: tuple[Hook, ...] = (
     DecompositionWrapper("m1_mm_kept", _mm_op, _attr(".gemm.m1", "keep_m1_mm"), when=lambda settings: settings.keep_m1_mm),
     AttributeWrapper("runtime_tuning_timing", "torch._inductor.runtime.triton_heuristics:CachingAutotuner",
                      "bench", _attr(".choice_timing", "run_time_tuning_in_graphs")),
+    # BlockMasks that compiled code builds with create_block_mask(_compile=True) (transformers) are
+    # traced into its graph instead of breaking it (block_masks.py; opt-in)
+    ModuleHook("block_mask_tracing", ".block_masks", when=lambda settings: settings.trace_block_masks),
 )
 
 
@@ -181,7 +184,7 @@ class _Enabled:
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
            flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
-           keep_m1_mm: bool = False) -> _Enabled:
+           keep_m1_mm: bool = False, trace_block_masks: bool = False) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -216,7 +219,12 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     With `keep_m1_mm` (off by default, unmeasured), M = 1 bf16/fp16 mm's stay mm's where
     coordinate-descent tuning (the max-autotune modes) would decompose them into a mul+sum
     reduction, so they are autotuned (cuBLAS, our GEMV) and grouped like other decode GEMMs
-    (inductor/gemm/m1.py)."""
+    (inductor/gemm/m1.py).
+    With `trace_block_masks` (off by default until measured on a GPU), Dynamo traces
+    `create_block_mask(..., _compile=True)` (how transformers builds each step's BlockMask) into
+    the compiled graph as `_compile=False`, instead of breaking the graph at the deprecation
+    warning that flag raises since torch 2.10 (inductor/block_masks.py): a transformers decode
+    step becomes one graph instead of 4-6 with Python between them."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -234,7 +242,8 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         group_gemv = not users_own
         if users_own:
             log.info("inductor-cute: post_grad_custom_post_pass is the user's; decode GEMVs are not grouped")
-    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm)
+    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm,
+                        trace_block_masks)
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

@@ -1,0 +1,77 @@
+"""BlockMasks built inside a compiled model stay in its graph (enable(trace_block_masks=True)).
+
+transformers builds each step's BlockMask with `create_block_mask(..., _compile=True)`. Since
+torch 2.10 that path first calls `warnings.warn` (the flag is deprecated), and Dynamo cannot trace
+`warnings.warn`: every compiled forward breaks its graph there. A 4-layer Llama decode step became
+4-6 graphs with Python between them, and on the H200 the device waited 100-380 us per step for the
+host between them (models suite, device notes), 8-25% of the step, in stock and enabled runs alike.
+Under torch.compile the flag has no purpose: the outer compile traces create_block_mask's body into
+its own graph, as `torch.compile(create_block_mask)` does. So while this is installed, Dynamo traces
+every call of create_block_mask as if `_compile=False` were passed (a Dynamo polyfill; eager calls
+are untouched), and the mask is built by kernels of the model's graph.
+
+The polyfill is registered with Dynamo once and stays (Dynamo offers no way to remove one); while
+not installed it calls create_block_mask as written. Whether it is installed is read at trace time
+without a guard (`assume_constant_result`): a graph traced while it was keeps its single graph
+after disable(), as graphs lowered with our kernels keep them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import types
+
+log = logging.getLogger(__name__)
+_active = [False]
+
+
+def _is_active() -> bool:
+    return _active[0]
+
+
+@functools.cache
+def _polyfill_registered() -> bool:
+    """Register the polyfill (once per process); False where this torch's create_block_mask has no
+    `_compile` flag (nothing to undo) or Dynamo refuses the registration."""
+    import torch
+    from torch.nn.attention import flex_attention
+
+    original = flex_attention.create_block_mask
+    params = list(inspect.signature(original).parameters)
+    if "_compile" not in params:
+        return False
+    flag_at = params.index("_compile")
+    # the same code as a second function object: Dynamo inlines it like the original, and a call
+    # of it is not a call of the original (which would lead back here)
+    as_written = types.FunctionType(original.__code__, original.__globals__, original.__name__,
+                                    original.__defaults__, original.__closure__)
+    as_written.__kwdefaults__ = original.__kwdefaults__
+    is_active = torch._dynamo.assume_constant_result(_is_active)
+
+    def create_block_mask_traced(*args, **kwargs):
+        if is_active():
+            args = args[:flag_at]  # a positional _compile (the last parameter) replaced by the keyword
+            kwargs = {**kwargs, "_compile": False}
+        return as_written(*args, **kwargs)
+
+    try:
+        torch._dynamo.substitute_in_graph(original)(create_block_mask_traced)
+    except (TypeError, ValueError) as e:  # another polyfill for it, or a torch that refuses Python functions
+        log.warning("inductor-cute: BlockMasks built in compiled code stay outside its graph: %s", e)
+        return False
+    return True
+
+
+def install() -> None:
+    if _polyfill_registered():
+        _active[0] = True
+
+
+def uninstall() -> None:
+    _active[0] = False
+
+
+def installed() -> bool:
+    return _active[0]

@@ -1,0 +1,87 @@
+"""enable(trace_block_masks=True): create_block_mask(..., _compile=True) called in compiled code
+(transformers builds every step's BlockMask that way) is traced into the graph instead of breaking
+it at the flag's deprecation warning; off, and after disable(), Dynamo does what it does stock."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import inductor_cute
+from inductor_cute.inductor import block_masks
+
+
+def attend(q, k, v, offset, positional=False):
+    """A decode step's attention as transformers writes it: a mask_mod capturing a 0-d offset."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+
+    if positional:
+        block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], "cpu", 128, True)
+    else:
+        block_mask = create_block_mask(mask_mod=mask_mod, B=q.shape[0], H=None, Q_LEN=q.shape[2], KV_LEN=k.shape[2],
+                                       device="cpu", _compile=True)
+    return flex_attention(q, k, v, block_mask=block_mask)
+
+
+@pytest.fixture
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 64, generator=g) for n in (1, 300, 300))
+    return q, k, v, torch.tensor(250)
+
+
+def reference(q, k, v, offset):
+    """fp64 attention over keys 0..offset (the query sits at position offset)."""
+    s = (q.double() @ k.double().transpose(-1, -2)) / 8.0
+    s[..., int(offset) + 1:] = float("-inf")
+    return torch.softmax(s, -1) @ v.double()
+
+
+def graphs_of(fn, *args, **kwargs):
+    """(result, graphs Dynamo made) for fn compiled from scratch with a counting backend."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    out = torch.compile(fn, backend=counter)(*args, **kwargs)
+    return out, counter.frame_count
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_block_mask_built_in_compiled_code_stays_in_the_graph(inputs, positional):
+    with inductor_cute.enable(trace_block_masks=True):
+        out, graphs = graphs_of(attend, *inputs, positional=positional)
+    assert graphs == 1
+    torch.testing.assert_close(out.double(), reference(*inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_off_and_after_disable_the_graph_breaks_as_stock(inputs):
+    _, stock = graphs_of(attend, *inputs)
+    assert stock > 1  # the deprecation warning: what the switch is for (torch >= 2.10)
+    with inductor_cute.enable():
+        _, off = graphs_of(attend, *inputs)
+    with inductor_cute.enable(trace_block_masks=True):
+        pass
+    out, after = graphs_of(attend, *inputs)
+    assert off == after == stock and not block_masks.installed()
+    torch.testing.assert_close(out.double(), reference(*inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_a_graph_traced_with_it_is_not_recompiled_after_disable(inputs):
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(attend, backend=counter)
+    with inductor_cute.enable(trace_block_masks=True):
+        fn(*inputs)
+    q, k, v, offset = inputs
+    out = fn(q, k, v, torch.tensor(200))  # another offset: a tensor, so no guard on its value either
+    assert counter.frame_count == 1
+    torch.testing.assert_close(out.double(), reference(q, k, v, torch.tensor(200)), atol=1e-5, rtol=1e-5)
+
+
+def test_nested_enable_keeps_the_outer_setting(inputs):
+    with inductor_cute.enable(trace_block_masks=True):
+        with inductor_cute.enable():
+            assert not block_masks.installed()
+        assert block_masks.installed()
+        _, graphs = graphs_of(attend, *inputs)
+    assert graphs == 1 and not block_masks.installed()
