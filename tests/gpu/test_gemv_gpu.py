@@ -53,10 +53,10 @@ def gemv(a, w, *, bias=None, c=None, alpha=1.0, beta=0.0, activation="identity",
     (m, k), n = a.shape, w.shape[0]
     out_dtype = out_dtype or a.dtype
     problem = problem_for(a, out_dtype, bias, c, activation, epilogue)
-    assert unsupported_reason(problem, m=m, n=n, k=k) is None
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    config = config or default_config(problem, m, n, k, num_sms=sms)
-    assert unsupported_reason(problem, config, m=m, k=k) is None
+    if config is None:  # (M > 16 only with an explicit config of 3-4 token tiles)
+        assert unsupported_reason(problem, m=m, n=n, k=k) is None
+        config = default_config(problem, m, n, k, num_sms=torch.cuda.get_device_properties(a.device).multi_processor_count)
+    assert unsupported_reason(problem, config, m=m, n=n, k=k) is None
     n_partials, n_counters = workspace_sizes(n, k, config)
     partials = torch.empty(n_partials, device=a.device, dtype=torch.float32)
     out = torch.empty(m, n, device=a.device, dtype=out_dtype) if out is None else out
