@@ -13,7 +13,9 @@ are untouched), and the mask is built by kernels of the model's graph.
 The polyfill is registered with Dynamo once and stays (Dynamo offers no way to remove one); while
 not installed it calls create_block_mask as written. Whether it is installed is read at trace time
 without a guard (`assume_constant_result`): a graph traced while it was keeps its single graph
-after disable(), as graphs lowered with our kernels keep them.
+after disable(), as graphs lowered with our kernels keep them; and a graph traced before it was
+installed keeps its breaks until Dynamo traces it again (`torch._dynamo.reset()`), so enable it
+before the model's first compiled call.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ def _polyfill_registered() -> bool:
 
     def create_block_mask_traced(*args, **kwargs):
         if is_active():
-            args = args[:flag_at]  # a positional _compile (the last parameter) replaced by the keyword
-            kwargs = {**kwargs, "_compile": False}
+            if len(args) > flag_at:  # passed positionally (later parameters may follow it: torch 2.13)
+                args = (*args[:flag_at], False, *args[flag_at + 1:])
+            else:
+                kwargs = {**kwargs, "_compile": False}
         return as_written(*args, **kwargs)
 
     try:

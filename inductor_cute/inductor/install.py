@@ -223,8 +223,10 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     With `trace_block_masks` (off by default until measured on a GPU), Dynamo traces
     `create_block_mask(..., _compile=True)` (how transformers builds each step's BlockMask) into
     the compiled graph as `_compile=False`, instead of breaking the graph at the deprecation
-    warning that flag raises since torch 2.10 (inductor/block_masks.py): a transformers decode
-    step becomes one graph instead of 4-6 with Python between them."""
+    warning that flag raises since torch 2.10 (inductor/block_masks.py): on the CPU, a
+    transformers decode step is one graph instead of several with Python between them, unless it
+    passes a padding attention mask (transformers branches on its values). It applies to graphs
+    Dynamo traces while it is on: enable it before the model's first compiled call."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
