@@ -17,8 +17,8 @@ from inductor_cute.inductor.flex.lowering import decline_reason
 from inductor_cute.inductor.flex.translate import Captured
 from inductor_cute.kernels.common.programs import score as sp
 
-from flex_support import (OUR_CALL, compiled, cpu_accepted, decisions, hopper, qkv,  # noqa: F401 (fixtures)
-                          taken_and_matching, traced_problem)
+from flex_support import (OUR_CALL, OUR_PREFILL_CALL, compiled, cpu_accepted, decisions, hopper,  # noqa: F401
+                          qkv, taken_and_matching, traced_problem)
 
 KV = 300  # the static cache's length: two blocks of 128 and a partial one
 
@@ -145,6 +145,32 @@ def test_a_transformers_llama_decode_step_runs_our_op(cpu_accepted, decisions, p
                 out = llama(**step)
         logits.append(out.logits.float())
     torch.testing.assert_close(logits[0], logits[1], atol=2e-2, rtol=2e-2)
+
+
+def test_a_transformers_llama_prefill_with_traced_block_masks_is_one_graph(cpu_accepted, decisions):
+    """A 2-layer Llama prefill of 128 tokens (no cache; above the decode kernel's 64 queries)
+    compiled with trace_block_masks and our prefill kernel offered: one graph, the causal BlockMask
+    built in it, our prefill op in both layers, logits as the same model on SDPA."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    ids = torch.randint(0, 128, (2, 128), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for attn_implementation in ("flex_attention", "sdpa"):
+        torch.manual_seed(0)
+        llama = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16,
+                                                           attn_implementation=attn_implementation).eval()
+        if attn_implementation == "flex_attention":
+            out, code = compiled(llama, input_ids=ids, use_cache=False, flex_prefill=True, trace_block_masks=True)
+            assert [reason for _, reason in decisions] == [None, None]
+            assert code.count(OUR_PREFILL_CALL) == 2 and code.count("# AOT ID:") == 1
+        else:
+            with torch.no_grad():
+                out = llama(input_ids=ids, use_cache=False)
+        logits.append(out.logits.float())
+    torch.testing.assert_close(logits[0], logits[1], atol=3e-2, rtol=3e-2)
 
 
 # --------------------------------------------------------- PyTorch's flex decoding test patterns
