@@ -74,6 +74,21 @@ def test_our_kernel_calls_counts_gemm_and_flex_call_sites():
     assert M.our_kernel_calls(code) == 2
 
 
+def test_gemm_picks_count_each_kind_of_gemm_call_site():
+    code = "\n".join([
+        "extern_kernels.mm(buf0, arg1_1, out=buf1)",
+        "extern_kernels.addmm(arg2_1, buf1, arg3_1, alpha=1, beta=1, out=buf2)",
+        "triton_tem_fused_mm_3.run(buf2, arg4_1, buf3, stream=stream0)",
+        "triton_tem_fused_add_mm_4.run(buf3, arg5_1, buf4, stream=stream0)",
+        "triton_tem_fused_0.run(buf4, buf5, stream=stream0)",  # templates that are no GEMM (flex)
+        "triton_tem_fused_add_bmm_cat_flex_attention_mul_4.run(buf4, buf5, stream=stream0)",
+        "triton_poi_fused_mul_5.run(buf4, buf6, stream=stream0)",
+        "icute_gemm_0 = inductor_cute.inductor.gemm.runtime.GemmLauncher(spec='x')",
+        "buf7 = torch.ops.inductor_cute.gemv_shared_a.default(buf6, [arg6_1, arg7_1])",
+    ])
+    assert M.gemm_picks(code) == "GEMM call sites: cuBLAS 2, Triton 2, ours 2"
+
+
 def test_train_step_runs_forward_and_backward_and_drops_gradients():
     model = _tiny("llama3-8b")
     model.config._attn_implementation = "eager"  # flex_attention has no CPU backward; the step is the same

@@ -268,6 +268,20 @@ def our_kernel_calls(code: str) -> int:
             + code.count(SHARED_A_CALL))
 
 
+def gemm_picks(code: str) -> str:
+    """Which kind of kernel each GEMM call site of Inductor's output code runs: what autotuning
+    picked, per runner (stock's picks can differ from run to run: one benchmarking round per shape)."""
+    import re
+
+    cublas = len(re.findall(r"extern_kernels\.(?:mm|addmm|bmm|baddbmm)\(", code))
+    # a template kernel's name lists the ops fused into it; a flex_attention template's may list a bmm
+    templates = re.findall(r"\b(triton_tem_\w+)\.run\(", code)
+    triton = sum(1 for name in templates
+                 if "flex" not in name and {"mm", "bmm", "addmm", "baddbmm"} & set(name.split("_")))
+    ours = code.count("inductor_cute.inductor.gemm.runtime.GemmLauncher(") + code.count(SHARED_A_CALL)
+    return f"GEMM call sites: cuBLAS {cublas}, Triton {triton}, ours {ours}"
+
+
 def _compile(step, mode: str, ours: bool, enable_kwargs: dict | None = None):
     """Compile the model's forward in `mode`, run one step; (forward, logits, seconds, output code).
 
@@ -339,7 +353,7 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
         # graphs lowered: more than one means graph breaks (transformers' create_block_mask is
         # compiled apart from the model), each a separate launch with host work between
         notes.append(f"{backend}: cold compile {seconds:.1f} s, {what}, {our_kernel_calls(code)} call site(s) "
-                     f"of our kernels, {code.count('# AOT ID:')} graph(s) lowered")
+                     f"of our kernels, {code.count('# AOT ID:')} graph(s) lowered, {gemm_picks(code)}")
     times = wall_us(runners)
     if phase == "decode":
         notes.append(late_agreement(step, runners))
