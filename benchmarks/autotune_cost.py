@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
+
+import fresh_process
 
 SHAPES = [(4096, 14336, 4096), (128, 14336, 4096), (16, 4096, 4096)]
 VARIANTS = {"stock": "ATEN,TRITON", "ours": "ATEN,ICUTE"}
@@ -95,20 +95,7 @@ print("RESULT " + json.dumps(result))
 
 
 def run_child(m: int, n: int, k: int, backends: str, root: str, timeout: int) -> dict:
-    env = {key: v for key, v in os.environ.items() if key != "TORCHINDUCTOR_FORCE_DISABLE_CACHES"}
-    env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"), TRITON_CACHE_DIR=os.path.join(root, "triton"),
-               INDUCTOR_CUTE_CACHE_DIR=os.path.join(root, "cute"), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
-               TORCHINDUCTOR_AUTOTUNE_LOCAL_CACHE="1")
-    try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(m), str(n), str(k), backends], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"error": f"exit {proc.returncode}: {tail[0][:200]}"}
+    return fresh_process.run_child(CHILD, [str(m), str(n), str(k), backends], root, timeout)
 
 
 def _s(x) -> str:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
+
+import fresh_process
 
 CHILD = r'''
 import json, sys, time
@@ -63,19 +63,7 @@ def parse_case(name: str) -> list[str]:
 
 
 def run_child(case: list[str], layers: int, runner: str, root: str, timeout: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_FORCE_DISABLE_CACHES"}
-    env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"), TRITON_CACHE_DIR=os.path.join(root, "triton"),
-               INDUCTOR_CUTE_CACHE_DIR=os.path.join(root, "cute"))
-    try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, *case, str(layers), runner], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"error": f"exit {proc.returncode}: {tail[0][:300]}"}
+    return fresh_process.run_child(CHILD, [*case, str(layers), runner], root, timeout)
 
 
 def table(case: str, layers: int, rows: dict) -> str:

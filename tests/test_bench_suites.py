@@ -193,15 +193,21 @@ def test_compile_now_keeps_the_enabled_state_inside_each_runner(caplog):
     torch._dynamo.reset()
 
 
-def _autotune_cost():
-    spec = importlib.util.spec_from_file_location("autotune_cost", ROOT / "benchmarks" / "autotune_cost.py")
+def _benchmark_script(name: str, monkeypatch):
+    """benchmarks/<name>.py as a module, its folder on the path (as when run as a script)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_autotune_cost_script_parses_and_tabulates():
-    mod = _autotune_cost()
+def _autotune_cost(monkeypatch):
+    return _benchmark_script("autotune_cost", monkeypatch)
+
+
+def test_autotune_cost_script_parses_and_tabulates(monkeypatch):
+    mod = _autotune_cost(monkeypatch)
     compile(mod.CHILD, "child", "exec")
     assert mod.parse_shapes("4096x14336x4096,16x4096x4096") == [(4096, 14336, 4096), (16, 4096, 4096)]
     assert mod.SHAPES == [(4096, 14336, 4096), (128, 14336, 4096), (16, 4096, 4096)]
@@ -212,6 +218,32 @@ def test_autotune_cost_script_parses_and_tabulates():
     text = mod.table(rows)
     assert "| 16x4096x4096 | ours | 20.0 | 3.0 | 0.2 | 6.0 | ours | 5/0 | 1.0e-03 |" in text
     assert "exit 1: boom" in text
+
+
+def test_a_fresh_process_gets_its_own_caches_and_reports_its_result(monkeypatch, tmp_path):
+    fresh_process = _benchmark_script("fresh_process", monkeypatch)
+    code = ("import json, os, sys; print('noise'); print('RESULT ' + json.dumps("
+            "{k: os.environ[k] for k in ('TORCHINDUCTOR_CACHE_DIR', 'TRITON_CACHE_DIR', 'INDUCTOR_CUTE_CACHE_DIR')}"
+            " | {'args': sys.argv[1:]}))")
+    result = fresh_process.run_child(code, ["a", "7"], str(tmp_path), 60)
+    assert result == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                      "INDUCTOR_CUTE_CACHE_DIR": str(tmp_path / "cute"), "args": ["a", "7"]}
+    failed = fresh_process.run_child("import sys; print('boom', file=sys.stderr); sys.exit(3)", [], str(tmp_path), 60)
+    assert failed == {"error": "exit 3: boom"}
+
+
+def test_model_compile_cost_script_parses_and_tabulates(monkeypatch):
+    mod = _benchmark_script("model_compile_cost", monkeypatch)
+    compile(mod.CHILD, "child", "exec")
+    assert mod.parse_case("llama3-8b decode B8 KV8192 cg") == ["llama3-8b", "decode", "8", "8192", "cg"]
+    assert mod.parse_case("llama3-8b prefill B1 x4096 nocg") == ["llama3-8b", "prefill", "1", "4096", "nocg"]
+    run = {"graphs_lowered": 4, "fx_hits": 0}
+    rows = {"stock": ({**run, "seconds": 100.0, "our_call_sites": 0}, {**run, "seconds": 30.0, "our_call_sites": 0}),
+            "ours": ({**run, "seconds": 90.0, "our_call_sites": 8}, {**run, "seconds": 9.0, "our_call_sites": 8})}
+    text = mod.table("llama3-8b decode B8 KV8192 cg", 4, rows)
+    assert "| ours | 90.0 | 9.0 | 4/4 | 8/8 | 0 |" in text and "cold 0.90x, warm 0.30x" in text
+    rows["ours"] = ({"error": "timed out after 400 s"}, rows["ours"][1])
+    assert "timed out after 400 s" in mod.table("c", 4, rows) and "warm 0." not in mod.table("c", 4, rows)
 
 
 def test_decode_layer_compiles_with_its_cache_write():
