@@ -91,40 +91,64 @@ def test_transformers_masks_run_our_kernel(name, group):
     check_ours(q, k, v, block_mask=block_mask)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_transformers_llama_decode_step_runs_our_kernel(padded):
+@pytest.mark.parametrize("padded, trace_block_masks, mode", [(False, False, None), (True, False, None),
+                                                             (False, True, None), (False, True, "reduce-overhead")])
+def test_transformers_llama_decode_step_runs_our_kernel(padded, trace_block_masks, mode):
     """A 2-layer Llama (head dim 128, 8 query heads on 2 KV heads), attn_implementation=
     "flex_attention", StaticCache: prefill eagerly, then a compiled decode step; every layer
-    runs our kernel and the logits match the same weights on SDPA."""
+    runs our kernel and the logits match the same weights on SDPA. With trace_block_masks the
+    step is one graph (the BlockMask built in it), also under CUDA graphs (none skipped; three
+    replays, the position advancing, each matching SDPA)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    import inductor_cute
+
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, head_dim=128)
-    ids = torch.randint(0, 1024, (4, 300), device="cuda")
-    attention_mask = torch.ones(4, 301, dtype=torch.long, device="cuda")
+    ids = torch.randint(0, 1024, (4, 303), device="cuda")
+    attention_mask = torch.ones(4, 304, dtype=torch.long, device="cuda")
     if padded:
         attention_mask[1, :30] = 0
         attention_mask[3, :5] = 0
-    logits = []
+    steps = 3 if mode else 1
+    logits = {}
+    counters.clear()
     for attn_implementation in ("flex_attention", "sdpa"):
         torch.manual_seed(0)  # the same weights for both
         llama = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16,
                                                            attn_implementation=attn_implementation).cuda().eval()
         cache = transformers.StaticCache(config=config, max_cache_len=512)
-        llama(input_ids=ids, attention_mask=attention_mask[:, :300], past_key_values=cache)
-        step = dict(input_ids=ids[:, -1:], attention_mask=attention_mask, past_key_values=cache,
-                    cache_position=torch.tensor([300], device="cuda"))
+        llama(input_ids=ids[:, :300], attention_mask=attention_mask[:, :300], past_key_values=cache)
+        forward = llama
         if attn_implementation == "flex_attention":
-            from torch._inductor.utils import run_and_get_code
-
-            import inductor_cute
-
-            with inductor_cute.enable(flex_decode=True):
-                out, codes = run_and_get_code(torch.compile(llama), **step)
-            assert "\n".join(codes).count(OUR_CALL) == 2  # one per layer
+            with inductor_cute.enable(flex_decode=True, trace_block_masks=trace_block_masks):
+                forward = torch.compile(llama, mode=mode)
+                step = dict(input_ids=ids[:, 300:301], past_key_values=cache,
+                            cache_position=torch.tensor([300], device="cuda"))
+                if padded:
+                    step["attention_mask"] = attention_mask[:, :301]
+                out, codes = run_and_get_code(forward, **step)
+            code = "\n".join(codes)
+            assert code.count(OUR_CALL) == 2  # one per layer
+            if trace_block_masks:
+                assert code.count("# AOT ID:") == 1
+            outs = [out.logits.float().clone()]
         else:
-            out = llama(**step)
-        logits.append(out.logits.float())
-    assert (logits[0] - logits[1]).abs().max().item() < 5e-2
+            outs = [llama(input_ids=ids[:, 300:301], past_key_values=cache,
+                          cache_position=torch.tensor([300], device="cuda"),
+                          **({"attention_mask": attention_mask[:, :301]} if padded else {})).logits.float()]
+        for t in range(301, 300 + steps):  # later steps: replays under CUDA graphs
+            step = dict(input_ids=ids[:, t:t + 1], past_key_values=cache, cache_position=torch.tensor([t], device="cuda"))
+            if padded:
+                step["attention_mask"] = attention_mask[:, :t + 1]
+            outs.append(forward(**step).logits.float().clone())
+        logits[attn_implementation] = outs
+    if mode:
+        assert counters["inductor"]["cudagraph_skips"] == 0
+    for ours, ref in zip(logits["flex_attention"], logits["sdpa"]):
+        assert (ours - ref).abs().max().item() < 5e-2
 
 
 # --------------------------------------------------------- PyTorch's flex decoding test patterns
