@@ -171,6 +171,14 @@ def test_default_config_takes_the_fewest_splits_that_fill_the_sms(m, n, k):
         assert n_blocks * (s - 1) < 0.75 * 132 or unsupported_reason(BF16, fewer, m=m, k=k) is not None
 
 
+@pytest.mark.parametrize("m,n,k", DECODE + [(8, (4096, 1024, 1024), 4096), (1, 4096, 128256), (16, 1000, 1000)])
+def test_default_and_alternate_slices_are_whole_lines(m, n, k):
+    """Every split starts each W row on a 128-byte line (3 splits of 4096 are 1408, not 1376)."""
+    for cfg in candidates(BF16, m, n, k, num_sms=132):
+        assert cfg.k_slice * 2 % 128 == 0, cfg
+    assert default_config(BF16, 8, (4096, 1024, 1024), 4096, num_sms=132).k_slice == 1408
+
+
 def test_decode_shapes_split_k_only_when_n_is_short():
     assert splits(4096, default_config(BF16, 16, 4096, 4096)) == 4  # 32 N blocks
     assert splits(14336, default_config(BF16, 8, 4096, 14336)) == 4

@@ -163,7 +163,22 @@ def default_config(problem: GemmProblem, m: int, n: int | tuple[int, ...], k: in
     max_slice = max(K_STEP, (SMEM_BUDGET - ring) // (ab_bytes * 8 * m_tiles) // K_STEP * K_STEP)
     wanted = max(_ceil_div(3 * num_sms, 4 * n_blocks(n, base)), _ceil_div(k, max_slice))
     wanted = min(wanted, MAX_SPLITS, steps)
-    return dataclasses.replace(base, k_slice=_ceil_div(steps, wanted) * K_STEP)
+    return dataclasses.replace(base, k_slice=_line_aligned_slice(steps, wanted, ab_bytes, max_slice))
+
+
+LINE_BYTES = 128  # an L2 line
+
+
+def _line_aligned_slice(steps: int, wanted_splits: int, ab_bytes: int = 2, max_slice: int | None = None) -> int:
+    """K elements per split for `wanted_splits` splits of `steps` K steps, rounded up to whole
+    128-byte lines of a W row (where that still fits `max_slice`): every split then starts its
+    rows on a line boundary. In the H200 sweep (sweep-gemv-quick-h200-20261204-s13.txt) the one
+    default whose slice was not (8 x 6144 x 4096: 3 splits of 1376, 2752 bytes) took 19.6 us
+    graph-timed where 2 and 4 splits of whole lines took 17.3 and 18.1."""
+    k_slice = _ceil_div(steps, wanted_splits) * K_STEP
+    line = max(K_STEP, LINE_BYTES // ab_bytes)
+    aligned = _ceil_div(k_slice, line) * line
+    return aligned if max_slice is None or aligned <= max_slice else k_slice
 
 
 def candidates(problem: GemmProblem, m: int, n: int | tuple[int, ...], k: int, batch: int = 1,
@@ -176,7 +191,7 @@ def candidates(problem: GemmProblem, m: int, n: int | tuple[int, ...], k: int, b
     steps = _ceil_div(k, K_STEP)
     for s in (splits(k, best) * 2, max(1, splits(k, best) // 2)):
         s = min(s, MAX_SPLITS, steps)
-        out.append(dataclasses.replace(best, k_slice=_ceil_div(steps, s) * K_STEP))
+        out.append(dataclasses.replace(best, k_slice=_line_aligned_slice(steps, s, ELEMENT_BYTES[problem.dtype_name])))
     out.append(dataclasses.replace(best, warps=4, stages=6))
     unique = []
     for cfg in out:
