@@ -14,6 +14,8 @@ writes it), forward and a training step, in cases named `qwen3-30b-a3b moe-block
 Runners of a case (all on the same model, inputs and cache):
   inductor_cute  torch.compile in the case's mode with inductor_cute.enable()
   triton         stock torch.compile in the same mode
+  triton_traced  (with enable(trace_block_masks=True) asked for) stock, its BlockMasks traced into the
+                 graph as ours are: against it, what our kernels gain; against triton, the tracing
   aten           eager
 Modes: "max-autotune-no-cudagraphs" (`nocg` in case names) and "max-autotune" (CUDA graphs, `cg`).
 A step's time is wall time per step, steps issued back to back (what a serving loop sees, host cost
@@ -282,21 +284,29 @@ def gemm_picks(code: str) -> str:
     return f"GEMM call sites: cuBLAS {cublas}, Triton {triton}, ours {ours}"
 
 
-def _compile(step, mode: str, ours: bool, enable_kwargs: dict | None = None):
+def _compile(step, mode: str, ours: bool, enable_kwargs: dict | None = None, traced_stock: bool = False):
     """Compile the model's forward in `mode`, run one step; (forward, logits, seconds, output code).
+    `traced_stock`: a stock compile with only our BlockMask tracing installed (block_masks.py),
+    which tells a graph-break gain from a kernel gain.
 
-    Both runners compile the same forward: their options differ (the GEMM backends, as
-    gemm_compiled.compile_now's do) so that dynamo keeps one compiled graph for each, and nothing
-    resets dynamo between them (a reset drops the other runner's graph: it would recompile when
-    timed, outside its config, i.e. stock). A later call that compiles again raises."""
+    The runners compile the same forward: their options differ (the GEMM backends, as
+    gemm_compiled.compile_now's do; the two stock runners list the same backends in another
+    order) so that dynamo keeps one compiled graph for each, and nothing resets dynamo between
+    them (a reset drops the other runners' graphs: they would recompile when timed, outside
+    their config, i.e. stock). A later call that compiles again raises."""
     import inductor_cute
     from torch._inductor import config, list_mode_options
 
+    from ...inductor import block_masks
     from .gemm_compiled import COLD, OUR_BACKENDS, STOCK_BACKENDS, _fresh_cache, capture
 
     codes: list[str] = []
     backends = OUR_BACKENDS if ours else STOCK_BACKENDS
+    if traced_stock:
+        backends = ",".join(reversed(STOCK_BACKENDS.split(",")))
     enabled = inductor_cute.enable(**(enable_kwargs or {})) if ours else contextlib.nullcontext()
+    if traced_stock:
+        enabled = _installed(block_masks)
     # a training step compiles its backward graph at its first backward(): inside the config too
     with enabled, config.patch(max_autotune_gemm_backends=backends, **COLD), _fresh_cache(), \
             capture(codes, []), _grad_mode(step):
@@ -317,6 +327,15 @@ def _compile(step, mode: str, ours: bool, enable_kwargs: dict | None = None):
     if late:
         raise RuntimeError(f"the {'enabled' if ours else 'stock'} forward recompiled outside its config")
     return forward, logits, seconds, "\n".join(codes)
+
+
+@contextlib.contextmanager
+def _installed(hook_module):
+    hook_module.install()
+    try:
+        yield
+    finally:
+        hook_module.uninstall()
 
 
 def _agreement(logits, ref) -> float:
@@ -341,9 +360,12 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
         step.reference_inputs()
         ref = step(model.forward).clone()
     runners = {"aten": functools.partial(_run_step, step, model.forward)}
-    torch._dynamo.reset()  # once per case: both runners' graphs must stay (see _compile)
-    for backend, ours in (("inductor_cute", True), ("triton", False)):
-        forward, logits, seconds, code = _compile(step, MODES[mode_key], ours, kwargs)
+    torch._dynamo.reset()  # once per case: every runner's graphs must stay (see _compile)
+    compiled = [("inductor_cute", True, False), ("triton", False, False)]
+    if kwargs.get("trace_block_masks"):  # stock with the same tracing: what the kernels alone gain
+        compiled.append(("triton_traced", False, True))
+    for backend, ours, traced_stock in compiled:
+        forward, logits, seconds, code = _compile(step, MODES[mode_key], ours, kwargs, traced_stock)
         runners[backend] = functools.partial(_run_step, step, forward)
         if phase == "train":  # each on its own scale: the loss is ~12, a gradient norm far smaller
             what = (f"loss rel err {_agreement(logits[:1], ref[:1]):.2e}, q_proj grad norm rel err "
