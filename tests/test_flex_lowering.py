@@ -404,6 +404,33 @@ def test_block_mask_under_dynamic_shapes_is_taken(cpu_accepted, decisions):
             torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_block_mask_built_in_the_graph_is_taken(cpu_accepted, decisions, dynamic):
+    """enable(trace_block_masks=True): the BlockMask is made by the compiled graph itself (as
+    transformers makes it, create_block_mask(_compile=True) with a captured 0-d offset), not passed
+    in; our op takes the call, static or dynamic shapes, and matches eager."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 1, 64, generator=g).bfloat16()
+    cache_k, cache_v = (torch.randn(2, 2, 2048, 64, generator=g).bfloat16() for _ in range(2))
+
+    def step(q, k, v, offset):
+        def mask_mod(b, h, m, n):
+            return (m + offset >= n) & (m + offset - n < 300)
+
+        block_mask = create_block_mask(mask_mod=mask_mod, B=None, H=None, Q_LEN=q.shape[2], KV_LEN=k.shape[2],
+                                       device="cpu", _compile=True)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    for kv_len in (1000, 1537):
+        k, v, offset = cache_k[:, :, :kv_len], cache_v[:, :, :kv_len], torch.tensor(kv_len - 1)
+        out, code = compiled(step, q, k, v, offset, dynamic=dynamic, trace_block_masks=True)
+        assert decisions[-1][1] is None and OUR_CALL in code and code.count("# AOT ID:") == 1
+        block_mask = create_block_mask(lambda b, h, m, n: (m + kv_len - 1 >= n) & (m + kv_len - 1 - n < 300),
+                                       None, None, 1, kv_len, device="cpu")
+        ref = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_each_mod_is_translated_once_per_call(cpu_accepted, decisions, monkeypatch):
     """The decision's translations are the ones the lowering hands the kernel."""
     translated = []
