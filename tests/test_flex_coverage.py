@@ -281,6 +281,15 @@ def test_batch_broadcast_kv_runs_our_op_and_matches(cpu_accepted, decisions):
     taken_and_matching(decisions, q, k, v, block_mask=block_mask)
 
 
+def test_batch_broadcast_kv_runs_our_prefill_op_and_matches(cpu_accepted, decisions):
+    """The same for 130 queries (the prefill kernel; PyTorch's test_flex_attention.py makes such
+    calls): each query batch its own causal-with-offset mask over the one shared cache."""
+    q, _, _ = qkv(q_len=130, kv_len=KV, dtype=torch.bfloat16)
+    _, k, v = qkv(batch=1, kv_len=KV, dtype=torch.bfloat16)
+    block_mask = create_block_mask(lambda b, h, m, n: m + 100 + 40 * b >= n, 2, 1, 130, KV, device="cpu")
+    taken_and_matching(decisions, q, k, v, prefill=True, block_mask=block_mask)
+
+
 # ------------------------------------------------------------------- the translation, directly
 
 def graph(fn, *buffers, mask=False):

@@ -29,6 +29,8 @@ VARIANTS = {
     "d64-fp16": FlexPrefillProblem(64, 64, "float16"),
     "d128-causal-block128": FlexPrefillProblem(128, 128, "bfloat16", mask_program=CAUSAL, sparse_block=128),
     "d128-softcap": FlexPrefillProblem(128, 128, "bfloat16", score_program=SOFTCAP),
+    "d128-causal-shared-kv": FlexPrefillProblem(128, 128, "bfloat16", mask_program=CAUSAL, sparse_block=128,
+                                                kv_batch_broadcast=True),
     "d64-document-block256-alibi-q256": FlexPrefillProblem(
         64, 64, "bfloat16", score_program=ALIBI, score_dtypes=("float32",), mask_program=DOCUMENT,
         mask_dtypes=("int32",), sparse_block=256, sparse_q_block=256),
@@ -296,11 +298,35 @@ def test_host_passes_the_kernel_its_arguments(host_on_cpu):
     bm = args[11:15]
     assert all(t.dtype == torch.int32 and t.is_contiguous() for t in bm)
     assert torch.equal(bm[2], torch.zeros(1, 1, 3, dtype=torch.int32))  # no full blocks: zero counts
-    assert specs == [(128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128, True, None)]
+    assert specs == [(128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128, True, None, False)]
     # strided (B, L, H, D) views go through as they are
     qt = torch.randn(2, 300, 8, 128).bfloat16().transpose(1, 2)
     flex_prefill(qt, k, v)
     assert kernel.calls[-1][0].data_ptr() == qt.data_ptr() and kernel.calls[-1][0].stride() == qt.stride()
+
+
+def test_host_passes_one_kv_cache_shared_by_the_batch(host_on_cpu):
+    import torch
+
+    flex_prefill, kernel, specs = host_on_cpu
+    q, kv = torch.randn(3, 8, 200, 128).bfloat16(), torch.randn(1, 2, 500, 128).bfloat16()
+    out = flex_prefill(q, kv, kv)
+    (args,) = kernel.calls
+    assert specs[-1][-1] is True and args[1].shape == (1, 2, 500, 128) and out.shape == (3, 8, 200, 128)
+    from inductor_cute import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="batch sizes differ"):
+        flex_prefill(q, kv.expand(2, -1, -1, -1), kv.expand(2, -1, -1, -1))
+
+
+def test_a_shared_kv_cache_is_its_own_kernel_and_older_specs_keep_their_keys():
+    from inductor_cute.kernels.attention.flex_prefill_config import FlexPrefillProblem, from_params, spec
+
+    plain, shared = FlexPrefillProblem(128, 128, "bfloat16"), FlexPrefillProblem(128, 128, "bfloat16",
+                                                                                 kv_batch_broadcast=True)
+    assert "kv_batch_broadcast" not in plain.as_params() and shared.as_params()["kv_batch_broadcast"] is True
+    assert spec(plain) != spec(shared)
+    assert from_params(dict(spec(shared).params))[0] == shared
 
 
 def test_host_runs_head_dim_64_on_persistent_ctas_with_two_q_buffers(host_on_cpu, monkeypatch):
@@ -314,7 +340,7 @@ def test_host_runs_head_dim_64_on_persistent_ctas_with_two_q_buffers(host_on_cpu
     monkeypatch.setattr(fp, "sm_count", lambda index: 132)
     q = torch.randn(1, 4, 300, 64).bfloat16()
     flex_prefill(q, q, q)
-    config = specs[-1][-1]
+    config = specs[-1][10]
     assert isinstance(config, FlexPrefillConfig) and (config.persistent_ctas, config.q_stages) == (132, 2)
     assert config_error(config, FlexPrefillProblem(64, 64, "bfloat16")) is None
     assert config == default_config(FlexPrefillProblem(64, 64, "bfloat16"), num_sms=132)
@@ -368,7 +394,7 @@ def test_host_takes_a_config_and_refuses_one_that_cannot_run(host_on_cpu, monkey
     q = torch.randn(1, 2, 300, 128).bfloat16()
     persistent = FlexPrefillConfig(128, 3, persistent_ctas=132)
     flex_prefill(q, q, q, config=persistent)
-    assert specs[-1][-1] == persistent
+    assert specs[-1][10] == persistent
     monkeypatch.setattr(fp, "_flex_prefill_kernel", REAL_KERNEL_FACTORY.__wrapped__)  # the real spec checks
     with pytest.raises(UnsupportedError, match="flex_prefill: stages must be at least 2"):
         flex_prefill(q, q, q, config=FlexPrefillConfig(128, 1))

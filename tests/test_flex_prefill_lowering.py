@@ -95,7 +95,6 @@ DECLINED = {
     "symbolic scale": (dict(scale=sympy.Symbol("s0")), "scale is not a constant"),
     "num_warps": (dict(kernel_options={"num_warps": 4}), "kernel_options ['num_warps'] tune the stock kernels"),
     "GPU": (dict(device=torch.device("cpu")), "device cpu"),
-    "K/V shared by the batch": (dict(kv_batch_broadcast=True), "k and v of batch 1 shared by the query batches"),
 }
 
 
@@ -107,7 +106,8 @@ def test_what_the_prefill_kernel_cannot_take_is_declined(plain, hopper, change, 
 
 TAKEN = {"fp16": dict(dtypes=(torch.float16,) * 3), "d128": dict(head_dim_qk=128, head_dim_v=128),
          "MLA 192/128": dict(head_dim_qk=192, head_dim_v=128), "d256": dict(head_dim_qk=256, head_dim_v=256),
-         "MQA": dict(heads=32, kv_heads=1), "no GQA": dict(kv_heads=8), "Lq 65": dict(q_len=65)}
+         "MQA": dict(heads=32, kv_heads=1), "no GQA": dict(kv_heads=8), "Lq 65": dict(q_len=65),
+         "K/V shared by the batch": dict(kv_batch_broadcast=True)}
 
 
 @pytest.mark.parametrize("change", TAKEN.values(), ids=TAKEN.keys())

@@ -23,12 +23,13 @@ MAX_TILES = 2**31 - 1  # the kernel's 1-D grid
 @functools.lru_cache(maxsize=256)
 def _flex_prefill_kernel(head_dim_qk: int, head_dim_v: int, dtype_name: str, score_program: str,
                          score_dtypes: tuple[str, ...], mask_program: str, mask_dtypes: tuple[str, ...],
-                         sparse_block: int, sparse_q_block: int, positive_scale: bool = True, config=None):
+                         sparse_block: int, sparse_q_block: int, positive_scale: bool = True, config=None,
+                         kv_batch_broadcast: bool = False):
     from ..kernels.attention.flex_prefill_config import FlexPrefillProblem, spec
 
     return get_kernel(spec(FlexPrefillProblem(head_dim_qk, head_dim_v, dtype_name, score_program, score_dtypes,
                                               mask_program, mask_dtypes, sparse_block, sparse_q_block,
-                                              positive_scale), config))
+                                              positive_scale, kv_batch_broadcast), config))
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,8 +93,9 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
                  kv_block_size: int = 128, q_block_size: int = 128, return_lse: bool = False, config=None):
     """Attention forward for prefill: softmax(scale * q k^T) v per query head.
 
-    q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv), bf16 or fp16, Hq a multiple of
-    Hkv (query head h reads KV head h // (Hq // Hkv)); head dims (qk/v) 64/64, 128/128, 192/128 or
+    q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv) (or k and v of batch 1, shared by
+    every query batch), bf16 or fp16, Hq a multiple of Hkv (query head h reads KV head
+    h // (Hq // Hkv)); head dims (qk/v) 64/64, 128/128, 192/128 or
     256/256. `scale`
     defaults to 1/sqrt(Dqk). With `return_lse`, also returns the fp32 logsumexp (B, Hq, Lq) of the
     scaled scores in natural-log units, as torch's flex_attention returns it; a row with nothing
@@ -110,7 +112,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     from ..kernels.attention import flex_prefill_config as fpc
 
     check_cuda(NAME, q, k, v)
-    batch, heads, q_len, dqk, kv_heads, seq, dv, _ = attention_shapes(NAME, q, k, v)
+    batch, heads, q_len, dqk, kv_heads, seq, dv, shared_kv = attention_shapes(NAME, q, k, v, shared_kv_ok=True)
     problem = fpc.unsupported_reason(dqk, dv, DTYPE_NAMES[q.dtype])
     if problem:
         raise UnsupportedError(f"{NAME}: {problem}")
@@ -140,7 +142,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         config = _device_default_config(dqk, dv, DTYPE_NAMES[q.dtype], q.device.index)
     try:
         kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program,
-                                      mask_dtypes, sparse_block, sparse_q_block, positive_scale, config)
+                                      mask_dtypes, sparse_block, sparse_q_block, positive_scale, config, shared_kv)
     except ValueError as e:  # spec's refusal of the config
         raise UnsupportedError(f"{NAME}: {e}") from None
     kernel(_operand(q), _operand(k), _operand(v), out, lse, scale * LOG2E, scale, *score_slots, *block_slots,

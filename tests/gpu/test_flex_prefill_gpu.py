@@ -92,6 +92,16 @@ def test_gqa_ratios(group):
     check(rand(2, hkv * group, 700, 128), rand(2, hkv, 900, 128), rand(2, hkv, 900, 128))
 
 
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128)])
+def test_one_kv_cache_shared_by_the_batch(dqk, dv):
+    """K/V of batch 1 for 3 query batches (kv_batch_broadcast): every batch reads the one cache,
+    plain and causal through a block mask."""
+    q, k, v = rand(3, 8, 300, dqk), rand(1, 2, 500, dqk), rand(1, 2, 500, dv)
+    check(q, k, v)
+    q = rand(3, 8, 500, dqk)
+    check_block_mask(q, k, v, lambda b, h, m, n: m >= n, CAUSAL)
+
+
 def test_many_tiles_and_a_long_sequence():
     check(rand(1, 16, 4096, 128), rand(1, 2, 4096, 128), rand(1, 2, 4096, 128))
 

@@ -227,8 +227,6 @@ def _kernel_reason(p: FlexProblem) -> str | None:
         if not p.flex_prefill:
             return f"query length {q_len} is outside the decode kernel's range 1..{fdc.MAX_Q_LEN} (our prefill " \
                    "kernel is opt-in: enable(flex_prefill=True))"
-        if p.kv_batch_broadcast:
-            return "k and v of batch 1 shared by the query batches (the prefill kernel reads one cache per batch)"
         return fpc.unsupported_reason(p.head_dim_qk, p.head_dim_v, dtype)
     if not p.flex_decode:
         return "flex_decode is off (enable(flex_decode=True) offers our decode kernel)"

@@ -53,9 +53,14 @@ class FlexPrefillProblem:
     # softmax's exponent (an FFMA per score instead of a multiply and a subtraction); False (a scale
     # <= 0) scales the scores first, the only order that keeps masked scores at -inf
     positive_scale: bool = True
+    kv_batch_broadcast: bool = False  # K and V have batch 1, shared by every query batch
 
     def as_params(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, kv_batch_broadcast left out when False (the specs that predate it keep their keys)."""
+        params = dataclasses.asdict(self)
+        if not self.kv_batch_broadcast:
+            del params["kv_batch_broadcast"]
+        return params
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ walked and is partial. Causal attention is a block mask (with a mask program for
 
 Tensor conventions (torch order, last dim contiguous, 16-byte aligned, other strides multiples
 of 8 elements):
-    q (B, Hq, Lq, Dqk)   k (B, Hkv, Lkv, Dqk)   v (B, Hkv, Lkv, Dv)
+    q (B, Hq, Lq, Dqk)   k (B, Hkv, Lkv, Dqk)   v (B, Hkv, Lkv, Dv)   (k, v of batch 1 with
+    kv_batch_broadcast: one cache shared by every query batch)
     out (B, Hq, Lq, Dv) in q's dtype and lse (B, Hq, Lq) fp32, both contiguous
     t0..t3, m0..m3: the score and mask programs' captured tensors (contiguous 1-D), None past
     their count; kv_num_blocks, full_kv_num_blocks (Z, H, Qb) and kv_indices, full_kv_indices
@@ -237,6 +238,7 @@ class FlexPrefillSm90:
                 for tile in range(first_tile, n_tiles, ctas):
                     m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
                     hkv = head // q_per_kv
+                    b_kv = Int32(0) if const_expr(self.problem.kv_batch_broadcast) else b  # one shared cache
                     n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
                     # A CTA's first Q goes first. Later, with one Q buffer, the ring's first
                     # `stages` blocks of a tile load as the last tile's blocks are freed, under its
@@ -256,8 +258,8 @@ class FlexPrefillSm90:
                         blk, _ = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                         kv_pipe.producer_acquire(state)
                         bar = kv_pipe.producer_get_barrier(state)
-                        cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b)], tKsK[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b)], tVsV[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b_kv)], tKsK[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b_kv)], tVsV[(None, state.index)], tma_bar_ptr=bar)
                         kv_pipe.producer_commit(state)
                         state.advance()
                     if later and n_blocks <= self.config.stages:
@@ -494,8 +496,9 @@ def build(**params):
     B, Hq, Hkv, Lq, Lkv = (cute.sym_int() for _ in range(5))
 
     q = fake.strided(dt, (B, Hq, Lq, dqk))
-    k = fake.strided(dt, (B, Hkv, Lkv, dqk))
-    v = fake.strided(dt, (B, Hkv, Lkv, dv))
+    B_kv = 1 if problem.kv_batch_broadcast else B  # one cache shared by every query batch
+    k = fake.strided(dt, (B_kv, Hkv, Lkv, dqk))
+    v = fake.strided(dt, (B_kv, Hkv, Lkv, dv))
     out = fake.compact(dt, (B, Hq, Lq, dv), aligned=True)
     lse = fake.compact(Float32, (B, Hq, Lq))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
