@@ -29,10 +29,6 @@ log = logging.getLogger(__name__)
 _active = [False]
 
 
-def _is_active() -> bool:
-    return _active[0]
-
-
 @functools.cache
 def _polyfill_registered() -> bool:
     """Register the polyfill (once per process); False where this torch's create_block_mask has no
@@ -50,7 +46,7 @@ def _polyfill_registered() -> bool:
     as_written = types.FunctionType(original.__code__, original.__globals__, original.__name__,
                                     original.__defaults__, original.__closure__)
     as_written.__kwdefaults__ = original.__kwdefaults__
-    is_active = torch._dynamo.assume_constant_result(_is_active)
+    is_active = torch._dynamo.assume_constant_result(installed)
 
     def create_block_mask_traced(*args, **kwargs):
         if is_active():

@@ -3,8 +3,9 @@ Triton and ours compete) vs stock max-autotune (ATen and Triton) vs eager cuBLAS
 
 Every compiled runner is compiled when its case is built, inside its own Inductor config and a
 fresh, empty Inductor cache (no FX-graph or autotune cache hits from earlier compiles), so its
-compile time is a cold one and the enabled state cannot leak into the stock runner; the runner then only calls the
-compiled function. The notes say which choice won autotuning and how long each compile took.
+compile time is a cold one and the enabled state cannot leak into the stock runner; the runner
+then only calls the compiled function. The notes say which choice won autotuning and how long each
+compile took.
 Our own compiled-kernel disk cache (INDUCTOR_CUTE_CACHE_DIR) is used as found:
 benchmarks/autotune_cost.py measures cold and warm compiles in fresh processes.
 """

@@ -41,6 +41,7 @@ import torch
 from ..case import Case, named
 from ..profile import busy_us, host_gaps_us, host_syncs_per_call, idle_and_overlap_us, kernel_timeline
 from . import moe_block
+from .gemm_compiled import OUR_CALL as GEMM_CALL
 from .grouped_gemm import GROUPED_CALL
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
@@ -263,7 +264,7 @@ SHARED_A_CALL = "torch.ops.inductor_cute.gemv_shared_a.default("  # the grouped 
 
 def our_kernel_calls(code: str) -> int:
     """Call sites of our kernels in Inductor's output code."""
-    return (code.count("inductor_cute.inductor.gemm.runtime.GemmLauncher(")  # one definition per GEMM call site
+    return (code.count(GEMM_CALL)  # one definition per GEMM call site
             + sum(code.count(f"inductor_cute.inductor.flex.runtime.{name}(")
                   for name in ("FlexDecodeLauncher", "FlexPrefillLauncher", "FlexBackwardLauncher"))
             + code.count(GROUPED_CALL)
@@ -280,7 +281,7 @@ def gemm_picks(code: str) -> str:
     templates = re.findall(r"\b(triton_tem_\w+)\.run\(", code)
     triton = sum(1 for name in templates
                  if "flex" not in name and {"mm", "bmm", "addmm", "baddbmm"} & set(name.split("_")))
-    ours = code.count("inductor_cute.inductor.gemm.runtime.GemmLauncher(") + code.count(SHARED_A_CALL)
+    ours = code.count(GEMM_CALL) + code.count(SHARED_A_CALL)
     return f"GEMM call sites: cuBLAS {cublas}, Triton {triton}, ours {ours}"
 
 
@@ -301,12 +302,12 @@ def _compile(step, mode: str, ours: bool, enable_kwargs: dict | None = None, tra
     from .gemm_compiled import COLD, OUR_BACKENDS, STOCK_BACKENDS, _fresh_cache, capture
 
     codes: list[str] = []
-    backends = OUR_BACKENDS if ours else STOCK_BACKENDS
-    if traced_stock:
-        backends = ",".join(reversed(STOCK_BACKENDS.split(",")))
-    enabled = inductor_cute.enable(**(enable_kwargs or {})) if ours else contextlib.nullcontext()
-    if traced_stock:
-        enabled = _installed(block_masks)
+    if ours:
+        backends, enabled = OUR_BACKENDS, inductor_cute.enable(**(enable_kwargs or {}))
+    elif traced_stock:
+        backends, enabled = ",".join(reversed(STOCK_BACKENDS.split(","))), _installed(block_masks)
+    else:
+        backends, enabled = STOCK_BACKENDS, contextlib.nullcontext()
     # a training step compiles its backward graph at its first backward(): inside the config too
     with enabled, config.patch(max_autotune_gemm_backends=backends, **COLD), _fresh_cache(), \
             capture(codes, []), _grad_mode(step):
