@@ -114,3 +114,24 @@ def test_our_tuned_grouped_runner_is_omitted_with_its_reason_where_it_does_not_c
 
     monkeypatch.setattr(gemm_compiled, "compile_now", failing)
     assert grouped_gemm.tuned_runner(None, None, None) == (None, "inductor_cute tuned omitted: no valid choice")
+
+
+def test_each_runner_is_checked_on_its_own_output_not_on_a_reused_buffer(monkeypatch):
+    """A CUDA-graph replay returns a tensor in the graphs' shared pool; the next runner's replay
+    may overwrite it. The harness checks a copy taken when each runner returned."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    pool = torch.empty(4)
+
+    def replay(value):
+        pool.fill_(value)
+        return pool
+
+    ref = torch.full((4,), 2.0)
+    runners = {"aten": lambda: ref.clone(), "inductor_cute": lambda: replay(2.0),
+               "triton": lambda: replay(float("nan"))}
+    case = Case(name="aliased", params={}, flops=1e9, bytes=1e6, runners=runners,
+                atol=float("inf"), rtol=float("inf"), wall_times_us={"inductor_cute": 1.0, "triton": 1.0})
+    result = harness.run_case(case, {"copy_TBps": 4.0, "bf16_mm_TFLOPs": 700.0})
+    assert "MISMATCH: triton output differs" in result["notes"]
+    assert "inductor_cute output" not in result["notes"]
+    assert result["times_us"]["inductor_cute"] == 1.0 and result["times_us"]["triton"] is None

@@ -21,6 +21,15 @@ def _parts(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
+def _own_copy(out):
+    """A copy of a runner's output (a tensor or a tuple of them). A CUDA-graph replay's outputs
+    live in the graphs' shared memory pool, which the next runner's replay may reuse: kept as
+    is, an earlier runner's output would be checked against whatever was written there last."""
+    if isinstance(out, (tuple, list)):
+        return tuple(_own_copy(o) for o in out)
+    return out.clone() if isinstance(out, torch.Tensor) else out
+
+
 def _mismatch(case: Case, backend: str, out, ref, ref_name: str) -> str | None:
     """Why `out` (a tensor or a tuple of them) is not `ref` within the case's tolerance; None if it is."""
     outs, refs = _parts(out), _parts(ref)
@@ -79,7 +88,7 @@ def run_case(case: Case, ceilings: dict) -> dict:
             continue
         try:
             start = time.perf_counter()
-            outputs[backend] = fn()
+            outputs[backend] = _own_copy(fn())
             torch.cuda.synchronize()
             first_call_s = time.perf_counter() - start
             if first_call_s > 1.0:
