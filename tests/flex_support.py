@@ -27,9 +27,9 @@ OUR_CALL = "inductor_cute.inductor.flex.runtime.FlexDecodeLauncher("  # a call s
 OUR_PREFILL_CALL = "inductor_cute.inductor.flex.runtime.FlexPrefillLauncher("
 
 
-def compiled(fn, *args, dynamic=None, flex_prefill=False, trace_block_masks=False, **kwargs):
+def compiled(fn, *args, dynamic=None, flex_prefill=False, trace_block_masks=True, **kwargs):
     """fn compiled with inductor-cute enabled (and our prefill kernel offered with `flex_prefill`,
-    BlockMasks traced into the graph with `trace_block_masks`), run once: (result, output code)."""
+    BlockMasks traced into the graph unless `trace_block_masks` is False), run once: (result, output code)."""
     torch._dynamo.reset()
     with inductor_cute.enable(flex_decode=True, flex_prefill=flex_prefill, trace_block_masks=trace_block_masks), \
             inductor_config.patch(fx_graph_cache=False), torch.no_grad():

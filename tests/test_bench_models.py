@@ -128,7 +128,7 @@ def test_our_kernel_calls_count_prefill_and_backward_launchers():
     assert M.our_kernel_calls(code) == 2
 
 
-def test_opt_in_switches_named_in_the_environment_join_each_phases_enable_kwargs(monkeypatch):
+def test_switches_named_in_the_environment_join_each_phases_enable_kwargs(monkeypatch):
     from inductor_cute.bench.suites import models
 
     monkeypatch.delenv("INDUCTOR_CUTE_MODEL_ENABLE", raising=False)
@@ -137,6 +137,8 @@ def test_opt_in_switches_named_in_the_environment_join_each_phases_enable_kwargs
     monkeypatch.setenv("INDUCTOR_CUTE_MODEL_ENABLE", " group_gemv, flex_prefill ")
     assert models.enable_kwargs("decode") == {"group_gemv": True, "flex_prefill": True}
     assert models.enable_kwargs("train") == {"flex_prefill": True, "flex_backward": True, "group_gemv": True}
+    monkeypatch.setenv("INDUCTOR_CUTE_MODEL_ENABLE", "keep_m1_mm,-trace_block_masks")
+    assert models.enable_kwargs("decode") == {"keep_m1_mm": True, "trace_block_masks": False}
 
 
 def test_our_kernel_calls_count_the_grouped_decode_gemv():

@@ -102,9 +102,9 @@ def stock_graphs() -> int:
 def test_off_and_after_disable_the_graph_breaks_as_stock(inputs):
     stock = stock_graphs()
     assert stock > 1  # the deprecation warning: what the switch is for (torch >= 2.10)
-    with inductor_cute.enable():
+    with inductor_cute.enable(trace_block_masks=False):
         _, off = graphs_of(attend, *inputs)
-    with inductor_cute.enable(trace_block_masks=True):
+    with inductor_cute.enable():  # on by default
         pass
     out, after = graphs_of(attend, *inputs)
     assert off == after == stock and not block_masks.installed()
@@ -124,8 +124,8 @@ def test_a_graph_traced_with_it_is_not_recompiled_after_disable(inputs):
 
 
 def test_nested_enable_keeps_the_outer_setting(inputs):
-    with inductor_cute.enable(trace_block_masks=True):
-        with inductor_cute.enable():
+    with inductor_cute.enable():
+        with inductor_cute.enable(trace_block_masks=False):
             assert not block_masks.installed()
         assert block_masks.installed()
         _, graphs = graphs_of(attend, *inputs)

@@ -163,7 +163,7 @@ def test_a_transformers_llama_prefill_with_traced_block_masks_is_one_graph(cpu_a
         llama = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16,
                                                            attn_implementation=attn_implementation).eval()
         if attn_implementation == "flex_attention":
-            out, code = compiled(llama, input_ids=ids, use_cache=False, flex_prefill=True, trace_block_masks=True)
+            out, code = compiled(llama, input_ids=ids, use_cache=False, flex_prefill=True)
             assert [reason for _, reason in decisions] == [None, None]
             assert code.count(OUR_PREFILL_CALL) == 2 and code.count("# AOT ID:") == 1
         else:

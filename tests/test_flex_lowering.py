@@ -406,7 +406,7 @@ def test_block_mask_under_dynamic_shapes_is_taken(cpu_accepted, decisions):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_a_block_mask_built_in_the_graph_is_taken(cpu_accepted, decisions, dynamic):
-    """enable(trace_block_masks=True): the BlockMask is made by the compiled graph itself (as
+    """enable() (trace_block_masks on by default): the BlockMask is made by the compiled graph itself (as
     transformers makes it, create_block_mask(_compile=True) with a captured 0-d offset), not passed
     in; our op takes the call, static or dynamic shapes, and matches eager."""
     g = torch.Generator().manual_seed(0)
@@ -423,7 +423,7 @@ def test_a_block_mask_built_in_the_graph_is_taken(cpu_accepted, decisions, dynam
 
     for kv_len in (1000, 1537):
         k, v, offset = cache_k[:, :, :kv_len], cache_v[:, :, :kv_len], torch.tensor(kv_len - 1)
-        out, code = compiled(step, q, k, v, offset, dynamic=dynamic, trace_block_masks=True)
+        out, code = compiled(step, q, k, v, offset, dynamic=dynamic)
         assert decisions[-1][1] is None and OUR_CALL in code and code.count("# AOT ID:") == 1
         block_mask = create_block_mask(lambda b, h, m, n: (m + kv_len - 1 >= n) & (m + kv_len - 1 - n < 300),
                                        None, None, 1, kv_len, device="cpu")

@@ -85,7 +85,7 @@ def test_enable_installs_what_its_settings_ask_for(stock):
                                "grouped_extern_kernel": True,
                                "grouped_mm_autotuning": True, "grouped_mm_lowering": True, "choice_timing": True,
                                "fusion_timing_fused_nodes": True, "fusion_timing_codegened_module": True,
-                               "runtime_tuning_timing": True, "m1_mm_kept": False, "block_mask_tracing": False}
+                               "runtime_tuning_timing": True, "m1_mm_kept": False, "block_mask_tracing": True}
         assert install.stock_lowering(GROUPED_MM) is stock["grouped_mm lowering"]
         assert inductor_config.benchmark_epilogue_fusion == stock["benchmark_epilogue_fusion"]
         with pytest.raises(RuntimeError, match="no lowering of ours"):
@@ -97,7 +97,7 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
     with inductor_cute.enable(flex_decode=False, flex_prefill=True):
         assert installed()["flex_attention_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True, group_gemv=True)
-        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0-tbm0")
+        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0-tbm1")
     with inductor_cute.enable():
         assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False, group_gemv=True)
         assert not installed()["flex_attention_backward_lowering"]  # training through our kernels is opt-in
@@ -108,7 +108,7 @@ def test_flex_backward_installs_the_backward_lowering(stock):
     with inductor_cute.enable(flex_backward=True):
         assert installed()["flex_attention_lowering"] and installed()["flex_attention_backward_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True)
-        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0-m1mm0-tbm0")
+        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0-m1mm0-tbm1")
 
 
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
@@ -228,7 +228,7 @@ def test_settings_enter_the_factorys_tag():
     tags = {install.choices_factory(f, d, p, b)().uuid() for f in (False, True) for d in (False, True)
             for p in (False, True) for b in (False, True)}
     assert len(tags) == 16
-    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0-pdl0-m1mm0-tbm0")
+    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0-pdl0-m1mm0-tbm1")
     assert install.choices_factory(True, False)().settings == install.Settings(True, False)
 
 

@@ -1,4 +1,4 @@
-"""BlockMasks built inside a compiled model stay in its graph (enable(trace_block_masks=True)).
+"""BlockMasks built inside a compiled model stay in its graph (enable()'s trace_block_masks, on by default).
 
 transformers builds each step's BlockMask with `create_block_mask(..., _compile=True)`. Since
 torch 2.10 that path first calls `warnings.warn` (the flag is deprecated), and Dynamo cannot trace

@@ -184,7 +184,7 @@ class _Enabled:
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
            flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
-           keep_m1_mm: bool = False, trace_block_masks: bool = False) -> _Enabled:
+           keep_m1_mm: bool = False, trace_block_masks: bool = True) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -220,12 +220,13 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     coordinate-descent tuning (the max-autotune modes) would decompose them into a mul+sum
     reduction, so they are autotuned (cuBLAS, our GEMV) and grouped like other decode GEMMs
     (inductor/gemm/m1.py).
-    With `trace_block_masks` (off by default until measured on a GPU), Dynamo traces
+    With `trace_block_masks` (on by default), Dynamo traces
     `create_block_mask(..., _compile=True)` (how transformers builds each step's BlockMask) into
     the compiled graph as `_compile=False`, instead of breaking the graph at the deprecation
-    warning that flag raises since torch 2.10 (inductor/block_masks.py): on the CPU, a
-    transformers decode step is one graph instead of several with Python between them, unless it
-    passes a padding attention mask (transformers branches on its values). It applies to graphs
+    warning that flag raises since torch 2.10 (inductor/block_masks.py): a transformers decode
+    step is one graph instead of several with Python between them, unless it passes a padding
+    attention mask (transformers branches on its values). On the H200 that took the GPU's wait
+    for the host from 270-1140 us to ~60 us per 4-layer Llama decode step. It applies to graphs
     Dynamo traces while it is on: enable it before the model's first compiled call."""
     from torch._inductor import config
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 
-def _setting(tag: str):
-    return dataclasses.field(default=False, metadata={"tag": tag})
+def _setting(tag: str, default: bool = False):
+    return dataclasses.field(default=default, metadata={"tag": tag})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,14 +22,14 @@ class Settings:
     group_gemv: bool = _setting("ggemv")  # decode mm's sharing an activation become one grouped GEMV (gemm/shared_a.py)
     pdl: bool = _setting("pdl")  # Inductor's Triton kernels launch dependents early (triton.enable_pdl)
     keep_m1_mm: bool = _setting("m1mm")  # M = 1 mm's stay mm's under coordinate descent (gemm/m1.py)
-    trace_block_masks: bool = _setting("tbm")  # create_block_mask(_compile=True) traced into the graph (block_masks.py)
+    trace_block_masks: bool = _setting("tbm", True)  # create_block_mask(_compile=True) traced into the graph (block_masks.py)
 
     def tag(self) -> str:
         return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))
 
 
 def active_settings() -> Settings:
-    """The settings of the compile under way: those of V.choices when it is ours, all off otherwise."""
+    """The settings of the compile under way: those of V.choices when it is ours, the defaults otherwise."""
     from torch._inductor.virtualized import V
 
     settings = getattr(V.choices, "settings", None)

@@ -14,8 +14,8 @@ writes it), forward and a training step, in cases named `qwen3-30b-a3b moe-block
 Runners of a case (all on the same model, inputs and cache):
   inductor_cute  torch.compile in the case's mode with inductor_cute.enable()
   triton         stock torch.compile in the same mode
-  triton_traced  (with enable(trace_block_masks=True) asked for) stock, its BlockMasks traced into the
-                 graph as ours are: against it, what our kernels gain; against triton, the tracing
+  triton_traced  stock, its BlockMasks traced into the graph as enable() traces ours
+                 (trace_block_masks): against it, what our kernels gain; against triton, the tracing
   aten           eager
 Modes: "max-autotune-no-cudagraphs" (`nocg` in case names) and "max-autotune" (CUDA graphs, `cg`).
 A step's time is wall time per step, steps issued back to back (what a serving loop sees, host cost
@@ -23,8 +23,9 @@ included), the runners interleaved in rounds. Decode steps advance the cache pos
 call and wrap round before the end, so every step attends over about KV keys.
 
 Environment: INDUCTOR_CUTE_MODEL_LAYERS (decoder layers of every model; default 32 for Llama, the
-real depth for the others), INDUCTOR_CUTE_MODEL_ENABLE=group_gemv,... (opt-in
-enable() switches turned on for the inductor_cute runner, named in the notes). transformers is an
+real depth for the others), INDUCTOR_CUTE_MODEL_ENABLE=keep_m1_mm,... (opt-in
+enable() switches turned on for the inductor_cute runner, named in the notes; "-trace_block_masks"
+turns that default off, and drops the triton_traced runner). transformers is an
 optional extra. Cold and warm compile times in fresh processes: benchmarks/model_compile_cost.py.
 """
 
@@ -87,10 +88,11 @@ ENABLE = {"decode": {}, "prefill": {}, "train": {"flex_prefill": True, "flex_bac
 
 
 def enable_kwargs(phase: str) -> dict:
-    """ENABLE[phase], plus the opt-in switches INDUCTOR_CUTE_MODEL_ENABLE names (comma-separated,
-    e.g. "group_gemv") turned on: how an opt-in feature is measured in a model before it is a default."""
-    extra = [name.strip() for name in os.environ.get("INDUCTOR_CUTE_MODEL_ENABLE", "").split(",") if name.strip()]
-    return {**ENABLE[phase], **{name: True for name in extra}}
+    """ENABLE[phase], plus the switches INDUCTOR_CUTE_MODEL_ENABLE names (comma-separated): "name"
+    turns an opt-in switch on (how a feature is measured in a model before it is a default),
+    "-name" a default one off."""
+    names = [name.strip() for name in os.environ.get("INDUCTOR_CUTE_MODEL_ENABLE", "").split(",") if name.strip()]
+    return {**ENABLE[phase], **{name.lstrip("-"): not name.startswith("-") for name in names}}
 
 
 def case_name(model: str, phase: str, batch: int, tokens: int, mode: str) -> str:
@@ -363,7 +365,7 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
     runners = {"aten": functools.partial(_run_step, step, model.forward)}
     torch._dynamo.reset()  # once per case: every runner's graphs must stay (see _compile)
     compiled = [("inductor_cute", True, False), ("triton", False, False)]
-    if kwargs.get("trace_block_masks"):  # stock with the same tracing: what the kernels alone gain
+    if kwargs.get("trace_block_masks", True):  # stock with our tracing: what the kernels alone gain
         compiled.append(("triton_traced", False, True))
     for backend, ours, traced_stock in compiled:
         forward, logits, seconds, code = _compile(step, MODES[mode_key], ours, kwargs, traced_stock)
