@@ -2,9 +2,9 @@
 
     python3 benchmarks/flex_backward_speed.py [--quick]
 
-Per case: our three kernels (host.flex_backward, eager; the default schedule and the overlapped
-ones where they compile), SDPA's backward (is_causal, enable_gqa; its forward runs untimed once
-and the backward is replayed with retain_graph) and the floor, the backward's 5 matmuls at the
+Per case: our kernels (host.flex_backward, eager; the default schedule, the overlapped ones and
+the five-product dq_reduce where they compile), SDPA's backward (is_causal, enable_gqa; its
+forward runs untimed once and the backward is replayed with retain_graph) and the floor, the backward's 5 matmuls at the
 H200's 790 TFLOP/s (flex_backward_config.backward_flops). Device times from bench.timing,
 interleaved. Causal cases pass the BlockMask torch builds (both list sets) with the causal mask
 program. Not a bench suite yet: no record is written.
@@ -54,7 +54,8 @@ def run_case(name, b, hq, hkv, s, d, causal):
     plain = default_config(problem)
     configs = {"ours": plain}
     for label, change in (("ours dq_overlap", dict(dq_overlap=True)),
-                          ("ours overlap", dict(overlap=True, dq_overlap=True))):
+                          ("ours overlap", dict(overlap=True, dq_overlap=True)),
+                          ("ours dq_reduce", dict(stages=3, dq_reduce=True))):
         config = dataclasses.replace(plain, **change)
         if config_error(config, problem) is None:
             configs[label] = config

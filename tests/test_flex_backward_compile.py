@@ -115,6 +115,34 @@ def test_masks_reach_the_main_kernels(compiled_all):
         assert compares(causal) >= compares(plain) + 32
 
 
+@pytest.mark.parametrize("name", ["d128", "d128-causal-block128", "d128-fp16"])
+def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(name):
+    # dq_reduce: the dK/dV kernel also issues dQ = dS K (SS, 8 k16 steps over 128 keys, N = 64 per
+    # warp group, both operands MN-major: transpose flags 1, 1), stores dS^T and its dQ product
+    # to shared memory and adds the product to the workspace with one TMA reduce per block
+    problem = PROBLEMS[name] if name in PROBLEMS else FlexBackwardProblem(128, 128, "float16")
+    compiled = compile_spec(specs(problem, FlexBackwardConfig(3, 4, dq_reduce=True))["dkdv"], "sm_90a",
+                            keep_ptx=True)
+    dtype = "f16" if "fp16" in name else "bf16"
+    assert_no_spills(compiled)
+    assert "Used 168 registers" in compiled.ptxas_report
+    ptx = compiled.ptx
+    lines = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    dq = [line for line in lines if re.search(rf"\.m64n64k16\.f32\.{dtype}\.{dtype} .*, p, 1,\s+1, 1, 1;$", line)]
+    assert len(lines) == 2 * 128 // 16 + 2 * 64 // 16 + 128 // 16 and len(dq) == 128 // 16
+    # one reduce, issued by one elected lane, its tile reused only after the TMA unit read it
+    # (wait_group.read), all reduces complete before the CTA ends (wait_group)
+    reduces = [m.start() for m in re.finditer(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)]
+    assert len(reduces) == 1
+    staged = [m.end() for m in re.finditer(r"bar\.sync \t%r\d+, 128;", ptx)][-1]
+    assert staged < reduces[0] and "elect.sync" in ptx[staged:reduces[0]]
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
+    # the consumers' barrier around sdS (id 1) and each warp group's staging barrier (ids 2, 3)
+    assert len(re.findall(r"bar\.sync \t1, 256;", ptx)) == 2 and len(re.findall(r"bar\.sync \t%r\d+, 128;", ptx)) == 2
+    assert "fence.proxy.async.shared::cta" in ptx
+
+
 @pytest.mark.parametrize("head_dim, dtype", [(128, "bfloat16"), (64, "float16")])
 def test_preprocess_compiles_without_spills_and_reduces_over_a_warp(head_dim, dtype):
     spec = specs(FlexBackwardProblem(head_dim, head_dim, dtype))["preprocess"]
@@ -149,6 +177,12 @@ def test_unsupported_problems_and_configs_are_named():
     assert config_error(FlexBackwardConfig(2, 2, True, True), dataclasses.replace(p, head_dim_qk=64, head_dim_v=64)) \
         is None
     assert "dq_overlap needs at least 2 stages" in config_error(FlexBackwardConfig(2, 1, False, True), p)
+    assert config_error(FlexBackwardConfig(3, 4, dq_reduce=True), p) is None
+    assert "dkdv: 246784 bytes" in config_error(FlexBackwardConfig(4, 4, dq_reduce=True), p)
+    assert "built for head dims 128/128, not 64/64" in config_error(
+        FlexBackwardConfig(2, 2, dq_reduce=True), dataclasses.replace(p, head_dim_qk=64, head_dim_v=64))
+    assert "not overlap" in config_error(FlexBackwardConfig(2, 2, overlap=True, dq_reduce=True), p)
+    assert "dq_overlap must be off" in config_error(FlexBackwardConfig(2, 2, dq_overlap=True, dq_reduce=True), p)
     assert "KV block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))
     assert "query block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_q_block=64))
     assert "canonical" in config_error(default_config(p), dataclasses.replace(p, mask_program=CAUSAL + " "))
@@ -165,9 +199,12 @@ def test_specs_spell_problem_and_config_and_read_back():
     assert set(s) == {"preprocess", "dkdv", "dq"}
     assert {k: v.module for k, v in s.items()} == KERNEL_MODULES
     assert s["preprocess"].kwargs == {"head_dim_v": 128, "dtype_name": "bfloat16"}
-    for kernel in ("dkdv", "dq"):
+    for kernel in ("dkdv", "dq"):  # dq_reduce off: the specs' keys as before it existed
         assert set(s[kernel].kwargs) == set(problem.as_params()) | {"stages", "dq_stages", "overlap", "dq_overlap"}
         assert from_params(s[kernel].kwargs) == (problem, default_config(problem))
+    reduced = specs(problem, FlexBackwardConfig(3, 4, dq_reduce=True))
+    assert set(reduced) == {"preprocess", "dkdv"} and reduced["dkdv"].kwargs["dq_reduce"] is True
+    assert from_params(reduced["dkdv"].kwargs)[1] == FlexBackwardConfig(3, 4, dq_reduce=True)
 
 
 def test_floor_counts_five_products_two_and_a_half_forwards():
@@ -241,11 +278,36 @@ def test_host_runs_the_three_kernels_with_their_arguments(host_on_cpu):
     (_, pre), (_, dkdv), (_, dqk) = recorder.calls
     delta, lse2 = pre[3], pre[4]
     assert delta.shape == lse2.shape == (2, 8, 384) and delta.dtype == torch.float32
-    assert len(dkdv) == 18 and dkdv[4] is lse2 and dkdv[5] is delta and dkdv[6] is dk and dkdv[7] is dv
+    assert len(dkdv) == 19 and dkdv[4] is lse2 and dkdv[5] is delta and dkdv[6] is dk and dkdv[7] is dv
     assert math.isclose(dkdv[8], 0.5 / math.log(2)) and dkdv[9] == 0.5
     assert torch.equal(dkdv[10], bwd[0].int()) and torch.equal(dkdv[12], torch.zeros(1, 1, 2, dtype=torch.int32))
     assert len(dqk) == 17 and dqk[6] is dq and torch.equal(dqk[10], fwd[1].int())
     assert all(t is None for t in dkdv[14:] + dqk[13:])
+
+
+def test_host_with_dq_reduce_gives_the_dk_dv_kernel_a_zeroed_workspace_and_casts_it_to_dq(monkeypatch):
+    import torch
+
+    from inductor_cute.host import flex_backward as fb
+
+    q, k, v, out, lse, grad_out = _inputs(q_len=300)
+    workspaces = []
+
+    def dkdv(*args):  # the kernel adds its dQ products into the workspace: here, known values
+        workspaces.append(args[-1].clone())
+        args[-1].copy_(torch.arange(args[-1].numel(), dtype=torch.float32).reshape(args[-1].shape) % 251 / 8)
+
+    asked = []
+    monkeypatch.setattr(fb, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(fb, "_flex_backward_kernels",
+                        lambda *p: asked.append(p) or {"preprocess": lambda *a: None, "dkdv": dkdv})
+    config = FlexBackwardConfig(3, 4, dq_reduce=True)
+    dq, dk, dv = fb.flex_attention_backward(q, k, v, out, lse, grad_out, config=config)
+    assert asked[0][-1] == config and "dq" not in specs(FlexBackwardProblem(128, 128, "bfloat16"), config)
+    (workspace,) = workspaces
+    assert workspace.shape == (2, 8, 384, 128) and workspace.dtype == torch.float32 and not workspace.any()
+    expected = (torch.arange(workspace.numel(), dtype=torch.float32).reshape(workspace.shape) % 251 / 8)[:, :, :300]
+    assert dq.dtype == q.dtype and torch.equal(dq, expected.bfloat16())
 
 
 def test_host_pads_lse_and_delta_over_every_query_block_the_mask_has(host_on_cpu):

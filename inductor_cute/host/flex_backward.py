@@ -80,7 +80,7 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     and the backward's (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: per KV block
     its query blocks, walked for dk and dv); kv_block_size and q_block_size multiples of 128.
     Rows with nothing to attend (lse -inf) get zero gradients. `config`: a FlexBackwardConfig in
-    place of the default one (stages, overlapped schedules).
+    place of the default one (stages, overlapped schedules, dq_reduce: dq from the dK/dV kernel).
     """
     from ..kernels.attention import flex_backward_config as fbc
 
@@ -138,6 +138,10 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     lse2 = torch.empty_like(delta)
     q_, k_, v_, do_ = _operand(q), _operand(k), _operand(v), _operand(grad_out)
     kernels["preprocess"](_operand(out), do_, lse.contiguous(), delta, lse2)
-    kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots)
+    if "dq" not in kernels:  # dq_reduce: the dK/dV kernel adds scale * dS K into an fp32 workspace
+        dq_acc = torch.zeros(batch, heads, padded, dqk, device=q.device, dtype=torch.float32)
+        kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots, dq_acc)
+        return dq.copy_(dq_acc[:, :, :q_len]), dk, dv_
+    kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots, None)
     kernels["dq"](q_, k_, v_, do_, lse2, delta, dq, scale * LOG2E, scale, *fwd_slots, *mask_slots)
     return dq, dk, dv_

@@ -222,3 +222,32 @@ def test_overlapped_schedules(d, overlap):
     check(rand(2, 8, 1000, d), rand(2, 2, 1000, d), rand(2, 2, 1000, d), config=config)
     check_block_mask(rand(1, 8, 777, d), rand(1, 2, 777, d), rand(1, 2, 777, d), lambda b, h, m, n: m >= n, CAUSAL,
                      config=config)
+
+
+DQ_REDUCE = dict(stages=3, dq_stages=4, dq_reduce=True)
+
+
+@pytest.mark.parametrize("group, q_len, kv_len", [(1, 128, 128), (4, 1000, 1000), (2, 300, 1111)])
+def test_dq_reduce_five_products(group, q_len, kv_len):
+    # dq from the dK/dV kernel (TMA reduce into an fp32 workspace): lengths off the blocks (keys
+    # past the end in the last KV block), GQA (dq per query head, dk/dv summed over them)
+    from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardConfig
+
+    config = FlexBackwardConfig(**DQ_REDUCE)
+    check(rand(2, 2 * group, q_len, 128), rand(2, 2, kv_len, 128), rand(2, 2, kv_len, 128), config=config)
+    check(rand(1, 8, q_len, 128), rand(1, 2, kv_len, 128), rand(1, 2, kv_len, 128), lse_from="kernel", config=config)
+
+
+def test_dq_reduce_with_block_masks():
+    from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardConfig
+
+    config = FlexBackwardConfig(**DQ_REDUCE)
+    check_block_mask(rand(2, 8, 1000, 128), rand(2, 2, 1000, 128), rand(2, 2, 1000, 128), lambda b, h, m, n: m >= n,
+                     CAUSAL, config=config)
+    doc = (torch.arange(1500, device="cuda") // 300).to(torch.int32)
+    check_block_mask(rand(1, 8, 1500, 128), rand(1, 2, 1500, 128), rand(1, 2, 1500, 128),
+                     lambda b, h, m, n: doc[m] == doc[n], DOCUMENT, (doc,), block=256, config=config)
+    dq, dk, dv = check_block_mask(rand(2, 4, 300, 128), rand(2, 4, 1200, 128), rand(2, 4, 1200, 128),
+                                  lambda b, h, m, n: (b == 0) & (n < 1000), NOTHING_IN_BATCH_1, lse_from="kernel",
+                                  config=config)
+    assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()

@@ -29,6 +29,14 @@ def gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tens
         cute.gemm(mma, acc, tA[(None, None, kb)], tB[(None, None, kb, stage)], acc)
 
 
+def gemm_resident(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor):
+    """Issue acc = A B^T over every k-block, both operands resident in shared memory (not committed)."""
+    warpgroup.fence()
+    for kb in range(cute.size(tA, mode=[2])):
+        mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+        cute.gemm(mma, acc, tA[(None, None, kb)], tB[(None, None, kb)], acc)
+
+
 def gemm_rs(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, stage):
     """Issue acc += A B^T, A from registers, B in ring stage `stage` (not committed)."""
     warpgroup.fence()

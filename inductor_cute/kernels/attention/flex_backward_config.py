@@ -16,11 +16,13 @@ Three kernels, run in this order:
   * dQ (flex_backward_dq_sm90.py): one CTA per (DQ_Q_BLOCK query rows, query head, batch) walking
     the KV blocks (DQ_KV_STEP keys) like the forward: S = Q K^T, dP = dO V^T (SS), dQ += dS K (RS).
 
-dQ gets its own kernel rather than fp32 atomics from the dK/dV CTAs: S and dP are recomputed
-(7 matmuls of the forward's size instead of 5, 1.4x the floor's flops), for no dQ accumulator,
-no atomics, no transposition of dS through shared memory and a deterministic result. The
-five-matmul schedule (dQ from the dK/dV CTA through shared memory and TMA reduce-add) is the
-next step once this one is measured.
+By default dQ gets its own kernel: S and dP are recomputed (7 matmuls of the forward's size
+instead of 5, 1.4x the floor's flops), for no dQ accumulator, no transposition of dS through
+shared memory and a deterministic result. With `dq_reduce` (the five-product schedule, 128/128,
+not yet run on a GPU) the dK/dV CTA computes dQ as well: each block's dS goes through shared
+memory, each consumer warp group multiplies it by half of K's columns and adds the (Q_STEP x
+Dqk / 2) product to an fp32 workspace with a TMA reduce; the host casts the workspace to dq and
+the dQ kernel does not run. Its sum order varies from run to run (not deterministic).
 
 Same protocol as flex_prefill_config: a FlexBackwardProblem says what is computed, a
 FlexBackwardConfig how; `unsupported_reason`, `default_config`, `config_error`, and `specs` makes
@@ -47,6 +49,9 @@ MAX_STAGES = 4
 # Per dK/dV consumer thread: dK and dV take (Dqk + Dv) / 2 fp32 registers, S^T and dP^T 16 each,
 # so 128/128 holds 160 before P^T and dS^T; 192/128 (208) is left for later.
 HEAD_DIMS = ((64, 64), (128, 128))
+# dq_reduce splits Dqk between the two consumer warp groups: halves of 64 columns, one 128-byte
+# swizzle atom of K each
+DQ_REDUCE_HEAD_DIMS = ((128, 128),)
 MAX_OVERLAP_DIMS = 128  # Dqk + Dv up to which the dK/dV kernel's overlapped schedule fits in registers
 
 KERNELS = ("preprocess", "dkdv", "dq")
@@ -85,13 +90,17 @@ class FlexBackwardConfig:
     # plain schedule is checked on a GPU. dK/dV's spills registers past 64/64.
     overlap: bool = False
     dq_overlap: bool = False
+    dq_reduce: bool = False  # dQ from the dK/dV CTAs (five products; see the module docstring)
 
     @property
     def threads(self) -> int:
         return 128 * (1 + CONSUMER_WARPGROUPS)  # one producer warp group + consumers
 
     def as_params(self) -> dict:
-        return dataclasses.asdict(self)
+        params = dataclasses.asdict(self)
+        if not self.dq_reduce:  # specs without it keep their keys
+            del params["dq_reduce"]
+        return params
 
 
 def _align(n: int, a: int) -> int:
@@ -109,9 +118,12 @@ def smem_bytes(problem: FlexBackwardProblem, config: FlexBackwardConfig, kernel:
         resident_rows, ring_rows, stages = DQ_Q_BLOCK, DQ_KV_STEP, config.dq_stages
     else:
         return 0  # the preprocess kernel uses none
-    return (_align(16 * stages + 16, 1024) + _align(resident_rows * dqk * 2, 1024) +
-            _align(resident_rows * dv * 2, 1024) + _align(stages * ring_rows * dqk * 2, 1024) +
-            stages * ring_rows * dv * 2)
+    total = (_align(16 * stages + 16, 1024) + _align(resident_rows * dqk * 2, 1024) +
+             _align(resident_rows * dv * 2, 1024) + _align(stages * ring_rows * dqk * 2, 1024) +
+             stages * ring_rows * dv * 2)
+    if kernel == "dkdv" and config.dq_reduce:  # a block's dS (16-bit) and its dQ product (fp32)
+        total = _align(total, 1024) + _align(KV_BLOCK * Q_STEP * 2, 1024) + Q_STEP * dqk * 4
+    return total
 
 
 def unsupported_reason(head_dim_qk: int, head_dim_v: int, dtype_name: str) -> str | None:
@@ -162,10 +174,16 @@ def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> st
                              ("dq_overlap", config.dq_overlap, config.dq_stages)):
         if on and stages < 2:
             return f"{name} needs at least 2 stages (block j - 1's stays in use while j is read)"
+    if config.dq_reduce and (problem.head_dim_qk, problem.head_dim_v) not in DQ_REDUCE_HEAD_DIMS:
+        return f"dq_reduce is built for head dims 128/128, not {problem.head_dim_qk}/{problem.head_dim_v}"
+    if config.dq_reduce and config.overlap:
+        return "dq_reduce runs the plain dK/dV schedule only (not overlap)"
+    if config.dq_reduce and config.dq_overlap:
+        return "dq_reduce runs no dQ kernel: dq_overlap must be off"
     if config.overlap and problem.head_dim_qk + problem.head_dim_v > MAX_OVERLAP_DIMS:
         return (f"overlap (dK/dV) spills registers at head dims {problem.head_dim_qk}/{problem.head_dim_v}: dK, dV, "
                 "S^T, dP^T and both 16-bit operands would be live at once")
-    for kernel in ("dkdv", "dq"):
+    for kernel in ("dkdv",) if config.dq_reduce else ("dkdv", "dq"):
         if smem_bytes(problem, config, kernel) > SMEM_BUDGET:
             return (f"{kernel}: {smem_bytes(problem, config, kernel)} bytes of shared memory exceed the "
                     f"{SMEM_BUDGET} available")
@@ -201,8 +219,9 @@ _PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(FlexBackwardProblem))
 
 
 def specs(problem: FlexBackwardProblem, config: FlexBackwardConfig | None = None) -> dict:
-    """{kernel name: KernelSpec} of the three backward kernels, with `config` or the default one;
-    the preprocess kernel's spec carries only what it depends on (head dim and dtype)."""
+    """{kernel name: KernelSpec} of the backward kernels, with `config` or the default one (no "dq"
+    with dq_reduce); the preprocess kernel's spec carries only what it depends on (head dim and
+    dtype)."""
     from ...runtime.spec import KernelSpec
 
     error = problem_error(problem)
@@ -216,7 +235,7 @@ def specs(problem: FlexBackwardProblem, config: FlexBackwardConfig | None = None
     return {"preprocess": KernelSpec.make(KERNEL_MODULES["preprocess"], head_dim_v=problem.head_dim_v,
                                           dtype_name=problem.dtype_name),
             "dkdv": KernelSpec.make(KERNEL_MODULES["dkdv"], **params),
-            "dq": KernelSpec.make(KERNEL_MODULES["dq"], **params)}
+            **({} if config.dq_reduce else {"dq": KernelSpec.make(KERNEL_MODULES["dq"], **params)})}
 
 
 def from_params(params: dict) -> tuple[FlexBackwardProblem, FlexBackwardConfig]:

@@ -22,6 +22,15 @@ products run one after the other. With config.overlap (64/64 only: 128/128 spill
 products are issued together with block j - 1's RS products and j's math runs under the latter,
 as in the forward; the two consumers never take turns.
 
+With config.dq_reduce (128/128) the CTA computes dQ too (the five-product schedule): per query
+block, before the dK and dV products are issued, each consumer writes dS^T of its keys into
+shared memory (sdS, the CTA's 128 keys x Q_STEP queries, queries contiguous); once both halves
+are there, warp group s computes dQ[:, 64 s .. 64 s + 63] = scale dS K[:, 64 s ..] over all 128 keys
+(SS WGMMA, both operands MN-major), stages it in shared memory (fp32) and one of its warps adds it
+to the fp32 workspace dq_acc (B, Hq, Lpad, Dqk) with a TMA reduce. Two consumer barriers per
+block keep sdS whole: one before it is written (both warp groups' previous dQ products are
+done), one before it is read.
+
 lse2 and delta come from the preprocess kernel, padded (lse2 +inf, delta 0) to at least every
 query block the CTA walks, so padding rows give P = 0 without bounds checks; Q and dO rows past
 the end are zero-filled by TMA.
@@ -38,9 +47,10 @@ of 8 elements):
     lse2, delta (B, Hq, Lpad) fp32 contiguous; dk (B, Hkv, Lkv, Dqk), dv (B, Hkv, Lkv, Dv)
     contiguous in q's dtype; m0..m3 the mask program's captured tensors (contiguous 1-D), None
     past their count; q_num_blocks, full_q_num_blocks (Z, H, KVb) and q_indices, full_q_indices
-    (Z, H, KVb, C), int32 (None without a block mask)
+    (Z, H, KVb, C), int32 (None without a block mask); dq_acc (B, Hq, Lpad, Dqk) fp32 contiguous,
+    zeroed (dq_reduce; None otherwise)
 Exported entry: kernel(q, k, v, grad_out, lse2, delta, dk, dv, scale_log2, scale, q_num_blocks,
-q_indices, full_q_num_blocks, full_q_indices, m0, m1, m2, m3).
+q_indices, full_q_num_blocks, full_q_indices, m0, m1, m2, m3, dq_acc).
 """
 
 from typing import Optional
@@ -55,7 +65,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .accumulator import acc_as_operand_a, check_acc_layout
-from .backward_tiles import gemm_rs, gemm_ss, store_rows, transpose_view
+from .backward_tiles import gemm_resident, gemm_rs, gemm_ss, store_rows, transpose_view
+from ..common import barriers
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
@@ -79,6 +90,7 @@ class FlexBackwardSm90:
         self.mods = ScoreMods("", (), problem.mask_program, problem.mask_dtypes, KV_BLOCK, PackGQA(1))
         # the backward lists, in Q_STEP blocks (sparse_block 0: no block mask)
         self.blocks = BlockSparse(problem.sparse_q_block if problem.sparse_block else 0, Q_STEP)
+        self.dq_cols = self.dqk // CONSUMER_WARPGROUPS  # dq_reduce: dQ columns per consumer warp group
 
     # keys as rows: warp group s owns keys 64 s .. 64 s + 63 of the CTA's block
     def _make_mma_t(self):
@@ -92,6 +104,12 @@ class FlexBackwardSm90:
                                                  (CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, head_dim),
                                                  a_source=warpgroup.OperandSource.RMEM)
 
+    def _make_mma_dq(self):
+        """dq_reduce: one warp group's dQ[:, cols] = dS K[:, cols], (Q_STEP x dq_cols) over the CTA's
+        KV_BLOCK keys, dS and K both MN-major from shared memory."""
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 1, 1),
+                                                 tiler_mn=(Q_STEP, self.dq_cols))
+
     def _setup(self):
         dt, st = self.dtype, self.config.stages
 
@@ -102,6 +120,15 @@ class FlexBackwardSm90:
         self.sK_layout, self.sV_layout = resident(self.dqk), resident(self.dv)
         self.sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (KV_BLOCK, Q_STEP, self.dqk), dt, st)
         self.sdO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (KV_BLOCK, Q_STEP, self.dv), dt, st)
+        self.sdS_layout = self.sdQ_layout = None
+        dq_reduce = self.config.dq_reduce
+        if dq_reduce:
+            # dS as the A of dQ = dS K: (Q_STEP queries, KV_BLOCK keys), queries contiguous
+            self.sdS_layout = cute.slice_(sm90_utils.make_smem_layout_a(
+                LayoutEnum.COL_MAJOR, (Q_STEP, self.dq_cols, KV_BLOCK), dt, 1), (None, None, 0))
+            # each warp group's dQ product, row-major fp32: the TMA reduce's box
+            self.sdQ_layout = cute.make_layout((Q_STEP, self.dq_cols, CONSUMER_WARPGROUPS),
+                                               stride=(self.dq_cols, 1, Q_STEP * self.dq_cols))
 
         @cute.struct
         class SharedStorage:
@@ -111,6 +138,9 @@ class FlexBackwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sdO_layout)], 1024]
+            if dq_reduce:
+                sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sdS_layout)], 1024]
+                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -119,7 +149,8 @@ class FlexBackwardSm90:
                  mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, scale: Float32,
                  mQNum: Optional[cute.Tensor], mQIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor],
                  mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor],
-                 mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], mdQacc: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
         self._setup()
         assert self.shared_storage.size_in_bytes() == smem_bytes(self.problem, self.config, "dkdv")
         check_acc_layout(self._make_mma_t(), (KV_BLOCK, Q_STEP))
@@ -138,10 +169,16 @@ class FlexBackwardSm90:
         tma_v, gV = atom(mV, self.sV_layout, KV_BLOCK, self.dv)
         tma_q, gQ = atom(mQ, cute.slice_(self.sQ_layout, (None, None, 0)), Q_STEP, self.dqk)
         tma_do, gdO = atom(mdO, cute.slice_(self.sdO_layout, (None, None, 0)), Q_STEP, self.dv)
+        tma_dq, gdQ = None, None
+        if const_expr(self.config.dq_reduce):
+            check_acc_layout(self._make_mma_dq(), (Q_STEP, self.dq_cols))
+            tma_dq, gdQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), rows_major(mdQacc),
+                                                      cute.slice_(self.sdQ_layout, (None, None, 0)),
+                                                      (Q_STEP, self.dq_cols))
         grid = [cute.ceil_div(mK.shape[2], KV_BLOCK), mK.shape[1], mK.shape[0]]
         self.kernel(tma_k, gK, tma_v, gV, tma_q, gQ, tma_do, gdO, mLse2, mDelta, mdK, mdV, scale_log2, scale,
-                    mQNum, mQIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.sK_layout, self.sV_layout,
-                    self.sQ_layout, self.sdO_layout
+                    mQNum, mQIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, tma_dq, gdQ, self.sK_layout,
+                    self.sV_layout, self.sQ_layout, self.sdO_layout, self.sdS_layout, self.sdQ_layout
                     ).launch(grid=grid, block=[self.config.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     def _walk(self, mQNum, mFullNum, b, head, r, q_len):
@@ -159,8 +196,9 @@ class FlexBackwardSm90:
                scale: Float32, mQNum: Optional[cute.Tensor], mQIdx: Optional[cute.Tensor],
                mFullNum: Optional[cute.Tensor], mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor],
                mM1: Optional[cute.Tensor], mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor],
-               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
-               sdO_layout: cute.ComposedLayout):
+               tma_dq: Optional[cute.CopyAtom], gdQ_full: Optional[cute.Tensor], sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               sdS_layout: Optional[cute.ComposedLayout], sdQ_layout: Optional[cute.Layout]):
         tidx, _, _ = cute.arch.thread_idx()
         kv_blk, hkv, b = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -172,6 +210,8 @@ class FlexBackwardSm90:
         if warp_idx == 0:
             for a in (tma_k, tma_v, tma_q, tma_do):
                 cpasync.prefetch_descriptor(a)
+            if const_expr(self.config.dq_reduce):
+                cpasync.prefetch_descriptor(tma_dq)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -243,6 +283,23 @@ class FlexBackwardSm90:
             tVrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(acc_s.layout))
             tKrdS = cute.make_tensor(r_ds.iterator, acc_as_operand_a(acc_dp.layout))
             mask_tensors = (mM0, mM1, mM2, mM3)
+            if const_expr(self.config.dq_reduce):
+                wg = wg_idx - 1
+                sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+                sdQ_mine = storage.sdQ.get_tensor(sdQ_layout)[(None, None, wg)]
+                mma_dq = self._make_mma_dq()
+                thr_dq = mma_dq.get_slice(ctid % 128)
+                tdSsdS = thr_t.partition_C(transpose_view(sdS))  # where this thread's dS^T values go
+                tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
+                k_cols = cute.local_tile(transpose_view(sK), (self.dq_cols, KV_BLOCK), (wg, 0))  # (dq_cols, keys)
+                tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(k_cols))
+                tQsdQ = thr_dq.partition_C(sdQ_mine)
+                acc_dq = cute.make_rmem_tensor(tQsdQ.shape, Float32)
+                gdQ = cute.local_tile(gdQ_full, (Q_STEP, self.dq_cols), (None, None, None, None))
+                tdQs, tdQg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ_mine, 0, 2),
+                                                   cute.group_modes(gdQ, 0, 2))
+                consumers = pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS, num_threads=256)
+                stage = pipeline.NamedBarrier(barrier_id=barriers.backward_dq_stage(wg), num_threads=128)
 
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_pipe.consumer_wait(kv_state)
@@ -261,12 +318,26 @@ class FlexBackwardSm90:
                         warpgroup.wait_group(0)
                         self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk, seq_len,
                                            blk, q_len, partial, mask_tensors)
+                        if const_expr(self.config.dq_reduce):
+                            zero_past_end(acc_dp, tScS, kv_blk * KV_BLOCK, seq_len)
                         r_p.store(acc_s.load().to(self.dtype))
                         r_ds.store(acc_dp.load().to(self.dtype))
+                        if const_expr(self.config.dq_reduce):
+                            # dS^T into shared memory for this block's dQ (scaled at its staging)
+                            consumers.arrive_and_wait()  # both warp groups' previous dQ products are done
+                            cute.autovec_copy(r_ds, tdSsdS)
+                            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, WGMMA reads
                         self._issue_dv_dk(acc_dv, acc_dk, operands, read.index)
                         warpgroup.commit_group()
+                        if const_expr(self.config.dq_reduce):
+                            consumers.arrive_and_wait()  # sdS holds both warp groups' keys
+                            gemm_resident(self._make_mma_dq(), acc_dq, tQrdS, tQrK)
+                            warpgroup.commit_group()
                         warpgroup.wait_group(0)
                         q_pipe.consumer_release(read)
+                        if const_expr(self.config.dq_reduce):
+                            self._reduce_dq(acc_dq, scale, tQsdQ, stage, tma_dq, tdQs, tdQg, warp_idx, blk, wg, head,
+                                            b)
                         read.advance()
                 else:
                     # block j's S^T and dP^T are issued with block j - 1's dV and dK; j's
@@ -304,6 +375,9 @@ class FlexBackwardSm90:
                         warpgroup.wait_group(0)
                         q_pipe.consumer_release(release)
                         release.advance()
+            if const_expr(self.config.dq_reduce):
+                if warp_idx % 4 == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reduces are done
             row0 = kv_blk * KV_BLOCK
             store_rows(acc_dk, tKcK, scale, self.dtype, mdK, b, hkv, row0, seq_len)
             store_rows(acc_dv, tVcV, Float32(1.0), self.dtype, mdV, b, hkv, row0, seq_len)
@@ -321,6 +395,25 @@ class FlexBackwardSm90:
         gemm_rs(self._make_mma_grad(self.dqk), acc_dk, tKrdS, tKrQ, stage)
 
     @cute.jit
+    def _reduce_dq(self, acc_dq: cute.Tensor, scale: Float32, tQsdQ: cute.Tensor, stage: pipeline.NamedBarrier,
+                   tma_dq: cute.CopyAtom, tdQs: cute.Tensor, tdQg: cute.Tensor, warp_idx: Int32, blk: Int32,
+                   wg: Int32, head: Int32, b: Int32):
+        """This warp group's dQ product, times scale, into its staging tile, added to dq_acc by one
+        TMA reduce."""
+        for v in cutlass.range(cute.size(acc_dq), unroll_full=True):
+            acc_dq[v] = acc_dq[v] * scale
+        leader = warp_idx % 4 == 0
+        if leader:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce has read the tile
+        stage.arrive_and_wait()
+        cute.autovec_copy(acc_dq, tQsdQ)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, read by the TMA unit
+        stage.arrive_and_wait()
+        if leader:
+            cute.copy(tma_dq, tdQs, tdQg[(None, blk, wg, head, b)])
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
     def _softmax_grad(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32,
                       mLse2: cute.Tensor, mDelta: cute.Tensor, b: Int32, head: Int32, kv_blk: Int32, seq_len: Int32,
                       blk: Int32, q_len: Int32, partial, mask_tensors: tuple):
@@ -336,6 +429,16 @@ class FlexBackwardSm90:
             p = cute.math.exp2(acc_s[v] - mLse2[(b, head, q)], fastmath=True)
             acc_s[v] = p
             acc_dp[v] = p * (acc_dp[v] - mDelta[(b, head, q)])
+
+
+@cute.jit
+def zero_past_end(acc: cute.Tensor, tScS: cute.Tensor, row0: Int32, seq_len: Int32):
+    """dS^T of keys past the end set to 0 (dq_reduce: their zero-filled K rows would turn a
+    non-finite P of a zero score into NaN in dQ)."""
+    if row0 + KV_BLOCK > seq_len:
+        for v in cutlass.range(cute.size(acc), unroll_full=True):
+            if row0 + tScS[v][0] >= seq_len:
+                acc[v] = Float32(0.0)
 
 
 def build(**params):
@@ -359,6 +462,7 @@ def build(**params):
     dv_ = fake.compact(dt, (B, Hkv, Lkv, dv), aligned=True)
     block_mask = fake.block_mask(problem.sparse_block > 0)
     masks = fake.captured(problem.mask_dtypes)
+    dq_acc = fake.compact(Float32, (B, Hq, Lpad, dqk), aligned=True) if config.dq_reduce else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return FlexBackwardSm90(problem, config), (q, k, v, grad_out, lse2, delta, dk, dv_, Float32(1.0), Float32(1.0),
-                                               *block_mask, *masks, stream)
+                                               *block_mask, *masks, dq_acc, stream)

@@ -16,6 +16,9 @@ ATTENTION_CONSUMERS = 1
 # Attention prefill: two consumer warp groups take turns at the tensor cores (ping-pong): warp
 # group `slot` syncs on id ATTENTION_TURN + slot, the other arrives when it hands the turn over.
 ATTENTION_TURN = 2  # .. 3
+# Attention backward (dq_reduce): the threads of consumer warp group `slot` around the staging of
+# its dQ product for the TMA reduce.
+BACKWARD_DQ_STAGE = 2  # .. 3
 MAX_ID = 15
 
 
@@ -29,3 +32,7 @@ def gemm_turn(phase, slot):
 
 def attention_turn(slot):
     return ATTENTION_TURN + slot
+
+
+def backward_dq_stage(slot):
+    return BACKWARD_DQ_STAGE + slot
