@@ -20,6 +20,8 @@ from inductor_cute.runtime.compiler import compile_spec
 CAUSAL = dumps([["o", "ge", "q", "kv"]])
 DOCUMENT = dumps([["qd", "load", "t0", "q"], ["kd", "load", "t0", "kv"], ["o", "eq", "qd", "kd"]])
 SOFTCAP = dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
+ALIBI = dumps([["d", "sub", "kv", "q"], ["df", "float", "d"], ["sl", "load", "t0", "h"], ["bi", "mul", "sl", "df"],
+               ["o", "add", "score", "bi"]])
 
 PROBLEMS = {
     "d128": FlexBackwardProblem(128, 128, "bfloat16"),
@@ -143,6 +145,23 @@ def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(na
     assert "fence.proxy.async.shared::cta" in ptx
 
 
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("name", ["softcap-d128", "alibi-causal-d64"])
+def test_score_mods_and_their_derivatives_compile_into_both_main_kernels(kernel, name):
+    problem = {"softcap-d128": FlexBackwardProblem(128, 128, "bfloat16", score_program=SOFTCAP),
+               "alibi-causal-d64": FlexBackwardProblem(64, 64, "bfloat16", mask_program=CAUSAL, sparse_block=128,
+                                                       score_program=ALIBI, score_dtypes=("float32",))}[name]
+    plain = dataclasses.replace(problem, score_program="", score_dtypes=())
+    compiled = compile_spec(specs(problem)[kernel], "sm_90a", keep_ptx=True)
+    without = compile_spec(specs(plain)[kernel], "sm_90a", keep_ptx=True)
+    assert_no_spills(compiled)
+    assert "Used 168 registers" in compiled.ptxas_report
+    if name.startswith("softcap"):  # tanh (IEEE: through ex2) on top of P's ex2, per element
+        assert compiled.ptx.count("ex2.approx") > without.ptx.count("ex2.approx")
+    else:  # the slopes come from the captured tensor
+        assert compiled.ptx.count("ld.global") > without.ptx.count("ld.global")
+
+
 @pytest.mark.parametrize("head_dim, dtype", [(128, "bfloat16"), (64, "float16")])
 def test_preprocess_compiles_without_spills_and_reduces_over_a_warp(head_dim, dtype):
     spec = specs(FlexBackwardProblem(head_dim, head_dim, dtype))["preprocess"]
@@ -186,6 +205,8 @@ def test_unsupported_problems_and_configs_are_named():
     assert "KV block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))
     assert "query block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_q_block=64))
     assert "canonical" in config_error(default_config(p), dataclasses.replace(p, mask_program=CAUSAL + " "))
+    assert "must end in a float" in config_error(default_config(p), dataclasses.replace(p, score_program=CAUSAL))
+    assert config_error(default_config(p), dataclasses.replace(p, score_program=SOFTCAP)) is None
     assert "unknown argument 'score'" in config_error(default_config(p), dataclasses.replace(p, mask_program=SOFTCAP))
     with pytest.raises(ValueError, match="not supported"):
         specs(FlexBackwardProblem(96, 96, "bfloat16"))
@@ -202,6 +223,9 @@ def test_specs_spell_problem_and_config_and_read_back():
     for kernel in ("dkdv", "dq"):  # dq_reduce off: the specs' keys as before it existed
         assert set(s[kernel].kwargs) == set(problem.as_params()) | {"stages", "dq_stages", "overlap", "dq_overlap"}
         assert from_params(s[kernel].kwargs) == (problem, default_config(problem))
+    with_score = dataclasses.replace(problem, score_program=ALIBI, score_dtypes=("float32",))
+    assert {"score_program", "score_dtypes"} <= set(specs(with_score)["dq"].kwargs)
+    assert from_params(specs(with_score)["dkdv"].kwargs)[0] == with_score
     reduced = specs(problem, FlexBackwardConfig(3, 4, dq_reduce=True))
     assert set(reduced) == {"preprocess", "dkdv"} and reduced["dkdv"].kwargs["dq_reduce"] is True
     assert from_params(reduced["dkdv"].kwargs)[1] == FlexBackwardConfig(3, 4, dq_reduce=True)
@@ -274,14 +298,14 @@ def test_host_runs_the_three_kernels_with_their_arguments(host_on_cpu):
                           kv_indices=fwd[1], q_num_blocks=bwd[0], q_indices=bwd[1], kv_block_size=256)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert [name for name, _ in recorder.calls] == ["preprocess", "dkdv", "dq"]
-    assert params == [(128, 128, "bfloat16", CAUSAL, (), 256, 128, None)]
+    assert params == [(128, 128, "bfloat16", CAUSAL, (), 256, 128, None, "", ())]
     (_, pre), (_, dkdv), (_, dqk) = recorder.calls
     delta, lse2 = pre[3], pre[4]
     assert delta.shape == lse2.shape == (2, 8, 384) and delta.dtype == torch.float32
-    assert len(dkdv) == 19 and dkdv[4] is lse2 and dkdv[5] is delta and dkdv[6] is dk and dkdv[7] is dv
+    assert len(dkdv) == 23 and dkdv[4] is lse2 and dkdv[5] is delta and dkdv[6] is dk and dkdv[7] is dv
     assert math.isclose(dkdv[8], 0.5 / math.log(2)) and dkdv[9] == 0.5
     assert torch.equal(dkdv[10], bwd[0].int()) and torch.equal(dkdv[12], torch.zeros(1, 1, 2, dtype=torch.int32))
-    assert len(dqk) == 17 and dqk[6] is dq and torch.equal(dqk[10], fwd[1].int())
+    assert len(dqk) == 21 and dqk[6] is dq and torch.equal(dqk[10], fwd[1].int())
     assert all(t is None for t in dkdv[14:] + dqk[13:])
 
 
@@ -303,11 +327,24 @@ def test_host_with_dq_reduce_gives_the_dk_dv_kernel_a_zeroed_workspace_and_casts
                         lambda *p: asked.append(p) or {"preprocess": lambda *a: None, "dkdv": dkdv})
     config = FlexBackwardConfig(3, 4, dq_reduce=True)
     dq, dk, dv = fb.flex_attention_backward(q, k, v, out, lse, grad_out, config=config)
-    assert asked[0][-1] == config and "dq" not in specs(FlexBackwardProblem(128, 128, "bfloat16"), config)
+    assert asked[0][7] == config and "dq" not in specs(FlexBackwardProblem(128, 128, "bfloat16"), config)
     (workspace,) = workspaces
     assert workspace.shape == (2, 8, 384, 128) and workspace.dtype == torch.float32 and not workspace.any()
     expected = (torch.arange(workspace.numel(), dtype=torch.float32).reshape(workspace.shape) % 251 / 8)[:, :, :300]
     assert dq.dtype == q.dtype and torch.equal(dq, expected.bfloat16())
+
+
+def test_host_passes_a_score_mod_and_its_tensors_to_both_main_kernels(host_on_cpu):
+    import torch
+
+    backward, recorder, params = host_on_cpu
+    q, k, v, out, lse, grad_out = _inputs()
+    slopes = torch.rand(8)
+    backward(q, k, v, out, lse, grad_out, score_mod=ALIBI, score_tensors=(slopes,))
+    assert params == [(128, 128, "bfloat16", "", (), 0, 128, None, ALIBI, ("float32",))]
+    (_, _), (_, dkdv), (_, dqk) = recorder.calls
+    assert dkdv[18] is slopes and dkdv[19:] == (None, None, None, None)  # s0..s3, then no dq workspace
+    assert dqk[17] is slopes and dqk[18:] == (None, None, None)
 
 
 def test_host_pads_lse_and_delta_over_every_query_block_the_mask_has(host_on_cpu):
@@ -335,7 +372,8 @@ def test_host_refuses_what_the_kernels_cannot_take(host_on_cpu):
     d96 = [t[..., :96] if t.dim() == 4 else t for t in (q, k, v, out, lse, grad_out)]
     cases = [
         (lambda: backward(*d96), "head dims 96/96"),
-        (lambda: backward(q, k, v, out, lse, grad_out, score_mod=SOFTCAP), "score_mod"),
+        (lambda: backward(q, k, v, out, lse, grad_out, score_mod=CAUSAL), "score_mod: score program must end"),
+        (lambda: backward(q, k, v, out, lse, grad_out, score_tensors=(num.flatten(),)), "without a score_mod"),
         (lambda: backward(q, k[:, :3], v[:, :3], out, lse, grad_out), "not a multiple of 3 KV heads"),
         (lambda: backward(q, k, v, out[:, :, :10], lse, grad_out), "out must be"),
         (lambda: backward(q, k, v, out, lse, grad_out.half()), "grad_out must be"),

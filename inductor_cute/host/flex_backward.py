@@ -25,11 +25,12 @@ MAX_GRID_YZ = 65535  # heads and batch are the grids' y and z
 
 @functools.lru_cache(maxsize=256)
 def _flex_backward_kernels(head_dim_qk: int, head_dim_v: int, dtype_name: str, mask_program: str,
-                           mask_dtypes: tuple[str, ...], sparse_block: int, sparse_q_block: int, config=None) -> dict:
+                           mask_dtypes: tuple[str, ...], sparse_block: int, sparse_q_block: int, config=None,
+                           score_program: str = "", score_dtypes: tuple[str, ...] = ()) -> dict:
     from ..kernels.attention.flex_backward_config import FlexBackwardProblem, specs
 
     problem = FlexBackwardProblem(head_dim_qk, head_dim_v, dtype_name, mask_program, mask_dtypes, sparse_block,
-                                  sparse_q_block)
+                                  sparse_q_block, score_program, score_dtypes)
     return {name: get_kernel(s) for name, s in specs(problem, config).items()}
 
 
@@ -60,7 +61,8 @@ def _block_lists(names: tuple[str, ...], lists: tuple, batch: int, heads: int, r
 
 def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                             lse: torch.Tensor, grad_out: torch.Tensor, *, scale: float | None = None,
-                            score_mod: str | None = None, mask_mod: str | None = None, mask_tensors=(),
+                            score_mod: str | None = None, score_tensors=(), mask_mod: str | None = None,
+                            mask_tensors=(),
                             kv_num_blocks: torch.Tensor | None = None, kv_indices: torch.Tensor | None = None,
                             full_kv_num_blocks: torch.Tensor | None = None,
                             full_kv_indices: torch.Tensor | None = None, q_num_blocks: torch.Tensor | None = None,
@@ -74,8 +76,9 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     Shapes and dtypes as flex_prefill: q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv),
     out and grad_out (B, Hq, Lq, Dv), bf16 or fp16, Hq a multiple of Hkv (dk and dv sum over the
     query heads of a KV head); head dims 64/64 and 128/128. `scale` defaults to 1/sqrt(Dqk).
-    `mask_mod` is a mask program's text reading `mask_tensors`. No score_mod: its gradients are
-    not supported yet. A BlockMask comes as both its list sets: the forward's (kv_num_blocks,
+    `mask_mod` is a mask program's text reading `mask_tensors`; `score_mod` a score program's
+    reading `score_tensors`, recomputed and differentiated with respect to the score (its captured
+    tensors get no gradient: a learnable bias is the caller's to refuse). A BlockMask comes as both its list sets: the forward's (kv_num_blocks,
     kv_indices, full_kv_num_blocks, full_kv_indices: per query block its KV blocks, walked for dq)
     and the backward's (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: per KV block
     its query blocks, walked for dk and dv); kv_block_size and q_block_size multiples of 128.
@@ -85,9 +88,6 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     from ..kernels.attention import flex_backward_config as fbc
 
     check_cuda(NAME, q, k, v, out, lse, grad_out)
-    if score_mod is not None:
-        raise UnsupportedError(f"{NAME}: score_mod (score program) gradients are not supported; only mask_mod "
-                               "and block masks")
     batch, heads, q_len, dqk, kv_heads, kv_len, dv, _ = attention_shapes(NAME, q, k, v)
     problem = fbc.unsupported_reason(dqk, dv, DTYPE_NAMES[q.dtype])
     if problem:
@@ -102,6 +102,15 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     if heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
         raise UnsupportedError(f"{NAME}: {heads} heads or batch {batch} exceed the grid's {MAX_GRID_YZ}")
     mask_program, mask_dtypes, mask_slots = _score_mod_operands(mask_mod, mask_tensors, q.device, "mask", name=NAME)
+    score_program, score_dtypes, score_slots = _score_mod_operands(score_mod, score_tensors, q.device, "score",
+                                                                   name=NAME)
+    if score_program:
+        from ..kernels.common.programs.score_grad import tangent
+
+        try:
+            tangent(score_program, score_dtypes)
+        except ValueError as e:
+            raise UnsupportedError(f"{NAME}: score_mod: {e}") from None
 
     forward_lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     backward_lists = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
@@ -122,7 +131,8 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
 
     if config is not None:
         error = fbc.config_error(config, fbc.FlexBackwardProblem(dqk, dv, DTYPE_NAMES[q.dtype], mask_program,
-                                                                 mask_dtypes, sparse_block, sparse_q_block))
+                                                                 mask_dtypes, sparse_block, sparse_q_block,
+                                                                 score_program, score_dtypes))
         if error:
             raise UnsupportedError(f"{NAME}: {config}: {error}")
 
@@ -132,7 +142,7 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     if q_len == 0 or kv_len == 0 or batch == 0 or heads == 0:
         return dq.zero_(), dk.zero_(), dv_.zero_()
     kernels = _flex_backward_kernels(dqk, dv, DTYPE_NAMES[q.dtype], mask_program, mask_dtypes, sparse_block,
-                                     sparse_q_block, config)
+                                     sparse_q_block, config, score_program, score_dtypes)
     scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
     delta = torch.empty(batch, heads, padded, device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
@@ -140,8 +150,10 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     kernels["preprocess"](_operand(out), do_, lse.contiguous(), delta, lse2)
     if "dq" not in kernels:  # dq_reduce: the dK/dV kernel adds scale * dS K into an fp32 workspace
         dq_acc = torch.zeros(batch, heads, padded, dqk, device=q.device, dtype=torch.float32)
-        kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots, dq_acc)
+        kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots,
+                        *score_slots, dq_acc)
         return dq.copy_(dq_acc[:, :, :q_len]), dk, dv_
-    kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots, None)
-    kernels["dq"](q_, k_, v_, do_, lse2, delta, dq, scale * LOG2E, scale, *fwd_slots, *mask_slots)
+    kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots,
+                    *score_slots, None)
+    kernels["dq"](q_, k_, v_, do_, lse2, delta, dq, scale * LOG2E, scale, *fwd_slots, *mask_slots, *score_slots)
     return dq, dk, dv_

@@ -27,14 +27,19 @@ NOTHING_IN_BATCH_1 = sp.dumps([["z", "eq", "b", 0], ["k", "lt", "kv", 1000], ["o
 SOFTCAP = sp.dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
 
 
-def reference(q, k, v, grad_out, scale=None, keep=None, dtype=torch.float64):
+def reference(q, k, v, grad_out, scale=None, keep=None, dtype=torch.float64, score=None):
     """(out, lse, dq, dk, dv) of softmax(scale q k^T) v by torch autograd in `dtype`, GQA by
-    repeating K/V heads, over the keys `keep` (B, Hq, Lq, Lkv) holds; a row with no key gives
-    out 0, lse -inf and no gradient."""
+    repeating K/V heads, over the keys `keep` (B, Hq, Lq, Lkv) holds, the scores through
+    `score(s, b, h, q, kv)` (a score_mod on broadcasting index tensors) if given; a row with no
+    key gives out 0, lse -inf and no gradient."""
     hq, hkv, dqk = q.shape[1], k.shape[1], q.shape[3]
     scale = 1.0 / math.sqrt(dqk) if scale is None else scale
     qf, kf, vf = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     s = (qf @ kf.repeat_interleave(hq // hkv, 1).transpose(-1, -2)) * scale
+    if score is not None:
+        idx = [torch.arange(n, device=q.device).view([-1 if i == d else 1 for i in range(4)])
+               for d, n in enumerate(s.shape)]
+        s = score(s, *idx)
     any_key = torch.ones(s.shape[:-1] + (1,), dtype=torch.bool, device=q.device)
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
@@ -46,10 +51,10 @@ def reference(q, k, v, grad_out, scale=None, keep=None, dtype=torch.float64):
     return out.detach(), lse.float(), qf.grad, kf.grad, vf.grad
 
 
-def check(q, k, v, scale=None, keep=None, lse_from="reference", grad_out=None, **kwargs):
+def check(q, k, v, scale=None, keep=None, lse_from="reference", grad_out=None, score=None, **kwargs):
     grad_out = torch.randn_like(q[..., :v.shape[3]]) if grad_out is None else grad_out
-    ref_out, ref_lse, *ref_grads = reference(q, k, v, grad_out, scale, keep)
-    _, _, *low_grads = reference(q, k, v, grad_out, scale, keep, dtype=q.dtype)
+    ref_out, ref_lse, *ref_grads = reference(q, k, v, grad_out, scale, keep, score=score)
+    _, _, *low_grads = reference(q, k, v, grad_out, scale, keep, dtype=q.dtype, score=score)
     fwd_kwargs = {key: val for key, val in kwargs.items() if key not in ("q_lists", "config")}
     if lse_from == "kernel":
         out, lse = flex_prefill(q, k, v, scale=scale, return_lse=True, **fwd_kwargs)
@@ -203,7 +208,7 @@ def test_unsupported_inputs_are_refused_in_one_line():
     q192 = rand(1, 4, 256, 192)
     cases = [
         (lambda: flex_attention_backward(q192, q192, q, q, lse, q), "head dims 192/128"),
-        (lambda: flex_attention_backward(q, q, q, q, lse, q, score_mod=SOFTCAP), "score_mod"),
+        (lambda: flex_attention_backward(q, q, q, q, lse, q, score_mod=CAUSAL), "score_mod: score program must end"),
         (lambda: flex_attention_backward(q, q, q, q, lse.double(), q), "lse must be"),
         (lambda: flex_attention_backward(q, q, q, q, lse, q, mask_tensors=(lse.flatten(),)), "without a mask_mod"),
     ]
@@ -251,3 +256,37 @@ def test_dq_reduce_with_block_masks():
                                   lambda b, h, m, n: (b == 0) & (n < 1000), NOTHING_IN_BATCH_1, lse_from="kernel",
                                   config=config)
     assert (dq[1] == 0).all() and (dk[1] == 0).all() and (dv[1] == 0).all()
+
+
+ALIBI = sp.dumps([["d", "sub", "kv", "q"], ["df", "float", "d"], ["sl", "load", "t0", "h"], ["bi", "mul", "sl", "df"],
+                  ["o", "add", "score", "bi"]])
+
+
+def softcap(s, b, h, m, n):
+    return 30 * torch.tanh(s / 30)
+
+
+@pytest.mark.parametrize("d, q_len, kv_len", [(128, 1000, 1000), (64, 300, 777)])
+def test_score_mod_gradients_softcap(d, q_len, kv_len):
+    # the score program recomputed and differentiated in both main kernels: scores scaled large
+    # enough for tanh to bend (scale 0.5)
+    q, k, v = rand(2, 8, q_len, d), rand(2, 2, kv_len, d), rand(2, 2, kv_len, d)
+    check(q, k, v, scale=0.5, score=softcap, score_mod=SOFTCAP)
+    check(q, k, v, scale=0.5, score=softcap, score_mod=SOFTCAP, lse_from="kernel")
+
+
+def test_score_mod_gradients_alibi_with_a_captured_tensor_and_a_causal_block_mask():
+    slopes = torch.rand(8, device="cuda")
+
+    def alibi(s, b, h, m, n):
+        return s + slopes[h] * (n - m)
+
+    check_block_mask(rand(1, 8, 1000, 64), rand(1, 2, 1000, 64), rand(1, 2, 1000, 64), lambda b, h, m, n: m >= n,
+                     CAUSAL, score=alibi, score_mod=ALIBI, score_tensors=(slopes,))
+
+
+def test_score_mod_gradients_with_dq_reduce():
+    from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardConfig
+
+    q, k, v = rand(2, 8, 1000, 128), rand(2, 2, 1111, 128), rand(2, 2, 1111, 128)
+    check(q, k, v, scale=0.5, score=softcap, score_mod=SOFTCAP, config=FlexBackwardConfig(**DQ_REDUCE))

@@ -184,7 +184,8 @@ def decline_reason(p: FlexProblem) -> str | None:
     if problem:
         return problem
     if not p.inference and programs[0]:
-        return "a score_mod in a training graph (our backward computes no score_mod gradients)"
+        # host.flex_backward takes score programs (score_grad.py) but has not run them on a GPU yet
+        return "a score_mod in a training graph (our backward's score_mod gradients are not yet GPU-checked)"
     return _options_reason(p.kernel_options)
 
 

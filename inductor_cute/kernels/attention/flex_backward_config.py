@@ -65,7 +65,8 @@ KERNEL_MODULES = {
 @dataclass(frozen=True)
 class FlexBackwardProblem:
     """What the backward kernels compute; batch, heads, lengths and the GQA ratio stay dynamic.
-    No score program: gradients through a score_mod are not supported yet."""
+    A score program (score_mod) is recomputed on S and differentiated (programs/score_grad.py);
+    its captured tensors get no gradient."""
 
     head_dim_qk: int
     head_dim_v: int
@@ -74,9 +75,14 @@ class FlexBackwardProblem:
     mask_dtypes: tuple[str, ...] = ()  # dtype names of the mask program's captured tensors
     sparse_block: int = 0  # the BlockMask's KV block size (a multiple of KV_BLOCK); 0: no block mask
     sparse_q_block: int = 128  # the BlockMask's query block size (a multiple of DQ_Q_BLOCK)
+    score_program: str = ""  # a score program's text (the score_mod); "" for none
+    score_dtypes: tuple[str, ...] = ()  # dtype names of its captured tensors
 
     def as_params(self) -> dict:
-        return dataclasses.asdict(self)
+        params = dataclasses.asdict(self)
+        if not self.score_program:  # specs without one keep their keys
+            del params["score_program"], params["score_dtypes"]
+        return params
 
 
 @dataclass(frozen=True)
@@ -158,8 +164,16 @@ def problem_error(p: FlexBackwardProblem) -> str | None:
     elif p.sparse_q_block <= 0 or p.sparse_q_block % DQ_Q_BLOCK:
         return f"block mask query block size {p.sparse_q_block} is not a multiple of {DQ_Q_BLOCK}"
     from ..common.programs.score import programs_error
+    from ..common.programs.score_grad import tangent
 
-    return programs_error("", (), p.mask_program, p.mask_dtypes)
+    error = programs_error(p.score_program, p.score_dtypes, p.mask_program, p.mask_dtypes)
+    if error or not p.score_program:
+        return error
+    try:
+        tangent(p.score_program, p.score_dtypes)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> str | None:
@@ -241,7 +255,8 @@ def specs(problem: FlexBackwardProblem, config: FlexBackwardConfig | None = None
 def from_params(params: dict) -> tuple[FlexBackwardProblem, FlexBackwardConfig]:
     """The (problem, config) of a dK/dV or dQ spec's parameters: the inverse of `specs`."""
     problem = {k: v for k, v in params.items() if k in _PROBLEM_FIELDS}
-    if "mask_dtypes" in problem:
-        problem["mask_dtypes"] = tuple(problem["mask_dtypes"])
+    for key in ("mask_dtypes", "score_dtypes"):
+        if key in problem:
+            problem[key] = tuple(problem[key])
     config = {k: v for k, v in params.items() if k not in _PROBLEM_FIELDS}
     return FlexBackwardProblem(**problem), FlexBackwardConfig(**config)

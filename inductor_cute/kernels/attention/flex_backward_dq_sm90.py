@@ -26,7 +26,7 @@ sparse_block / DQ_KV_STEP kernel blocks.
 Tensor conventions: as flex_backward_sm90.py, and dq (B, Hq, Lq, Dqk) contiguous in q's dtype;
 kv_num_blocks, full_kv_num_blocks (Z, H, Qb) and kv_indices, full_kv_indices (Z, H, Qb, C) int32.
 Exported entry: kernel(q, k, v, grad_out, lse2, delta, dq, scale_log2, scale, kv_num_blocks,
-kv_indices, full_kv_num_blocks, full_kv_indices, m0, m1, m2, m3).
+kv_indices, full_kv_num_blocks, full_kv_indices, m0, m1, m2, m3, s0, s1, s2, s3).
 """
 
 from typing import Optional
@@ -48,7 +48,7 @@ from .block_sparse import BlockSparse
 from .flex_backward_config import (CONSUMER_WARPGROUPS, DQ_KV_STEP, DQ_Q_BLOCK, FlexBackwardConfig,
                                    FlexBackwardProblem, config_error, from_params, smem_bytes)
 from .fake_operands import CUTE_DTYPES
-from .mask import ScoreMods, mask_past_end
+from .mask import ScoreGrad, ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
 
 K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -62,6 +62,7 @@ class FlexBackwardDqSm90:
         self.producer_regs = 24  # as the forward: 24 * 128 + 240 * 256 = 168 * 384
         self.consumer_regs = 240
         self.mods = ScoreMods("", (), problem.mask_program, problem.mask_dtypes, DQ_KV_STEP, PackGQA(1))
+        self.score_grad = ScoreGrad(problem.score_program, problem.score_dtypes) if problem.score_program else None
         self.blocks = BlockSparse(problem.sparse_block, DQ_KV_STEP)
 
     def _make_mma_s(self):
@@ -103,7 +104,9 @@ class FlexBackwardDqSm90:
                  mDelta: cute.Tensor, mdQ: cute.Tensor, scale_log2: Float32, scale: Float32,
                  mKvNum: Optional[cute.Tensor], mKvIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor],
                  mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor],
-                 mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], mS0: Optional[cute.Tensor],
+                 mS1: Optional[cute.Tensor], mS2: Optional[cute.Tensor], mS3: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
         self._setup()
         assert self.shared_storage.size_in_bytes() == smem_bytes(self.problem, self.config, "dq")
         check_acc_layout(self._make_mma_s(), (DQ_Q_BLOCK, DQ_KV_STEP))
@@ -123,7 +126,8 @@ class FlexBackwardDqSm90:
         tma_v, gV = atom(mV, cute.slice_(self.sV_layout, (None, None, 0)), DQ_KV_STEP, self.dv)
         grid = [cute.ceil_div(mQ.shape[2], DQ_Q_BLOCK), mQ.shape[1], mQ.shape[0]]
         self.kernel(tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV, mLse2, mDelta, mdQ, scale_log2, scale,
-                    mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.sQ_layout, self.sdO_layout,
+                    mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, mS0, mS1, mS2, mS3,
+                    self.sQ_layout, self.sdO_layout,
                     self.sK_layout, self.sV_layout
                     ).launch(grid=grid, block=[self.config.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -133,7 +137,9 @@ class FlexBackwardDqSm90:
                mLse2: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, scale_log2: Float32, scale: Float32,
                mKvNum: Optional[cute.Tensor], mKvIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor],
                mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor],
-               mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
+               mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], mS0: Optional[cute.Tensor],
+               mS1: Optional[cute.Tensor], mS2: Optional[cute.Tensor], mS3: Optional[cute.Tensor],
+               sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, b = cute.arch.block_idx()
@@ -222,6 +228,7 @@ class FlexBackwardDqSm90:
                 lse2[h] = mLse2[(b, head, row0 + tScS[0][0] + 8 * h)]
                 delta[h] = mDelta[(b, head, row0 + tScS[0][0] + 8 * h)]
             mask_tensors = (mM0, mM1, mM2, mM3)
+            score_tensors = (mS0, mS1, mS2, mS3)
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_pipe.consumer_wait(q_state)
@@ -236,7 +243,8 @@ class FlexBackwardDqSm90:
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
                     self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,
-                                      mask_tensors, lse2, delta)
+                                      mask_tensors, lse2, delta,
+                                      scale, score_tensors)
                     r_ds.store(acc_dp.load().to(self.dtype))
                     self._issue_dq(acc_dq, operands, read.index)
                     warpgroup.commit_group()
@@ -252,7 +260,8 @@ class FlexBackwardDqSm90:
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
                     self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,
-                                      mask_tensors, lse2, delta)
+                                      mask_tensors, lse2, delta,
+                                      scale, score_tensors)
                     r_ds.store(acc_dp.load().to(self.dtype))
                     read.advance()
                     for j in range(1, n_blocks):
@@ -264,7 +273,8 @@ class FlexBackwardDqSm90:
                         warpgroup.commit_group()
                         warpgroup.wait_group(1)  # S and dP of block j
                         self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial,
-                                          seq_len, mask_tensors, lse2, delta)
+                                          seq_len, mask_tensors, lse2, delta,
+                                      scale, score_tensors)
                         warpgroup.wait_group(0)  # dQ of block j - 1: r_ds and its stage are free
                         kv_pipe.consumer_release(release)
                         release.advance()
@@ -290,17 +300,27 @@ class FlexBackwardDqSm90:
     @cute.jit
     def _scores_grad(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, b: Int32,
                      head: Int32, row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32, mask_tensors: tuple,
-                     lse2: cute.Tensor, delta: cute.Tensor):
-        """S of KV block `blk` masked as in the forward (mask program on partial blocks, keys past
-        the end), then dP becomes dS = P (dP - delta) with P = 2^(x - lse2)."""
-        # no score program: apply's natural-units scale goes unused
-        self.mods.apply(acc_s, tScS, scale_log2, scale_log2, b, head, row0, q_len, blk, partial, (None,) * 4,
-                        mask_tensors)
+                     lse2: cute.Tensor, delta: cute.Tensor, scale: Float32, score_tensors: tuple):
+        """S of KV block `blk` masked as in the forward (score program, mask program on partial
+        blocks, keys past the end), then dP becomes dS = P (dP - delta) with P = 2^(x - lse2),
+        times the score program's derivative if there is one (0 where P is)."""
+        if const_expr(self.score_grad is not None):
+            tensors = [t for t in score_tensors if t is not None]
+            for h in cutlass.range_constexpr(2):
+                for v in row_half(cute.size(acc_s), h):
+                    self.score_grad.element(acc_s, acc_dp, v, scale, b, head, row0 + tScS[v][0],
+                                            blk * DQ_KV_STEP + tScS[v][1], delta[h], tensors)
+        # the scores are in log2 units already with a score program (scale_later keeps them)
+        self.mods.apply(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, (None,) * 4,
+                        mask_tensors, scale_later=self.score_grad is not None)
         mask_past_end(acc_s, tScS, DQ_KV_STEP, blk, seq_len)
         for h in cutlass.range_constexpr(2):
             for v in row_half(cute.size(acc_s), h):
                 p = cute.math.exp2(acc_s[v] - lse2[h], fastmath=True)
-                acc_dp[v] = p * (acc_dp[v] - delta[h])
+                if const_expr(self.score_grad is None):
+                    acc_dp[v] = p * (acc_dp[v] - delta[h])
+                else:  # a masked element's derivative may be inf or NaN: its dS is 0
+                    acc_dp[v] = cutlass.select_(p == Float32(0.0), Float32(0.0), p * acc_dp[v])
 
 
 def build(**params):
@@ -323,6 +343,7 @@ def build(**params):
     dq = fake.compact(dt, (B, Hq, Lq, dqk), aligned=True)
     block_mask = fake.block_mask(problem.sparse_block > 0)
     masks = fake.captured(problem.mask_dtypes)
+    score_tensors = fake.captured(problem.score_dtypes)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return FlexBackwardDqSm90(problem, config), (q, k, v, grad_out, lse2, delta, dq, Float32(1.0), Float32(1.0),
-                                                 *block_mask, *masks, stream)
+                                                 *block_mask, *masks, *score_tensors, stream)

@@ -50,7 +50,8 @@ of 8 elements):
     (Z, H, KVb, C), int32 (None without a block mask); dq_acc (B, Hq, Lpad, Dqk) fp32 contiguous,
     zeroed (dq_reduce; None otherwise)
 Exported entry: kernel(q, k, v, grad_out, lse2, delta, dk, dv, scale_log2, scale, q_num_blocks,
-q_indices, full_q_num_blocks, full_q_indices, m0, m1, m2, m3, dq_acc).
+q_indices, full_q_num_blocks, full_q_indices, m0, m1, m2, m3, s0, s1, s2, s3, dq_acc), s0..s3 the
+score program's captured tensors (None past their count).
 """
 
 from typing import Optional
@@ -73,7 +74,7 @@ from .block_sparse import BlockSparse
 from .flex_backward_config import (CONSUMER_WARPGROUPS, KV_BLOCK, Q_STEP, FlexBackwardConfig, FlexBackwardProblem,
                                    config_error, from_params, smem_bytes)
 from .fake_operands import CUTE_DTYPES
-from .mask import ScoreMods
+from .mask import ScoreGrad, ScoreMods
 from .pack_gqa import PackGQA
 
 K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -88,6 +89,7 @@ class FlexBackwardSm90:
         self.producer_regs = 24
         self.consumer_regs = 240
         self.mods = ScoreMods("", (), problem.mask_program, problem.mask_dtypes, KV_BLOCK, PackGQA(1))
+        self.score_grad = ScoreGrad(problem.score_program, problem.score_dtypes) if problem.score_program else None
         # the backward lists, in Q_STEP blocks (sparse_block 0: no block mask)
         self.blocks = BlockSparse(problem.sparse_q_block if problem.sparse_block else 0, Q_STEP)
         self.dq_cols = self.dqk // CONSUMER_WARPGROUPS  # dq_reduce: dQ columns per consumer warp group
@@ -149,8 +151,9 @@ class FlexBackwardSm90:
                  mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, scale_log2: Float32, scale: Float32,
                  mQNum: Optional[cute.Tensor], mQIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor],
                  mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor],
-                 mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], mdQacc: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
+                 mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], mS0: Optional[cute.Tensor],
+                 mS1: Optional[cute.Tensor], mS2: Optional[cute.Tensor], mS3: Optional[cute.Tensor],
+                 mdQacc: Optional[cute.Tensor], stream: cuda.CUstream):
         self._setup()
         assert self.shared_storage.size_in_bytes() == smem_bytes(self.problem, self.config, "dkdv")
         check_acc_layout(self._make_mma_t(), (KV_BLOCK, Q_STEP))
@@ -177,7 +180,8 @@ class FlexBackwardSm90:
                                                       (Q_STEP, self.dq_cols))
         grid = [cute.ceil_div(mK.shape[2], KV_BLOCK), mK.shape[1], mK.shape[0]]
         self.kernel(tma_k, gK, tma_v, gV, tma_q, gQ, tma_do, gdO, mLse2, mDelta, mdK, mdV, scale_log2, scale,
-                    mQNum, mQIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, tma_dq, gdQ, self.sK_layout,
+                    mQNum, mQIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, mS0, mS1, mS2, mS3, tma_dq, gdQ,
+                    self.sK_layout,
                     self.sV_layout, self.sQ_layout, self.sdO_layout, self.sdS_layout, self.sdQ_layout
                     ).launch(grid=grid, block=[self.config.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -196,7 +200,8 @@ class FlexBackwardSm90:
                scale: Float32, mQNum: Optional[cute.Tensor], mQIdx: Optional[cute.Tensor],
                mFullNum: Optional[cute.Tensor], mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor],
                mM1: Optional[cute.Tensor], mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor],
-               tma_dq: Optional[cute.CopyAtom], gdQ_full: Optional[cute.Tensor], sK_layout: cute.ComposedLayout,
+               mS0: Optional[cute.Tensor], mS1: Optional[cute.Tensor], mS2: Optional[cute.Tensor],
+               mS3: Optional[cute.Tensor], tma_dq: Optional[cute.CopyAtom], gdQ_full: Optional[cute.Tensor], sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sdS_layout: Optional[cute.ComposedLayout], sdQ_layout: Optional[cute.Layout]):
         tidx, _, _ = cute.arch.thread_idx()
@@ -283,6 +288,7 @@ class FlexBackwardSm90:
             tVrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(acc_s.layout))
             tKrdS = cute.make_tensor(r_ds.iterator, acc_as_operand_a(acc_dp.layout))
             mask_tensors = (mM0, mM1, mM2, mM3)
+            score_tensors = (mS0, mS1, mS2, mS3)
             if const_expr(self.config.dq_reduce):
                 wg = wg_idx - 1
                 sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
@@ -317,7 +323,7 @@ class FlexBackwardSm90:
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
                         self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk, seq_len,
-                                           blk, q_len, partial, mask_tensors)
+                                           blk, q_len, partial, mask_tensors, scale, score_tensors)
                         if const_expr(self.config.dq_reduce):
                             zero_past_end(acc_dp, tScS, kv_blk * KV_BLOCK, seq_len)
                         r_p.store(acc_s.load().to(self.dtype))
@@ -350,7 +356,7 @@ class FlexBackwardSm90:
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
                         self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk, seq_len,
-                                           blk, q_len, partial, mask_tensors)
+                                           blk, q_len, partial, mask_tensors, scale, score_tensors)
                         r_p.store(acc_s.load().to(self.dtype))
                         r_ds.store(acc_dp.load().to(self.dtype))
                         read.advance()
@@ -363,7 +369,7 @@ class FlexBackwardSm90:
                             warpgroup.commit_group()
                             warpgroup.wait_group(1)  # S^T and dP^T of block j
                             self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk,
-                                               seq_len, blk, q_len, partial, mask_tensors)
+                                               seq_len, blk, q_len, partial, mask_tensors, scale, score_tensors)
                             warpgroup.wait_group(0)  # dV and dK of block j - 1: r_p, r_ds and its stage are free
                             q_pipe.consumer_release(release)
                             release.advance()
@@ -416,11 +422,20 @@ class FlexBackwardSm90:
     @cute.jit
     def _softmax_grad(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32,
                       mLse2: cute.Tensor, mDelta: cute.Tensor, b: Int32, head: Int32, kv_blk: Int32, seq_len: Int32,
-                      blk: Int32, q_len: Int32, partial, mask_tensors: tuple):
-        """S^T becomes P^T = 2^(s scale_log2 - lse2[q]) (0 where masked) and dP^T becomes
-        dS^T = P^T (dP^T - delta[q]), in place."""
-        acc_s.store(acc_s.load() * scale_log2)
+                      blk: Int32, q_len: Int32, partial, mask_tensors: tuple, scale: Float32, score_tensors: tuple):
+        """S^T becomes P^T = 2^(x - lse2[q]) (0 where masked) and dP^T becomes dS^T = P^T (dP^T -
+        delta[q]), in place; x = s scale_log2, or with a score program score_mod(s scale) log2(e),
+        and then dS^T is also multiplied by the score_mod's derivative (0 where P is)."""
         q0 = blk * Q_STEP
+        if const_expr(self.score_grad is None):
+            acc_s.store(acc_s.load() * scale_log2)
+        else:
+            tensors = [t for t in score_tensors if t is not None]
+            key0 = kv_blk * KV_BLOCK
+            for v in cutlass.range(cute.size(acc_s), unroll_full=True):
+                q = q0 + tScS[v][1]
+                self.score_grad.element(acc_s, acc_dp, v, scale, b, head, q, key0 + tScS[v][0],
+                                        mDelta[(b, head, q)], tensors)
         if const_expr(self.mods.mask_fn is not None):
             if partial:
                 self.mods.mask_transposed(acc_s, tScS, b, head, kv_blk * KV_BLOCK, seq_len, q0, q_len, mask_tensors)
@@ -428,7 +443,10 @@ class FlexBackwardSm90:
             q = q0 + tScS[v][1]
             p = cute.math.exp2(acc_s[v] - mLse2[(b, head, q)], fastmath=True)
             acc_s[v] = p
-            acc_dp[v] = p * (acc_dp[v] - mDelta[(b, head, q)])
+            if const_expr(self.score_grad is None):
+                acc_dp[v] = p * (acc_dp[v] - mDelta[(b, head, q)])
+            else:  # a masked element's derivative may be inf or NaN: its dS is 0
+                acc_dp[v] = cutlass.select_(p == Float32(0.0), Float32(0.0), p * acc_dp[v])
 
 
 @cute.jit
@@ -462,7 +480,8 @@ def build(**params):
     dv_ = fake.compact(dt, (B, Hkv, Lkv, dv), aligned=True)
     block_mask = fake.block_mask(problem.sparse_block > 0)
     masks = fake.captured(problem.mask_dtypes)
+    score_tensors = fake.captured(problem.score_dtypes)
     dq_acc = fake.compact(Float32, (B, Hq, Lpad, dqk), aligned=True) if config.dq_reduce else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return FlexBackwardSm90(problem, config), (q, k, v, grad_out, lse2, delta, dk, dv_, Float32(1.0), Float32(1.0),
-                                               *block_mask, *masks, dq_acc, stream)
+                                               *block_mask, *masks, *score_tensors, dq_acc, stream)

@@ -13,6 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.programs.score import make_score_fn
+from ..common.programs.score_grad import tangent
 from .accumulator import row_half
 from .pack_gqa import PackGQA
 from ..common.units import LOG2E, NEG_INF
@@ -88,6 +89,23 @@ class ScoreMods:
     def _mask_element(self, acc: cute.Tensor, v: int, b: Int32, head: Int32, q: Int32, kv: Int32, tensors: tuple):
         keep = self.mask_fn(b, head, q, kv, [t for t in tensors if t is not None])
         acc[v] = Float32(cutlass.select_(keep, acc[v], Float32(NEG_INF)))
+
+
+class ScoreGrad:
+    """A score program and its derivative with respect to the score (score_grad.tangent), for
+    the backward kernels: dS of the raw score is dS of the modified one times the derivative."""
+
+    def __init__(self, score_program: str, score_dtypes: tuple):
+        program, result, derivative = tangent(score_program, score_dtypes)
+        self.fn = make_score_fn(program, score_dtypes, outputs=(result, derivative))
+
+    def element(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, v: int, scale: Float32, b: Int32, head: Int32,
+                q: Int32, kv: Int32, delta: Float32, tensors: list):
+        """Element v: S (raw) becomes x = score_mod(s * scale) * log2(e), dP becomes
+        (dP - delta) * d score_mod / d score (times P later, where P is known)."""
+        x, derivative = self.fn(acc_s[v] * scale, b, head, q, kv, tensors)
+        acc_s[v] = x * LOG2E
+        acc_dp[v] = (acc_dp[v] - delta) * derivative
 
 
 @cute.jit

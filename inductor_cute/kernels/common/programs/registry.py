@@ -374,11 +374,13 @@ class Typer:
 
 # ----------------------------------------------------------------------------------- evaluation
 
-def evaluate(steps: list[list], env: dict, ops: dict, convert=None):
+def evaluate(steps: list[list], env: dict, ops: dict, convert=None, keep: dict | None = None):
     """Run a program with `ops[op](*args)`; `env` maps leaves (and tensor names) to values.
     `convert`, per step a tuple of per-argument functions (None: the value as it is), prepares
-    each argument (numbers as the kind's constants, ints promoted) in argument order."""
-    values = dict(env)
+    each argument (numbers as the kind's constants, ints promoted) in argument order. Every
+    step's value is also left in `keep` if given."""
+    values = {} if keep is None else keep
+    values.update(env)
     for k, (name, op, *args) in enumerate(steps):
         fns = convert[k] if convert is not None else (None,) * len(args)
         values[name] = ops[op](*(v if fn is None else fn(v) for v, fn in

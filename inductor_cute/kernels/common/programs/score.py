@@ -112,12 +112,14 @@ def _reciprocal_of_constant_divisor(step: list) -> list:
     return step
 
 
-def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
+def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False, outputs: tuple[str, ...] = ()):
     """The kernel's per-element hook: fn(score, b, h, q, kv, tensors) on DSL scalars (score
     Float32, indices Int32, tensors the captured 1-D cute.Tensors) -> Float32. Numbers become
     constants of their step's type; float math is IEEE-accurate (no approximate tanh or exp), but
     for division by a constant, which multiplies by the reciprocal.
-    With `mask`, a mask program's hook: fn(b, h, q, kv, tensors) -> Boolean (True keeps)."""
+    With `mask`, a mask program's hook: fn(b, h, q, kv, tensors) -> Boolean (True keeps).
+    With `outputs` (step names), fn returns their values as a tuple instead of the last step's
+    (score_grad.tangent's result and derivative)."""
     steps = loads(text, tensor_dtypes, mask)
     types = types_of(steps, tensor_dtypes, mask)
     steps = [_reciprocal_of_constant_divisor(step) for step in steps]
@@ -141,6 +143,9 @@ def make_score_fn(text: str, tensor_dtypes=(), mask: bool = False):
 
     def program_fn(values: dict, tensors):
         values.update({tensor_name(i): t for i, t in enumerate(tensors)})
+        if outputs:
+            evaluate(steps, values, ops, convert, keep=values)
+            return tuple(values[name] for name in outputs)
         return evaluate(steps, values, ops, convert)
 
     if mask:
