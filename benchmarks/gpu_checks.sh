@@ -41,6 +41,8 @@ for s in $steps; do
         # one decode model case, 4 layers, CUDA graphs: CASE="llama3-8b decode B32 KV4096 cg" by default
         model) INDUCTOR_CUTE_MODEL_LAYERS=4 step model 540 python3 -m inductor_cute bench models \
                    --match "${CASE:-llama3-8b decode B32 KV4096 cg}" --out "$OUT/models" ;;
+        # issue 11's per-call host cost and dynamic-M suites (whole suites, records to $OUT/<suite>)
+        host|gemm_dynamic) step "$s" 500 python3 -m inductor_cute bench "$s" --out "$OUT/$s" ;;
         # cold and warm compile of one model case, stock and enabled, each in fresh processes
         compile_cost) step compile_cost 560 python3 benchmarks/model_compile_cost.py \
                    --case "${CASE:-llama3-8b decode B8 KV8192 cg}" --json "$OUT/compile_cost.json" ;;

@@ -290,3 +290,10 @@ def test_score_mod_gradients_with_dq_reduce():
 
     q, k, v = rand(2, 8, 1000, 128), rand(2, 2, 1111, 128), rand(2, 2, 1111, 128)
     check(q, k, v, scale=0.5, score=softcap, score_mod=SOFTCAP, config=FlexBackwardConfig(**DQ_REDUCE))
+
+
+def test_head_dims_192_128():
+    # DeepSeek's MLA shapes (the torch.compile lowering takes them once this passes)
+    check(rand(2, 8, 1000, 192), rand(2, 2, 1000, 192), rand(2, 2, 1000, 128))
+    check_block_mask(rand(1, 16, 777, 192), rand(1, 16, 777, 192), rand(1, 16, 777, 128), lambda b, h, m, n: m >= n,
+                     CAUSAL, lse_from="kernel")
