@@ -3,8 +3,9 @@
     python3 benchmarks/flex_backward_speed.py [--quick]
 
 Per case: our kernels (host.flex_backward, eager; the default schedule, the overlapped ones and
-the five-product dq_reduce where they compile), SDPA's backward (is_causal, enable_gqa; its
-forward runs untimed once and the backward is replayed with retain_graph) and the floor, the backward's 5 matmuls at the
+the five-product dq_reduce where they compile), stock flex_attention's compiled (Triton) backward
+and SDPA's backward where it expresses the case (is_causal, enable_gqa; each forward runs untimed
+once and the backward is replayed with retain_graph) and the floor, the backward's 5 matmuls at the
 H200's 790 TFLOP/s (flex_backward_config.backward_flops). Device times from bench.timing,
 interleaved. Causal cases pass the BlockMask torch builds (both list sets) with the causal mask
 program. Not a bench suite yet: no record is written.
@@ -27,30 +28,36 @@ from inductor_cute.kernels.common.programs import score as sp
 
 CEILING_TFLOPS = 790.0
 CAUSAL = sp.dumps([["o", "ge", "q", "kv"]])
-# (name, batch, query heads, KV heads, length, head dim, causal)
+SOFTCAP = sp.dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
+# (name, batch, query heads, KV heads, length, head dims (qk, v), causal, score program)
 CASES = [
-    ("B1 H16 S8192 d128", 1, 16, 16, 8192, 128, False),
-    ("B2 H32/8 S16384 d128 (issue 15's 450 TFLOP/s case)", 2, 32, 8, 16384, 128, False),
-    ("llama B1 H32/8 S4096 d128 causal", 1, 32, 8, 4096, 128, True),
-    ("llama B8 H32/8 S2048 d128 causal", 8, 32, 8, 2048, 128, True),
-    ("B1 H32 S4096 d64 causal", 1, 32, 32, 4096, 64, True),
+    ("B1 H16 S8192 d128", 1, 16, 16, 8192, (128, 128), False, ""),
+    ("B2 H32/8 S16384 d128 (issue 15's 450 TFLOP/s case)", 2, 32, 8, 16384, (128, 128), False, ""),
+    ("llama B1 H32/8 S4096 d128 causal", 1, 32, 8, 4096, (128, 128), True, ""),
+    ("llama B8 H32/8 S2048 d128 causal", 8, 32, 8, 2048, (128, 128), True, ""),
+    ("B1 H32 S4096 d64 causal", 1, 32, 32, 4096, (64, 64), True, ""),
+    ("dsv2-lite B1 H16 S8192 192/128 causal", 1, 16, 16, 8192, (192, 128), True, ""),
+    ("llama B1 H32/8 S4096 d128 causal softcap30 (no SDPA)", 1, 32, 8, 4096, (128, 128), True, SOFTCAP),
 ]
 LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
          "full_q_num_blocks", "full_q_indices")
 
 
-def run_case(name, b, hq, hkv, s, d, causal):
-    from torch.nn.attention.flex_attention import create_block_mask
+def run_case(name, b, hq, hkv, s, dims, causal, score_program):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-    grad_out = torch.randn_like(q)
-    kwargs = {}
+    d, dv = dims
+    q, k = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv))
+    v = torch.randn(b, hkv, s, dv, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn(b, hq, s, dv, device="cuda", dtype=torch.bfloat16)
+    kwargs, bm = ({"score_mod": score_program} if score_program else {}), None
     if causal:
         bm = create_block_mask(lambda bb, h, m, n: m >= n, None, None, s, s, device="cuda")
-        kwargs = dict(mask_mod=CAUSAL, **{n: getattr(bm, n) for n in LISTS})
+        kwargs.update(mask_mod=CAUSAL, **{n: getattr(bm, n) for n in LISTS})
     fwd = {key: val for key, val in kwargs.items() if not key.startswith(("q_", "full_q_"))}
     out, lse = flex_prefill(q, k, v, return_lse=True, **fwd)
-    problem = FlexBackwardProblem(d, d, "bfloat16", CAUSAL if causal else "", (), 128 if causal else 0)
+    problem = FlexBackwardProblem(d, dv, "bfloat16", CAUSAL if causal else "", (), 128 if causal else 0,
+                                  score_program=score_program)
     plain = default_config(problem)
     configs = {"ours": plain}
     for label, change in (("ours dq_overlap", dict(dq_overlap=True)),
@@ -62,11 +69,16 @@ def run_case(name, b, hq, hkv, s, d, causal):
     fns = {label: (lambda c=c: flex_attention_backward(q, k, v, out, lse, grad_out, config=c, **kwargs))
            for label, c in configs.items()}
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    sdpa_out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=hq != hkv)
-    fns["sdpa"] = lambda: torch.autograd.grad(sdpa_out, leaves, grad_out, retain_graph=True)
+    # stock flex_attention compiled (Triton), its backward replayed as SDPA's
+    softcap = (lambda score, bb, h, m, n: 30 * torch.tanh(score / 30)) if score_program else None
+    triton_out = torch.compile(flex_attention)(*leaves, score_mod=softcap, block_mask=bm, enable_gqa=hq != hkv)
+    fns["triton"] = lambda: torch.autograd.grad(triton_out, leaves, grad_out, retain_graph=True)
+    if not score_program and d == dv:
+        sdpa_out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=hq != hkv)
+        fns["sdpa"] = lambda: torch.autograd.grad(sdpa_out, leaves, grad_out, retain_graph=True)
     times = time_side_by_side(fns, reps=30, rounds=3)
-    floor = backward_flops(b, hq, s, s, d, d, causal) / (CEILING_TFLOPS * 1e6)
-    flops = backward_flops(b, hq, s, s, d, d, causal)
+    flops = backward_flops(b, hq, s, s, d, dv, causal)
+    floor = flops / (CEILING_TFLOPS * 1e6)
     row = ", ".join(f"{label} {t:.0f} us ({flops / t / 1e6:.0f} TFLOP/s)" for label, t in times.items())
     print(f"{name}: floor {floor:.0f} us; {row}", flush=True)
 
