@@ -109,12 +109,11 @@ def test_reference_is_autograd_of_the_flex_attention(variant, monkeypatch):
 
 @pytest.mark.parametrize("p", fb.CASES, ids=lambda p: p.name)
 def test_our_runner_declines_what_the_backward_cannot_run_with_its_reason(p):
+    # 192/128 (DeepSeek) and score_mods are taken by the eager entry; head dims 256/256 are not
     mods = fp.mods_of(dataclasses.replace(p, s=256), device="cpu")
     reason = fb.ours_reason(p, mods)
-    if p.name.startswith("dsv2-lite"):
-        assert "192/128" in reason and "not supported by the backward" in reason
-    elif p.name.startswith("softcap"):
-        assert "score_mod gradients" in reason and "256/256" in reason
+    if p.name.startswith("softcap"):  # its score_mod is taken; its head dims are not
+        assert "256/256" in reason and "not supported by the backward" in reason and "score_mod" not in reason
     else:
         assert reason is None
         return
@@ -132,9 +131,12 @@ def test_backward_arguments_carry_both_list_sets_and_the_program():
     assert kw["kv_indices"] is bm.kv_indices and kw["full_kv_num_blocks"] is bm.full_kv_num_blocks
     assert kw["q_indices"] is bm.q_indices and kw["full_q_indices"] is bm.full_q_indices
     assert (kw["kv_block_size"], kw["q_block_size"]) == (128, 128)
-    assert "score_mod" not in kw and "score_tensors" not in kw
+    assert kw["score_mod"] is None and kw["score_tensors"] == ()
     plain = fb.backward_kwargs(fp.mods_of(TINY["noncausal"], device="cpu"), None)
-    assert plain == {"mask_mod": None, "mask_tensors": ()}
+    assert plain == {"score_mod": None, "score_tensors": (), "mask_mod": None, "mask_tensors": ()}
+    softcap = fp.mods_of(fb.CASES[-1], device="cpu")
+    assert fb.CASES[-1].name.startswith("softcap") and softcap.score_program
+    assert fb.backward_kwargs(softcap, None)["score_mod"] == softcap.score_program
 
 
 def _check_case():

@@ -164,7 +164,7 @@ def test_head_dims_192_128_fit_without_spills(kernel):
     # S (K = 192: 12 k16 steps) and dP (K = 128: 8) from shared memory; the gradient products
     # from registers: dK (N 192) and dV (N 128) over 64 queries, or dQ (N 192) over 64 keys
     assert len(ss) == 12 + 8 and len(lines) - len(ss) == (8 if kernel == "dkdv" else 4)
-    assert sum(".m64n192k16" in line for line in lines) == (4 if kernel == "dkdv" else 4)
+    assert sum(".m64n192k16" in line for line in lines) == 4  # dK's or dQ's 4 k16 steps
 
 
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])

@@ -75,7 +75,7 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
 
     Shapes and dtypes as flex_prefill: q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv),
     out and grad_out (B, Hq, Lq, Dv), bf16 or fp16, Hq a multiple of Hkv (dk and dv sum over the
-    query heads of a KV head); head dims 64/64 and 128/128. `scale` defaults to 1/sqrt(Dqk).
+    query heads of a KV head); head dims 64/64, 128/128 and 192/128. `scale` defaults to 1/sqrt(Dqk).
     `mask_mod` is a mask program's text reading `mask_tensors`; `score_mod` a score program's
     reading `score_tensors`, recomputed and differentiated with respect to the score (its captured
     tensors get no gradient: a learnable bias is the caller's to refuse). A BlockMask comes as both its list sets: the forward's (kv_num_blocks,

@@ -205,9 +205,9 @@ def test_empty_inputs():
 def test_unsupported_inputs_are_refused_in_one_line():
     q = rand(1, 4, 256, 128)
     lse = torch.zeros(1, 4, 256, device="cuda")
-    q192 = rand(1, 4, 256, 192)
+    q96 = rand(1, 4, 256, 96)
     cases = [
-        (lambda: flex_attention_backward(q192, q192, q, q, lse, q), "head dims 192/128"),
+        (lambda: flex_attention_backward(q96, q96, q96, q96, lse, q96), "head dims 96/96"),
         (lambda: flex_attention_backward(q, q, q, q, lse, q, score_mod=CAUSAL), "score_mod: score program must end"),
         (lambda: flex_attention_backward(q, q, q, q, lse.double(), q), "lse must be"),
         (lambda: flex_attention_backward(q, q, q, q, lse, q, mask_tensors=(lse.flatten(),)), "without a mask_mod"),
@@ -297,3 +297,18 @@ def test_head_dims_192_128():
     check(rand(2, 8, 1000, 192), rand(2, 2, 1000, 192), rand(2, 2, 1000, 128))
     check_block_mask(rand(1, 16, 777, 192), rand(1, 16, 777, 192), rand(1, 16, 777, 128), lambda b, h, m, n: m >= n,
                      CAUSAL, lse_from="kernel")
+
+
+KINKED = sp.dumps([["a", "abs", "score"], ["n", "mul", "a", -0.5], ["m", "maximum", "score", "n"], ["c", "ge", "q", "kv"],
+                   ["o", "where", "c", "m", "score"]])
+
+
+def test_score_mod_gradients_through_abs_maximum_and_where():
+    # the kernel's own evaluation of the derivative program (make_score_fn outputs), on ops whose
+    # derivative is not a constant; no block mask, a mask program on every block
+    def kinked(s, b, h, m, n):
+        return torch.where(m >= n, torch.maximum(s, -0.5 * s.abs()), s)
+
+    q, k, v = rand(1, 4, 500, 128), rand(1, 4, 600, 128), rand(1, 4, 600, 128)
+    keep = sp.reference_keep((1, 4, 500, 600), CAUSAL, device="cuda")
+    check(q, k, v, keep=keep, mask_mod=CAUSAL, score=kinked, score_mod=KINKED)

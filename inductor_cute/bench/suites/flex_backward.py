@@ -117,18 +117,13 @@ def ours_reason(p: fp.Prefill, mods: fp.Mods) -> str | None:
     """Why our backward cannot run the case (the host's own checks); None when it can."""
     from ...kernels.attention import flex_backward_config as fbc
 
-    reasons = []
-    if mods.score_program is not None:
-        reasons.append("flex_attention_backward has no score_mod gradients")
-    dims = fbc.unsupported_reason(p.dqk, p.dv, "bfloat16")
-    if dims:
-        reasons.append(dims)
-    return "; ".join(reasons) or None
+    return fbc.unsupported_reason(p.dqk, p.dv, "bfloat16")
 
 
 def backward_kwargs(mods: fp.Mods, block_mask) -> dict:
-    """flex_attention_backward's keyword arguments: the mask program and both list sets."""
-    kw = dict(mask_mod=mods.mask_program, mask_tensors=mods.mask_tensors)
+    """flex_attention_backward's keyword arguments: the score and mask programs and both list sets."""
+    kw = dict(score_mod=mods.score_program, score_tensors=mods.score_tensors, mask_mod=mods.mask_program,
+              mask_tensors=mods.mask_tensors)
     if block_mask is not None:
         forward = fp.ours_kwargs(mods, block_mask)
         kw.update({n: forward[n] for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",

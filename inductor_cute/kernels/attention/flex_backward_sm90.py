@@ -11,8 +11,9 @@ One CTA per (KV_BLOCK = 128 keys, KV head, batch), 384 threads in three warp gro
     `stages`-deep ring, query head by query head of the KV head.
   * warp groups 1 and 2, the consumers, own 64 keys each and keep dK and dV of them in fp32
     registers. Per query block: S^T = K Q^T and dP^T = V dO^T (SS WGMMA, keys as rows), then per
-    element x = s * scale_log2 (the mask program on partial blocks, as the query head's
-    mask_mod(b, h, q, kv)), P^T = 2^(x - lse2[q]) and dS^T = P^T (dP^T - delta[q]) in place,
+    element x = s * scale_log2, or score_mod(s * scale) * log2(e) with a score program (the
+    mask program on partial blocks, as the query head's mask_mod(b, h, q, kv)), P^T =
+    2^(x - lse2[q]) and dS^T = P^T (dP^T - delta[q]) (times the score_mod's derivative) in place,
     converted to 16 bits as the A operands of dV += P^T dO and dK += dS^T Q (RS WGMMA, dO and Q
     read MN-major from the same shared memory, backward_tiles.transpose_view).
   * the epilogue scales dK by `scale` and stores dK and dV rows below the sequence length.
@@ -69,6 +70,7 @@ from .accumulator import acc_as_operand_a, check_acc_layout
 from .backward_tiles import gemm_resident, gemm_rs, gemm_ss, store_rows, transpose_view
 from ..common import barriers
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
+from ..common.units import NEG_INF
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
 from .flex_backward_config import (CONSUMER_WARPGROUPS, KV_BLOCK, Q_STEP, FlexBackwardConfig, FlexBackwardProblem,
@@ -436,6 +438,9 @@ class FlexBackwardSm90:
                 q = q0 + tScS[v][1]
                 self.score_grad.element(acc_s, acc_dp, v, scale, b, head, q, key0 + tScS[v][0],
                                         mDelta[(b, head, q)], tensors)
+                # padding queries: the score_mod of their zero rows may not be finite, and their
+                # P must be 0 (dK and dV of real keys sum over them)
+                acc_s[v] = cutlass.select_(q < q_len, acc_s[v], Float32(NEG_INF))
         if const_expr(self.mods.mask_fn is not None):
             if partial:
                 self.mods.mask_transposed(acc_s, tScS, b, head, kv_blk * KV_BLOCK, seq_len, q0, q_len, mask_tensors)
