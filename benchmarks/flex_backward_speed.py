@@ -62,8 +62,8 @@ def run_case(name, b, hq, hkv, s, dims, causal, score_program):
     configs = {"ours": plain}
     for label, change in (("ours dq_overlap", dict(dq_overlap=True)),
                           ("ours overlap", dict(overlap=True, dq_overlap=True)),
-                          ("ours dq_reduce", dict(stages=3, dq_reduce=True))):
-        config = dataclasses.replace(plain, **change)
+                          ("ours dq_reduce", None)):
+        config = dataclasses.replace(plain, **change) if change else default_config(problem, dq_reduce=True)
         if config_error(config, problem) is None:
             configs[label] = config
     fns = {label: (lambda c=c: flex_attention_backward(q, k, v, out, lse, grad_out, config=c, **kwargs))

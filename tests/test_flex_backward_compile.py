@@ -117,13 +117,15 @@ def test_masks_reach_the_main_kernels(compiled_all):
         assert compares(causal) >= compares(plain) + 32
 
 
-@pytest.mark.parametrize("name", ["d128", "d128-causal-block128", "d128-fp16"])
+@pytest.mark.parametrize("name", ["d128", "d128-causal-block128", "d128-fp16", "d64-fp16"])
 def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(name):
-    # dq_reduce: the dK/dV kernel also issues dQ = dS K (SS, 8 k16 steps over 128 keys, N = 64 per
-    # warp group, both operands MN-major: transpose flags 1, 1), stores dS^T and its dQ product
-    # to shared memory and adds the product to the workspace with one TMA reduce per block
+    # dq_reduce: the dK/dV kernel also issues dQ = dS K (SS, both operands MN-major: transpose
+    # flags 1, 1; N = 64 per warp group: at d128 half the columns over 128 keys, 8 k16 steps; at
+    # d64 all columns over the warp group's 64 keys, 4), stores dS^T and its dQ product to shared
+    # memory and adds the product to the workspace with one TMA reduce per block
     problem = PROBLEMS[name] if name in PROBLEMS else FlexBackwardProblem(128, 128, "float16")
-    compiled = compile_spec(specs(problem, FlexBackwardConfig(3, 4, dq_reduce=True))["dkdv"], "sm_90a",
+    d = problem.head_dim_qk
+    compiled = compile_spec(specs(problem, default_config(problem, dq_reduce=True))["dkdv"], "sm_90a",
                             keep_ptx=True)
     dtype = "f16" if "fp16" in name else "bf16"
     assert_no_spills(compiled)
@@ -131,7 +133,8 @@ def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(na
     ptx = compiled.ptx
     lines = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     dq = [line for line in lines if re.search(rf"\.m64n64k16\.f32\.{dtype}\.{dtype} .*, p, 1,\s+1, 1, 1;$", line)]
-    assert len(lines) == 2 * 128 // 16 + 2 * 64 // 16 + 128 // 16 and len(dq) == 128 // 16
+    dq_steps = 128 // 16 if d == 128 else 64 // 16
+    assert len(lines) == 2 * d // 16 + 2 * 64 // 16 + dq_steps and len(dq) == dq_steps
     # one reduce, issued by one elected lane, its tile reused only after the TMA unit read it
     # (wait_group.read), all reduces complete before the CTA ends (wait_group)
     reduces = [m.start() for m in re.finditer(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)]
@@ -221,8 +224,11 @@ def test_unsupported_problems_and_configs_are_named():
     assert "dq_overlap needs at least 2 stages" in config_error(FlexBackwardConfig(2, 1, False, True), p)
     assert config_error(FlexBackwardConfig(3, 4, dq_reduce=True), p) is None
     assert "dkdv: 246784 bytes" in config_error(FlexBackwardConfig(4, 4, dq_reduce=True), p)
-    assert "built for head dims 128/128, not 64/64" in config_error(
-        FlexBackwardConfig(2, 2, dq_reduce=True), dataclasses.replace(p, head_dim_qk=64, head_dim_v=64))
+    assert "built for head dims 64/64 and 128/128, not 192/128" in config_error(
+        FlexBackwardConfig(2, 2, dq_reduce=True), dataclasses.replace(p, head_dim_qk=192))
+    assert default_config(p, dq_reduce=True) == FlexBackwardConfig(3, 4, dq_reduce=True)
+    assert default_config(dataclasses.replace(p, head_dim_qk=64, head_dim_v=64), dq_reduce=True) == \
+        FlexBackwardConfig(4, 4, dq_reduce=True)
     assert "not overlap" in config_error(FlexBackwardConfig(2, 2, overlap=True, dq_reduce=True), p)
     assert "dq_overlap must be off" in config_error(FlexBackwardConfig(2, 2, dq_overlap=True, dq_reduce=True), p)
     assert "KV block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))

@@ -232,15 +232,17 @@ def test_overlapped_schedules(d, overlap):
 DQ_REDUCE = dict(stages=3, dq_stages=4, dq_reduce=True)
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("group, q_len, kv_len", [(1, 128, 128), (4, 1000, 1000), (2, 300, 1111)])
-def test_dq_reduce_five_products(group, q_len, kv_len):
+def test_dq_reduce_five_products(group, q_len, kv_len, d):
     # dq from the dK/dV kernel (TMA reduce into an fp32 workspace): lengths off the blocks (keys
-    # past the end in the last KV block), GQA (dq per query head, dk/dv summed over them)
+    # past the end in the last KV block), GQA (dq per query head, dk/dv summed over them); at d64
+    # each warp group adds all columns over its own keys
     from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardConfig
 
     config = FlexBackwardConfig(**DQ_REDUCE)
-    check(rand(2, 2 * group, q_len, 128), rand(2, 2, kv_len, 128), rand(2, 2, kv_len, 128), config=config)
-    check(rand(1, 8, q_len, 128), rand(1, 2, kv_len, 128), rand(1, 2, kv_len, 128), lse_from="kernel", config=config)
+    check(rand(2, 2 * group, q_len, d), rand(2, 2, kv_len, d), rand(2, 2, kv_len, d), config=config)
+    check(rand(1, 8, q_len, d), rand(1, 2, kv_len, d), rand(1, 2, kv_len, d), lse_from="kernel", config=config)
 
 
 def test_dq_reduce_with_block_masks():

@@ -20,8 +20,8 @@ By default dQ gets its own kernel: S and dP are recomputed (7 matmuls of the for
 instead of 5, 1.4x the floor's flops), for no dQ accumulator, no transposition of dS through
 shared memory and a deterministic result. With `dq_reduce` (the five-product schedule, 128/128,
 not yet run on a GPU) the dK/dV CTA computes dQ as well: each block's dS goes through shared
-memory, each consumer warp group multiplies it by half of K's columns and adds the (Q_STEP x
-Dqk / 2) product to an fp32 workspace with a TMA reduce; the host casts the workspace to dq and
+memory, each consumer warp group multiplies it by half of K's columns (64/64: by its own 64 keys'
+rows of K) and adds the product to an fp32 workspace with a TMA reduce; the host casts the workspace to dq and
 the dQ kernel does not run. Its sum order varies from run to run (not deterministic).
 
 Same protocol as flex_prefill_config: a FlexBackwardProblem says what is computed, a
@@ -52,9 +52,16 @@ HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 # The head dims whose kernels have passed their GPU tests: the torch.compile lowering takes only
 # these (the eager entry takes HEAD_DIMS)
 GPU_CHECKED_HEAD_DIMS = ((64, 64), (128, 128))
-# dq_reduce splits Dqk between the two consumer warp groups: halves of 64 columns, one 128-byte
-# swizzle atom of K each
-DQ_REDUCE_HEAD_DIMS = ((128, 128),)
+# dq_reduce's dQ product per consumer warp group: at 128/128 half of Dqk's columns (64: one 128-byte
+# swizzle atom of K) over the CTA's 128 keys; at 64/64, where half would split an atom, all 64
+# columns over the warp group's own 64 keys (both warp groups add into the same rows)
+DQ_REDUCE_HEAD_DIMS = ((64, 64), (128, 128))
+
+
+def dq_reduce_split(head_dim_qk: int) -> tuple[int, int]:
+    """(dQ columns, keys) of one consumer warp group's dQ product under dq_reduce."""
+    return (head_dim_qk, KV_BLOCK // CONSUMER_WARPGROUPS) if head_dim_qk < 128 else \
+        (head_dim_qk // CONSUMER_WARPGROUPS, KV_BLOCK)
 MAX_OVERLAP_DIMS = 128  # Dqk + Dv up to which the dK/dV kernel's overlapped schedule fits in registers
 
 KERNELS = ("preprocess", "dkdv", "dq")
@@ -130,8 +137,9 @@ def smem_bytes(problem: FlexBackwardProblem, config: FlexBackwardConfig, kernel:
     total = (_align(16 * stages + 16, 1024) + _align(resident_rows * dqk * 2, 1024) +
              _align(resident_rows * dv * 2, 1024) + _align(stages * ring_rows * dqk * 2, 1024) +
              stages * ring_rows * dv * 2)
-    if kernel == "dkdv" and config.dq_reduce:  # a block's dS (16-bit) and its dQ product (fp32)
-        total = _align(total, 1024) + _align(KV_BLOCK * Q_STEP * 2, 1024) + Q_STEP * dqk * 4
+    if kernel == "dkdv" and config.dq_reduce:  # a block's dS (16-bit) and its dQ products (fp32)
+        cols, _ = dq_reduce_split(dqk)
+        total = _align(total, 1024) + _align(KV_BLOCK * Q_STEP * 2, 1024) + CONSUMER_WARPGROUPS * Q_STEP * cols * 4
     return total
 
 
@@ -192,7 +200,7 @@ def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> st
         if on and stages < 2:
             return f"{name} needs at least 2 stages (block j - 1's stays in use while j is read)"
     if config.dq_reduce and (problem.head_dim_qk, problem.head_dim_v) not in DQ_REDUCE_HEAD_DIMS:
-        return f"dq_reduce is built for head dims 128/128, not {problem.head_dim_qk}/{problem.head_dim_v}"
+        return f"dq_reduce is built for head dims 64/64 and 128/128, not {problem.head_dim_qk}/{problem.head_dim_v}"
     if config.dq_reduce and config.overlap:
         return "dq_reduce runs the plain dK/dV schedule only (not overlap)"
     if config.dq_reduce and config.dq_overlap:
@@ -207,9 +215,10 @@ def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> st
     return None
 
 
-def default_config(problem: FlexBackwardProblem) -> FlexBackwardConfig:
-    """As many stages (from 2, up to MAX_STAGES) as each kernel's shared memory holds."""
-    config = FlexBackwardConfig(2, 2)
+def default_config(problem: FlexBackwardProblem, dq_reduce: bool = False) -> FlexBackwardConfig:
+    """As many stages (from 2, up to MAX_STAGES) as each kernel's shared memory holds, with or
+    without the five-product dq_reduce."""
+    config = FlexBackwardConfig(2, 2, dq_reduce=dq_reduce)
     for field, kernel in (("stages", "dkdv"), ("dq_stages", "dq")):
         while getattr(config, field) < MAX_STAGES:
             bigger = dataclasses.replace(config, **{field: getattr(config, field) + 1})

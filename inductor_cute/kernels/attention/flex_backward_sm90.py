@@ -23,12 +23,13 @@ products run one after the other. With config.overlap (64/64 only: 128/128 spill
 products are issued together with block j - 1's RS products and j's math runs under the latter,
 as in the forward; the two consumers never take turns.
 
-With config.dq_reduce (128/128) the CTA computes dQ too (the five-product schedule): per query
-block, before the dK and dV products are issued, each consumer writes dS^T of its keys into
-shared memory (sdS, the CTA's 128 keys x Q_STEP queries, queries contiguous); once both halves
-are there, warp group s computes dQ[:, 64 s .. 64 s + 63] = scale dS K[:, 64 s ..] over all 128 keys
-(SS WGMMA, both operands MN-major), stages it in shared memory (fp32) and one of its warps adds it
-to the fp32 workspace dq_acc (B, Hq, Lpad, Dqk) with a TMA reduce. Two consumer barriers per
+With config.dq_reduce the CTA computes dQ too (the five-product schedule): per query block,
+before the dK and dV products are issued, each consumer writes dS^T of its keys into shared
+memory (sdS, the CTA's 128 keys x Q_STEP queries, queries contiguous); once both halves are
+there, warp group s computes at 128/128 dQ[:, 64 s .. 64 s + 63] = dS K[:, 64 s ..] over all 128
+keys, at 64/64 all of dQ over its own 64 keys (SS WGMMA, both operands MN-major), stages it
+times `scale` in shared memory (fp32) and one of its warps adds it to the fp32 workspace dq_acc
+(B, Hq, Lpad, Dqk) with a TMA reduce. Two consumer barriers per
 block keep sdS whole: one before it is written (both warp groups' previous dQ products are
 done), one before it is read.
 
@@ -74,7 +75,7 @@ from ..common.units import NEG_INF
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
 from .flex_backward_config import (CONSUMER_WARPGROUPS, KV_BLOCK, Q_STEP, FlexBackwardConfig, FlexBackwardProblem,
-                                   config_error, from_params, smem_bytes)
+                                   config_error, dq_reduce_split, from_params, smem_bytes)
 from .fake_operands import CUTE_DTYPES
 from .mask import ScoreGrad, ScoreMods
 from .pack_gqa import PackGQA
@@ -94,7 +95,8 @@ class FlexBackwardSm90:
         self.score_grad = ScoreGrad(problem.score_program, problem.score_dtypes) if problem.score_program else None
         # the backward lists, in Q_STEP blocks (sparse_block 0: no block mask)
         self.blocks = BlockSparse(problem.sparse_q_block if problem.sparse_block else 0, Q_STEP)
-        self.dq_cols = self.dqk // CONSUMER_WARPGROUPS  # dq_reduce: dQ columns per consumer warp group
+        # dq_reduce: each consumer warp group's dQ product, (Q_STEP x dq_cols) over dq_keys keys
+        self.dq_cols, self.dq_keys = dq_reduce_split(self.dqk)
 
     # keys as rows: warp group s owns keys 64 s .. 64 s + 63 of the CTA's block
     def _make_mma_t(self):
@@ -109,8 +111,8 @@ class FlexBackwardSm90:
                                                  a_source=warpgroup.OperandSource.RMEM)
 
     def _make_mma_dq(self):
-        """dq_reduce: one warp group's dQ[:, cols] = dS K[:, cols], (Q_STEP x dq_cols) over the CTA's
-        KV_BLOCK keys, dS and K both MN-major from shared memory."""
+        """dq_reduce: one warp group's dQ[:, cols] = dS[:, keys] K[keys, cols], (Q_STEP x dq_cols)
+        over dq_keys keys, dS and K both MN-major from shared memory."""
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 1, 1),
                                                  tiler_mn=(Q_STEP, self.dq_cols))
 
@@ -298,8 +300,14 @@ class FlexBackwardSm90:
                 mma_dq = self._make_mma_dq()
                 thr_dq = mma_dq.get_slice(ctid % 128)
                 tdSsdS = thr_t.partition_C(transpose_view(sdS))  # where this thread's dS^T values go
-                tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(sdS))
-                k_cols = cute.local_tile(transpose_view(sK), (self.dq_cols, KV_BLOCK), (wg, 0))  # (dq_cols, keys)
+                # the warp group's columns of dQ over all keys (128/128), or all columns over its own
+                # keys (64/64): tiles of dS (queries, keys) and of K^T (columns, keys)
+                split_keys = self.dq_keys < KV_BLOCK
+                dq_tile = 0 if split_keys else wg  # the column tile of dq_acc it adds to
+                key_tile = wg if split_keys else 0
+                tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(
+                    cute.local_tile(sdS, (Q_STEP, self.dq_keys), (0, key_tile))))
+                k_cols = cute.local_tile(transpose_view(sK), (self.dq_cols, self.dq_keys), (dq_tile, key_tile))
                 tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(k_cols))
                 tQsdQ = thr_dq.partition_C(sdQ_mine)
                 acc_dq = cute.make_rmem_tensor(tQsdQ.shape, Float32)
@@ -344,8 +352,8 @@ class FlexBackwardSm90:
                         warpgroup.wait_group(0)
                         q_pipe.consumer_release(read)
                         if const_expr(self.config.dq_reduce):
-                            self._reduce_dq(acc_dq, scale, tQsdQ, stage, tma_dq, tdQs, tdQg, warp_idx, blk, wg, head,
-                                            b)
+                            self._reduce_dq(acc_dq, scale, tQsdQ, stage, tma_dq, tdQs, tdQg, warp_idx, blk, dq_tile,
+                                            head, b)
                         read.advance()
                 else:
                     # block j's S^T and dP^T are issued with block j - 1's dV and dK; j's
@@ -405,7 +413,7 @@ class FlexBackwardSm90:
     @cute.jit
     def _reduce_dq(self, acc_dq: cute.Tensor, scale: Float32, tQsdQ: cute.Tensor, stage: pipeline.NamedBarrier,
                    tma_dq: cute.CopyAtom, tdQs: cute.Tensor, tdQg: cute.Tensor, warp_idx: Int32, blk: Int32,
-                   wg: Int32, head: Int32, b: Int32):
+                   dq_tile: Int32, head: Int32, b: Int32):
         """This warp group's dQ product, times scale, into its staging tile, added to dq_acc by one
         TMA reduce."""
         for v in cutlass.range(cute.size(acc_dq), unroll_full=True):
@@ -418,7 +426,7 @@ class FlexBackwardSm90:
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, read by the TMA unit
         stage.arrive_and_wait()
         if leader:
-            cute.copy(tma_dq, tdQs, tdQg[(None, blk, wg, head, b)])
+            cute.copy(tma_dq, tdQs, tdQg[(None, blk, dq_tile, head, b)])
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
