@@ -62,6 +62,14 @@ for s in $steps; do
             PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
                 .device/pt/test_flex_attention.py --out /tmp/pta --modes "$modes" --prefill -n 14 --where-stock-passed
             cp /tmp/pta/*-summary.md /tmp/pta/*.jsonl "$OUT/" 2>/dev/null ;;
+        # the same file as written (with grad), training graphs through our backward (issue 15);
+        # stock first, then enabled on what stock passed
+        ptt_stock|ptt_enabled)
+            modes=stock; [ "$s" = ptt_enabled ] && modes=enabled
+            PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
+                .device/pt/test_flex_attention.py --out /tmp/ptt --modes "$modes" --prefill --backward -n 14 \
+                --where-stock-passed
+            cp /tmp/ptt/*-summary.md /tmp/ptt/*.jsonl "$OUT/" 2>/dev/null ;;
         *) echo "unknown step $s" ;;
     esac
 done

@@ -4,12 +4,14 @@ issue 13: test_flex_attention.py's forward tests).
 
 The test files are PyTorch's: fetch them for the GPU run (into the git-ignored .device/pt/),
 never commit them. Each file runs twice in fresh processes, stock and with
-inductor_cute.enable(flex_decode=True, flex_prefill=...), every test under torch.no_grad() unless
---with-grad (so training graphs become the inference graphs our kernels serve); results come from
+inductor_cute.enable(flex_decode=True, flex_prefill=..., flex_backward=...), every test under
+torch.no_grad() unless --with-grad or --backward (so training graphs become the inference graphs
+our kernels serve; --backward runs them as written with our backward offered, issue 15); results come from
 pytest's junit XML, the decisions from a hook on the lowering (this file is also the pytest plugin).
 
     python3 benchmarks/pytorch_flex_tests.py .device/pt/test_flex_decoding.py --out $OUT [-n 8]
-        [--prefill] [--with-grad] [-k EXPR] [--modes stock|enabled|stock,enabled] [--where-stock-passed]
+        [--prefill] [--with-grad | --backward] [-k EXPR] [--modes stock|enabled|stock,enabled]
+        [--where-stock-passed]
 
 Writes <out>/<test file stem>-summary.md: passed/failed/skipped each way, the tests that pass stock
 but not enabled, and the calls taken and declined (bf16/fp16 apart, declines by reason). The two
@@ -51,7 +53,8 @@ def pytest_configure(config):
     import inductor_cute
     from inductor_cute.inductor.flex import lowering
 
-    inductor_cute.enable(flex_decode=True, flex_prefill=os.environ.get("ICUTE_PT_PREFILL") == "1")
+    inductor_cute.enable(flex_decode=True, flex_prefill=os.environ.get("ICUTE_PT_PREFILL") == "1",
+                         flex_backward=os.environ.get("ICUTE_PT_BACKWARD") == "1")
     # one file for every worker: each record is one small append, whole on its own line
     record_path = os.environ["ICUTE_PT_DECISIONS"]
     call_reason = lowering._call_reason
@@ -114,7 +117,8 @@ def _node_ids(path: str, outcomes: dict, wanted: str) -> list[str]:
 def _run(path: str, mode: str, out: str, args, only: list[str] | None = None) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, ICUTE_PT_MODE=mode, ICUTE_PT_PREFILL="1" if args.prefill else "0",
-               ICUTE_PT_GRAD="1" if args.with_grad else "0",
+               ICUTE_PT_GRAD="1" if args.with_grad or args.backward else "0",
+               ICUTE_PT_BACKWARD="1" if args.backward else "0",
                ICUTE_PT_DECISIONS=_decisions_path(out, _stem(path)),
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     junit = _junit_path(out, _stem(path), mode)
@@ -173,6 +177,8 @@ def main() -> None:
     p.add_argument("-k", default="")
     p.add_argument("--prefill", action="store_true", help="also offer our prefill kernel (enable(flex_prefill=True))")
     p.add_argument("--with-grad", action="store_true", help="run the tests as written (training graphs included)")
+    p.add_argument("--backward", action="store_true",
+                   help="as written, training graphs through our backward too (enable(flex_backward=True); issue 15)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--modes", default="stock,enabled",
                    help="which runs to make now; the summary reads every run's results found in --out, so "

@@ -59,6 +59,23 @@ def test_plugin_records_each_flex_call_and_runs_tests_without_grad(tmp_path):
     assert row["reason"].startswith("device cpu")
 
 
+def test_with_backward_the_tests_run_as_written_with_our_backward_offered(tmp_path):
+    test = tmp_path / "test_two.py"
+    test.write_text(textwrap.dedent("""
+        import torch
+        from torch._inductor.virtualized import V
+
+        def test_settings():
+            assert torch.is_grad_enabled()
+            assert V.choices.settings.flex_backward and V.choices.settings.flex_decode
+    """))
+    env = dict(os.environ, ICUTE_PT_MODE="enabled", ICUTE_PT_DECISIONS=str(tmp_path / "d.jsonl"), ICUTE_PT_GRAD="1",
+               ICUTE_PT_BACKWARD="1", PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
+    run = subprocess.run([sys.executable, "-m", "pytest", str(test), "-p", "pytorch_flex_tests", "-q",
+                          "-p", "no:cacheprovider"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:]
+
+
 def test_a_run_cut_off_or_not_made_reads_as_no_results_and_a_cut_line_is_dropped(tmp_path):
     assert driver._outcomes(str(tmp_path / "missing.xml")) == {}
     (tmp_path / "f-decisions.jsonl").write_text('{"test": "a", "kernel": "decode", "dtype": "torch.bfloat16", '
