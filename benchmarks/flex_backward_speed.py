@@ -28,28 +28,31 @@ from inductor_cute.kernels.common.programs import score as sp
 
 CEILING_TFLOPS = 790.0
 CAUSAL = sp.dumps([["o", "ge", "q", "kv"]])
-SOFTCAP = sp.dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
-# (name, batch, query heads, KV heads, length, head dims (qk, v), causal, score program)
+# a score_mod as our program and as torch's function (for stock flex_attention)
+SOFTCAP = (sp.dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]]),
+           lambda score, b, h, m, n: 30 * torch.tanh(score / 30))
+# (name, batch, query heads, KV heads, length, head dims (qk, v), causal, score_mod pair or None)
 CASES = [
-    ("B1 H16 S8192 d128", 1, 16, 16, 8192, (128, 128), False, ""),
-    ("B2 H32/8 S16384 d128 (issue 15's 450 TFLOP/s case)", 2, 32, 8, 16384, (128, 128), False, ""),
-    ("llama B1 H32/8 S4096 d128 causal", 1, 32, 8, 4096, (128, 128), True, ""),
-    ("llama B8 H32/8 S2048 d128 causal", 8, 32, 8, 2048, (128, 128), True, ""),
-    ("B1 H32 S4096 d64 causal", 1, 32, 32, 4096, (64, 64), True, ""),
-    ("dsv2-lite B1 H16 S8192 192/128 causal", 1, 16, 16, 8192, (192, 128), True, ""),
+    ("B1 H16 S8192 d128", 1, 16, 16, 8192, (128, 128), False, None),
+    ("B2 H32/8 S16384 d128 (issue 15's 450 TFLOP/s case)", 2, 32, 8, 16384, (128, 128), False, None),
+    ("llama B1 H32/8 S4096 d128 causal", 1, 32, 8, 4096, (128, 128), True, None),
+    ("llama B8 H32/8 S2048 d128 causal", 8, 32, 8, 2048, (128, 128), True, None),
+    ("B1 H32 S4096 d64 causal", 1, 32, 32, 4096, (64, 64), True, None),
+    ("dsv2-lite B1 H16 S8192 192/128 causal", 1, 16, 16, 8192, (192, 128), True, None),
     ("llama B1 H32/8 S4096 d128 causal softcap30 (no SDPA)", 1, 32, 8, 4096, (128, 128), True, SOFTCAP),
 ]
 LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
          "full_q_num_blocks", "full_q_indices")
 
 
-def run_case(name, b, hq, hkv, s, dims, causal, score_program):
+def run_case(name, b, hq, hkv, s, dims, causal, score_mod):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     d, dv = dims
     q, k = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv))
     v = torch.randn(b, hkv, s, dv, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn(b, hq, s, dv, device="cuda", dtype=torch.bfloat16)
+    score_program, score_fn = score_mod or ("", None)
     kwargs, bm = ({"score_mod": score_program} if score_program else {}), None
     if causal:
         bm = create_block_mask(lambda bb, h, m, n: m >= n, None, None, s, s, device="cuda")
@@ -70,8 +73,7 @@ def run_case(name, b, hq, hkv, s, dims, causal, score_program):
            for label, c in configs.items()}
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     # stock flex_attention compiled (Triton), its backward replayed as SDPA's
-    softcap = (lambda score, bb, h, m, n: 30 * torch.tanh(score / 30)) if score_program else None
-    triton_out = torch.compile(flex_attention)(*leaves, score_mod=softcap, block_mask=bm, enable_gqa=hq != hkv)
+    triton_out = torch.compile(flex_attention)(*leaves, score_mod=score_fn, block_mask=bm, enable_gqa=hq != hkv)
     fns["triton"] = lambda: torch.autograd.grad(triton_out, leaves, grad_out, retain_graph=True)
     if not score_program and d == dv:
         sdpa_out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=hq != hkv)

@@ -13,6 +13,7 @@ import functools
 import torch
 
 from ..errors import UnsupportedError
+from ..kernels.common.programs import score_grad
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
 from .common import DTYPE_NAMES, attention_shapes, check_cuda
@@ -32,6 +33,10 @@ def _flex_backward_kernels(head_dim_qk: int, head_dim_v: int, dtype_name: str, m
     problem = FlexBackwardProblem(head_dim_qk, head_dim_v, dtype_name, mask_program, mask_dtypes, sparse_block,
                                   sparse_q_block, score_program, score_dtypes)
     return {name: get_kernel(s) for name, s in specs(problem, config).items()}
+
+
+# per call otherwise: a training step with a score_mod would differentiate its program every time
+_derivative_error = functools.lru_cache(maxsize=256)(score_grad.derivative_error)
 
 
 def _block_lists(names: tuple[str, ...], lists: tuple, batch: int, heads: int, rows: int, row_block: int,
@@ -62,9 +67,8 @@ def _block_lists(names: tuple[str, ...], lists: tuple, batch: int, heads: int, r
 def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                             lse: torch.Tensor, grad_out: torch.Tensor, *, scale: float | None = None,
                             score_mod: str | None = None, score_tensors=(), mask_mod: str | None = None,
-                            mask_tensors=(),
-                            kv_num_blocks: torch.Tensor | None = None, kv_indices: torch.Tensor | None = None,
-                            full_kv_num_blocks: torch.Tensor | None = None,
+                            mask_tensors=(), kv_num_blocks: torch.Tensor | None = None,
+                            kv_indices: torch.Tensor | None = None, full_kv_num_blocks: torch.Tensor | None = None,
                             full_kv_indices: torch.Tensor | None = None, q_num_blocks: torch.Tensor | None = None,
                             q_indices: torch.Tensor | None = None, full_q_num_blocks: torch.Tensor | None = None,
                             full_q_indices: torch.Tensor | None = None, kv_block_size: int = 128,
@@ -78,10 +82,11 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     query heads of a KV head); head dims 64/64, 128/128 and 192/128. `scale` defaults to 1/sqrt(Dqk).
     `mask_mod` is a mask program's text reading `mask_tensors`; `score_mod` a score program's
     reading `score_tensors`, recomputed and differentiated with respect to the score (its captured
-    tensors get no gradient: a learnable bias is the caller's to refuse). A BlockMask comes as both its list sets: the forward's (kv_num_blocks,
-    kv_indices, full_kv_num_blocks, full_kv_indices: per query block its KV blocks, walked for dq)
-    and the backward's (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: per KV block
-    its query blocks, walked for dk and dv); kv_block_size and q_block_size multiples of 128.
+    tensors get no gradient: a learnable bias is the caller's to refuse). A BlockMask comes as both
+    its list sets: the forward's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices:
+    per query block its KV blocks, walked for dq) and the backward's (q_num_blocks, q_indices,
+    full_q_num_blocks, full_q_indices: per KV block its query blocks, walked for dk and dv);
+    kv_block_size and q_block_size multiples of 128.
     Rows with nothing to attend (lse -inf) get zero gradients. `config`: a FlexBackwardConfig in
     place of the default one (stages, overlapped schedules, dq_reduce: dq from the dK/dV kernel).
     """
@@ -104,13 +109,9 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     mask_program, mask_dtypes, mask_slots = _score_mod_operands(mask_mod, mask_tensors, q.device, "mask", name=NAME)
     score_program, score_dtypes, score_slots = _score_mod_operands(score_mod, score_tensors, q.device, "score",
                                                                    name=NAME)
-    if score_program:
-        from ..kernels.common.programs.score_grad import tangent
-
-        try:
-            tangent(score_program, score_dtypes)
-        except ValueError as e:
-            raise UnsupportedError(f"{NAME}: score_mod: {e}") from None
+    problem = _derivative_error(score_program, score_dtypes) if score_program else None
+    if problem:
+        raise UnsupportedError(f"{NAME}: score_mod: {problem}")
 
     forward_lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     backward_lists = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)

@@ -22,7 +22,8 @@ class Settings:
     group_gemv: bool = _setting("ggemv")  # decode mm's sharing an activation become one grouped GEMV (gemm/shared_a.py)
     pdl: bool = _setting("pdl")  # Inductor's Triton kernels launch dependents early (triton.enable_pdl)
     keep_m1_mm: bool = _setting("m1mm")  # M = 1 mm's stay mm's under coordinate descent (gemm/m1.py)
-    trace_block_masks: bool = _setting("tbm", True)  # create_block_mask(_compile=True) traced into the graph (block_masks.py)
+    # create_block_mask(_compile=True) traced into the graph (block_masks.py)
+    trace_block_masks: bool = _setting("tbm", True)
 
     def tag(self) -> str:
         return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))

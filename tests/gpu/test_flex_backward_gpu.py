@@ -301,8 +301,8 @@ def test_head_dims_192_128():
                      CAUSAL, lse_from="kernel")
 
 
-KINKED = sp.dumps([["a", "abs", "score"], ["n", "mul", "a", -0.5], ["m", "maximum", "score", "n"], ["c", "ge", "q", "kv"],
-                   ["o", "where", "c", "m", "score"]])
+KINKED = sp.dumps([["a", "abs", "score"], ["n", "mul", "a", -0.5], ["m", "maximum", "score", "n"],
+                   ["c", "ge", "q", "kv"], ["o", "where", "c", "m", "score"]])
 
 
 def test_score_mod_gradients_through_abs_maximum_and_where():

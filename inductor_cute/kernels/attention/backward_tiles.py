@@ -20,21 +20,14 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
 
 # Traced inline (not @cute.jit), each call on an MMA object made for it: the accumulate flag it
 # sets must stay a value of the caller's loop body (see flex_prefill_sm90._qk).
-def gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, stage):
+def gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, stage=None):
     """Issue acc = A B^T over every k-block, A resident in shared memory, B in ring stage
-    `stage` (not committed)."""
+    `stage` (None: B resident too) (not committed)."""
     warpgroup.fence()
     for kb in range(cute.size(tA, mode=[2])):  # unrolled at trace time
         mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-        cute.gemm(mma, acc, tA[(None, None, kb)], tB[(None, None, kb, stage)], acc)
-
-
-def gemm_resident(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor):
-    """Issue acc = A B^T over every k-block, both operands resident in shared memory (not committed)."""
-    warpgroup.fence()
-    for kb in range(cute.size(tA, mode=[2])):
-        mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-        cute.gemm(mma, acc, tA[(None, None, kb)], tB[(None, None, kb)], acc)
+        b = tB[(None, None, kb)] if stage is None else tB[(None, None, kb, stage)]
+        cute.gemm(mma, acc, tA[(None, None, kb)], b, acc)
 
 
 def gemm_rs(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, stage):

@@ -18,11 +18,11 @@ Three kernels, run in this order:
 
 By default dQ gets its own kernel: S and dP are recomputed (7 matmuls of the forward's size
 instead of 5, 1.4x the floor's flops), for no dQ accumulator, no transposition of dS through
-shared memory and a deterministic result. With `dq_reduce` (the five-product schedule, 128/128,
-not yet run on a GPU) the dK/dV CTA computes dQ as well: each block's dS goes through shared
-memory, each consumer warp group multiplies it by half of K's columns (64/64: by its own 64 keys'
-rows of K) and adds the product to an fp32 workspace with a TMA reduce; the host casts the workspace to dq and
-the dQ kernel does not run. Its sum order varies from run to run (not deterministic).
+shared memory and a deterministic result. With `dq_reduce` (the five-product schedule, 64/64 and
+128/128, not yet run on a GPU) the dK/dV CTA computes dQ as well: each block's dS goes through
+shared memory, each consumer warp group multiplies it by half of K's columns (64/64: by its own
+64 keys' rows of K) and adds the product to an fp32 workspace with a TMA reduce; the host casts
+the workspace to dq and the dQ kernel does not run. Its sum order varies from run to run (not deterministic).
 
 Same protocol as flex_prefill_config: a FlexBackwardProblem says what is computed, a
 FlexBackwardConfig how; `unsupported_reason`, `default_config`, `config_error`, and `specs` makes
@@ -56,12 +56,6 @@ GPU_CHECKED_HEAD_DIMS = ((64, 64), (128, 128))
 # swizzle atom of K) over the CTA's 128 keys; at 64/64, where half would split an atom, all 64
 # columns over the warp group's own 64 keys (both warp groups add into the same rows)
 DQ_REDUCE_HEAD_DIMS = ((64, 64), (128, 128))
-
-
-def dq_reduce_split(head_dim_qk: int) -> tuple[int, int]:
-    """(dQ columns, keys) of one consumer warp group's dQ product under dq_reduce."""
-    return (head_dim_qk, KV_BLOCK // CONSUMER_WARPGROUPS) if head_dim_qk < 128 else \
-        (head_dim_qk // CONSUMER_WARPGROUPS, KV_BLOCK)
 MAX_OVERLAP_DIMS = 128  # Dqk + Dv up to which the dK/dV kernel's overlapped schedule fits in registers
 
 KERNELS = ("preprocess", "dkdv", "dq")
@@ -117,6 +111,12 @@ class FlexBackwardConfig:
         if not self.dq_reduce:  # specs without it keep their keys
             del params["dq_reduce"]
         return params
+
+
+def dq_reduce_split(head_dim_qk: int) -> tuple[int, int]:
+    """(dQ columns, keys) of one consumer warp group's dQ product under dq_reduce."""
+    return (head_dim_qk, KV_BLOCK // CONSUMER_WARPGROUPS) if head_dim_qk < 128 else \
+        (head_dim_qk // CONSUMER_WARPGROUPS, KV_BLOCK)
 
 
 def _align(n: int, a: int) -> int:
@@ -175,16 +175,12 @@ def problem_error(p: FlexBackwardProblem) -> str | None:
     elif p.sparse_q_block <= 0 or p.sparse_q_block % DQ_Q_BLOCK:
         return f"block mask query block size {p.sparse_q_block} is not a multiple of {DQ_Q_BLOCK}"
     from ..common.programs.score import programs_error
-    from ..common.programs.score_grad import tangent
+    from ..common.programs.score_grad import derivative_error
 
     error = programs_error(p.score_program, p.score_dtypes, p.mask_program, p.mask_dtypes)
     if error or not p.score_program:
         return error
-    try:
-        tangent(p.score_program, p.score_dtypes)
-    except ValueError as e:
-        return str(e)
-    return None
+    return derivative_error(p.score_program, p.score_dtypes)
 
 
 def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> str | None:

@@ -127,8 +127,7 @@ class FlexBackwardDqSm90:
         grid = [cute.ceil_div(mQ.shape[2], DQ_Q_BLOCK), mQ.shape[1], mQ.shape[0]]
         self.kernel(tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV, mLse2, mDelta, mdQ, scale_log2, scale,
                     mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, mS0, mS1, mS2, mS3,
-                    self.sQ_layout, self.sdO_layout,
-                    self.sK_layout, self.sV_layout
+                    self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout
                     ).launch(grid=grid, block=[self.config.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
@@ -139,8 +138,8 @@ class FlexBackwardDqSm90:
                mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor],
                mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], mS0: Optional[cute.Tensor],
                mS1: Optional[cute.Tensor], mS2: Optional[cute.Tensor], mS3: Optional[cute.Tensor],
-               sQ_layout: cute.ComposedLayout,
-               sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, b = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -243,8 +242,7 @@ class FlexBackwardDqSm90:
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
                     self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,
-                                      mask_tensors, lse2, delta,
-                                      scale, score_tensors)
+                                      mask_tensors, lse2, delta, scale, score_tensors)
                     r_ds.store(acc_dp.load().to(self.dtype))
                     self._issue_dq(acc_dq, operands, read.index)
                     warpgroup.commit_group()
@@ -260,8 +258,7 @@ class FlexBackwardDqSm90:
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
                     self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,
-                                      mask_tensors, lse2, delta,
-                                      scale, score_tensors)
+                                      mask_tensors, lse2, delta, scale, score_tensors)
                     r_ds.store(acc_dp.load().to(self.dtype))
                     read.advance()
                     for j in range(1, n_blocks):
@@ -273,8 +270,7 @@ class FlexBackwardDqSm90:
                         warpgroup.commit_group()
                         warpgroup.wait_group(1)  # S and dP of block j
                         self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial,
-                                          seq_len, mask_tensors, lse2, delta,
-                                      scale, score_tensors)
+                                          seq_len, mask_tensors, lse2, delta, scale, score_tensors)
                         warpgroup.wait_group(0)  # dQ of block j - 1: r_ds and its stage are free
                         kv_pipe.consumer_release(release)
                         release.advance()

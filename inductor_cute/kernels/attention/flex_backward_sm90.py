@@ -29,9 +29,8 @@ memory (sdS, the CTA's 128 keys x Q_STEP queries, queries contiguous); once both
 there, warp group s computes at 128/128 dQ[:, 64 s .. 64 s + 63] = dS K[:, 64 s ..] over all 128
 keys, at 64/64 all of dQ over its own 64 keys (SS WGMMA, both operands MN-major), stages it
 times `scale` in shared memory (fp32) and one of its warps adds it to the fp32 workspace dq_acc
-(B, Hq, Lpad, Dqk) with a TMA reduce. Two consumer barriers per
-block keep sdS whole: one before it is written (both warp groups' previous dQ products are
-done), one before it is read.
+(B, Hq, Lpad, Dqk) with a TMA reduce. Two consumer barriers per block keep sdS whole: one before
+it is written (both warp groups' previous dQ products are done), one before it is read.
 
 lse2 and delta come from the preprocess kernel, padded (lse2 +inf, delta 0) to at least every
 query block the CTA walks, so padding rows give P = 0 without bounds checks; Q and dO rows past
@@ -68,7 +67,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .accumulator import acc_as_operand_a, check_acc_layout
-from .backward_tiles import gemm_resident, gemm_rs, gemm_ss, store_rows, transpose_view
+from .backward_tiles import gemm_rs, gemm_ss, store_rows, transpose_view
 from ..common import barriers
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from ..common.units import NEG_INF
@@ -185,8 +184,8 @@ class FlexBackwardSm90:
         grid = [cute.ceil_div(mK.shape[2], KV_BLOCK), mK.shape[1], mK.shape[0]]
         self.kernel(tma_k, gK, tma_v, gV, tma_q, gQ, tma_do, gdO, mLse2, mDelta, mdK, mdV, scale_log2, scale,
                     mQNum, mQIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, mS0, mS1, mS2, mS3, tma_dq, gdQ,
-                    self.sK_layout,
-                    self.sV_layout, self.sQ_layout, self.sdO_layout, self.sdS_layout, self.sdQ_layout
+                    self.sK_layout, self.sV_layout, self.sQ_layout, self.sdO_layout, self.sdS_layout,
+                    self.sdQ_layout
                     ).launch(grid=grid, block=[self.config.threads, 1, 1], min_blocks_per_mp=1, stream=stream)
 
     def _walk(self, mQNum, mFullNum, b, head, r, q_len):
@@ -205,8 +204,9 @@ class FlexBackwardSm90:
                mFullNum: Optional[cute.Tensor], mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor],
                mM1: Optional[cute.Tensor], mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor],
                mS0: Optional[cute.Tensor], mS1: Optional[cute.Tensor], mS2: Optional[cute.Tensor],
-               mS3: Optional[cute.Tensor], tma_dq: Optional[cute.CopyAtom], gdQ_full: Optional[cute.Tensor], sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               mS3: Optional[cute.Tensor], tma_dq: Optional[cute.CopyAtom], gdQ_full: Optional[cute.Tensor],
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
+               sdO_layout: cute.ComposedLayout,
                sdS_layout: Optional[cute.ComposedLayout], sdQ_layout: Optional[cute.Layout]):
         tidx, _, _ = cute.arch.thread_idx()
         kv_blk, hkv, b = cute.arch.block_idx()
@@ -347,7 +347,7 @@ class FlexBackwardSm90:
                         warpgroup.commit_group()
                         if const_expr(self.config.dq_reduce):
                             consumers.arrive_and_wait()  # sdS holds both warp groups' keys
-                            gemm_resident(self._make_mma_dq(), acc_dq, tQrdS, tQrK)
+                            gemm_ss(self._make_mma_dq(), acc_dq, tQrdS, tQrK)
                             warpgroup.commit_group()
                         warpgroup.wait_group(0)
                         q_pipe.consumer_release(read)

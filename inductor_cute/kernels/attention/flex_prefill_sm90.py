@@ -21,9 +21,10 @@ staged in a buffer of its own).
     P_{j-1} V_{j-1}, frees stage j - 1 and rescales O. The two consumers also take turns at
     issuing their WGMMAs (named barriers, ping-pong), so one's softmax runs under the other's
     matmuls.
-  * the epilogue normalises O by the row sums, stages it in Q's shared memory (stmatrix; Dv <=
-    Dqk; its own buffer with two Q buffers) and one thread writes the 128 x Dv tile with a TMA store (rows past the query length are clipped by
-    TMA); the logsumexp goes out per row in natural-log units (m + log2 l) * ln 2, as
+  * the epilogue normalises O by the row sums, stages it in Q's shared memory (stmatrix; Dv <= Dqk;
+    its own buffer with two Q buffers) and one thread writes the 128 x Dv tile with a TMA store
+    (rows past the query length are clipped by TMA); the logsumexp goes out per row in natural-log
+    units (m + log2 l) * ln 2, as
     flex_attention returns it. Rows with nothing to attend get out 0 and lse -inf.
 
 A block mask (sparse_block > 0; block_sparse.py): the CTA walks kv_indices[z, hm, r,

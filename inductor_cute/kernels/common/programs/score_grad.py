@@ -3,11 +3,12 @@ attention backward multiplies dS by to carry it through a score_mod (dS of the r
 the modified one times d score_mod / d score).
 
 `tangent(text, tensor_dtypes)` is forward-mode differentiation of the program's steps: it keeps
-every step and adds, for each float step that depends on "score", the steps of its derivative;
-the new program ends in the derivative of the result, and the original result keeps its name, so a kernel can read both (make_score_fn's `outputs`). Ints, bools and
-loaded values do not depend on the score (a captured tensor that needs its own gradient is the
-caller's to refuse). Where torch autograd picks a derivative at a kink, so does this: abs at 0
-gives 0, maximum and minimum of equal values give each side half.
+every step and adds, for each float step that depends on "score", the steps of its derivative; the
+new program ends in the derivative of the result, and the original result keeps its name, so a
+kernel can read both (make_score_fn's `outputs`). Ints, bools and loaded values do not depend on the
+score (a captured tensor that needs its own gradient is the caller's to refuse). Where torch
+autograd picks a derivative at a kink, so does this: abs at 0 gives 0, maximum and minimum of equal
+values give each side half.
 
 Plain Python, usable without the CuTe DSL.
 """
@@ -21,8 +22,6 @@ from .registry import dumps
 from .score import loads, tensor_name, types_of
 
 LN2 = math.log(2.0)
-
-
 COMPARE_SWAPPED = {"gt": "lt", "lt": "gt", "ge": "le", "le": "ge"}
 
 
@@ -147,3 +146,12 @@ def tangent(text: str, tensor_dtypes=()) -> tuple[str, str, str]:
     else:
         derivative = f.emit("add", result, 0.0)  # the derivative as the program's last step
     return dumps(f.steps), steps[-1][0], derivative
+
+
+def derivative_error(text: str, tensor_dtypes=()) -> str | None:
+    """Why a score program has no derivative program (tangent's ValueError); None when it has."""
+    try:
+        tangent(text, tensor_dtypes)
+    except ValueError as e:
+        return str(e)
+    return None
