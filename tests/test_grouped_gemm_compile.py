@@ -17,6 +17,8 @@ VARIANTS = {
     "deepseek-like-default": (K_MAJOR, default_config(K_MAJOR, 8192, 4096, 7168, groups=32)),
     "b-n-major-128x128": (N_MAJOR, GroupedConfig(128, 128, 64, 6, 2)),
     "small-groups-64x256-one-warpgroup": (K_MAJOR, default_config(K_MAJOR, 2048, 1536, 2048, groups=128)),
+    "cluster-2x1-shares-the-weight": (K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)),
+    "cluster-1x2-shares-the-tokens": (N_MAJOR, GroupedConfig(128, 128, 64, 6, 2, cluster_n=2)),
 }
 
 
@@ -35,6 +37,18 @@ def test_uses_wgmma_tma_and_register_reallocation(compiled):
     assert "shfl.sync.up" in ptx  # the scan of the group tile counts
 
 
+def test_clusters_multicast_and_release_their_peers_stages(request, compiled):
+    config = VARIANTS[request.node.callspec.params["compiled"]][1]
+    ptx = compiled.ptx
+    multicast = re.findall(r"cp\.async\.bulk\.tensor\S*multicast::cluster", ptx)
+    if config.cluster_size == 1:
+        assert not multicast and "barrier.cluster" not in ptx
+        return
+    # one operand multicast (its load once per pipeline stage index), the other plain
+    assert multicast and "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
+    assert re.search(r"mbarrier\.arrive\S*shared::cluster", ptx)  # a release to the peer CTA
+
+
 def test_ptxas_reports_no_spills_and_no_serialized_wgmma(compiled):
     report = compiled.ptxas_report
     assert report and "Used" in report
@@ -47,6 +61,24 @@ def test_variants_fit_shared_memory():
     for problem, config in VARIANTS.values():
         assert unsupported_reason(problem, config) is None
         assert smem_bytes(config) <= SMEM_BUDGET
+
+
+def test_cluster_rules_and_candidates():
+    assert unsupported_reason(K_MAJOR, GroupedConfig(cluster_m=2, cluster_n=2)) is not None
+    assert unsupported_reason(K_MAJOR, GroupedConfig(cluster_m=4)) is not None
+    assert "cluster 2x1" in GroupedConfig(cluster_m=2).describe()
+    # offered only on request until their GPU tests have run (CLUSTERS_GPU_CHECKED)
+    plain = candidates(K_MAJOR, 131072, 4096, 7168, groups=256)
+    assert all(c.cluster_size == 1 for c in plain)
+    both = candidates(K_MAJOR, 131072, 4096, 7168, groups=256, clusters=True)
+    clustered = [(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n) for c in both if c.cluster_size > 1]
+    assert clustered == [(128, 256, 2, 1), (128, 256, 1, 2), (128, 128, 2, 1), (128, 128, 1, 2)]
+    assert all(unsupported_reason(K_MAJOR, c) is None for c in both)
+    # groups of one row tile on average: no 2x1 (its second CTA would mostly idle); one column
+    # tile: no 1x2
+    few = candidates(K_MAJOR, 4096, 256, 2048, groups=64, clusters=True)
+    assert {(c.cluster_m, c.cluster_n) for c in few if c.tile_n == 256} == {(1, 1)}
+    assert {(c.cluster_m, c.cluster_n) for c in few if c.tile_n == 128} == {(1, 1), (1, 2)}
 
 
 def test_default_config_follows_group_sizes():

@@ -73,3 +73,26 @@ def test_tile_in_group_is_m_fastest():
 
 def test_decreasing_offsets_count_as_empty_groups():
     assert tile_counts([100, 50, 300], 2, 64) == [4, 0, 8]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cluster_mn", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tile_m,tile_n,n", [(128, 256, 1536), (128, 128, 384), (64, 128, 8)])
+def test_clusters_cover_every_tile_once(name, cluster_mn, tile_m, tile_n, n):
+    """A cluster's CTAs share a group; the tiles they store (rows in the group, columns in N) are
+    exactly the tiles without clusters, each once; the launch bound covers the work units."""
+    sizes = CASES[name]
+    got = reference_tiles(ends_of(sizes), n, tile_m, tile_n, MAX_GROUPS, cluster_mn)
+    size = cluster_mn[0] * cluster_mn[1]
+    blocks = [got[i:i + size] for i in range(0, len(got), size)]
+    assert all(len({t[0] for t in block}) == 1 for block in blocks), "a cluster spans two groups"
+    stored = [t for t in got if t[3] < t[4] and t[2] * tile_n < n]
+    assert sorted(stored) == sorted(brute_force(sizes, n, tile_m, tile_n))
+    assert len(blocks) <= max_work_units(sum(sizes), n, len(sizes), tile_m, tile_n, cluster_mn)
+
+
+def test_a_2x1_cluster_pairs_row_tiles_of_the_same_weight_columns():
+    # 300 rows: row tiles 0, 1 then 2 and an idle peer (rows 384.. are past the group)
+    got = reference_tiles([300], 256, 128, 128, MAX_GROUPS, (2, 1))
+    assert [(m, n) for _, m, n, _, _ in got] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
+    assert [first < end for _, _, _, first, end in got] == [True, True, True, False] * 2

@@ -9,7 +9,7 @@ import torch
 
 from inductor_cute import UnsupportedError
 from inductor_cute.host.grouped_gemm import grouped_mm
-from inductor_cute.kernels.gemm.grouped_config import GroupedProblem, candidates
+from inductor_cute.kernels.gemm.grouped_config import GroupedConfig, GroupedProblem, candidates
 
 pytestmark = pytest.mark.gpu
 
@@ -84,6 +84,33 @@ def test_tokens_past_the_last_offset_stay_untouched():
 def test_every_candidate_config(index):
     config = candidates(GroupedProblem(), 2048, 512, 512, groups=16, exhaustive=True)[index]
     check([0, 300, 5, 1, 700, 129, 64, 0, 250, 3, 17, 400, 0, 44, 90, 45], 512, 512, config=config)
+
+
+# both cluster shapes on both tile widths: N = 384 is two 256-column tiles (1x2 pairs fill) and
+# three 128-column tiles (the last 1x2 pair has an idle peer past N); odd row-tile counts leave
+# 2x1 pairs with an idle peer past the group's rows
+CLUSTERS = [GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2),
+            GroupedConfig(128, 128, 64, 6, 2, cluster_m=2), GroupedConfig(128, 128, 64, 6, 2, cluster_n=2)]
+
+
+@pytest.mark.parametrize("config", CLUSTERS, ids=lambda c: c.describe().replace(" ", "-"))
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_cluster_configs(name, config):
+    check(SIZES[name], 512, 384, "k" if config.cluster_m == 2 else "n", config=config, seed=3)
+
+
+@pytest.mark.parametrize("config", CLUSTERS, ids=lambda c: c.describe().replace(" ", "-"))
+def test_cluster_configs_on_ragged_n_and_tokens_past_the_offsets(config):
+    check([3, 130, 0, 277], 1000, 40, config=config)  # one column tile: every 1x2 peer idle
+    check([100, 0, 300], 256, 264, tokens=700, config=config)
+
+
+def test_large_moe_shape_in_clusters():
+    torch.manual_seed(1)
+    sizes = [int(x) for x in torch.distributions.Dirichlet(torch.ones(32)).sample().mul(8192).floor()]
+    sizes[-1] += 8192 - sum(sizes)
+    for config in CLUSTERS[:2]:
+        check(sizes, 7168, 4096, config=config)
 
 
 def test_matches_torch_grouped_mm():

@@ -13,6 +13,13 @@ and `GroupedTileMap` finds a work unit's group with a branch-free binary search 
 (the largest g with prefix[g] <= work: empty groups share their successor's prefix and are never
 found). `count` = prefix[groups]. The map plugs into `TileScheduler` like `GroupedRaster`.
 
+With clusters of (cm, cn) CTAs a work unit is one cluster's block of cm x cn tiles of one group:
+the tables count blocks (rows in units of cm * tile_m, ceil(tiles_n / cn) block columns), and CTA
+(i, j) of the cluster takes tile (cm * block_m + i, cn * block_n + j). All CTAs of a block share
+the group, so they can share its weight tile (cm = 2, multicast B) or its token rows (cn = 2,
+multicast A). A CTA whose tile lies past its group's rows or past N still loads and computes (its
+peers wait for its half of the shared loads) but stores nothing.
+
 The arithmetic (`group_of`, `tile_in_group`) is written against a few operations passed in, so
 that the same code runs in the kernel and in plain Python (see `reference_tiles`).
 """
@@ -68,17 +75,24 @@ def prefix_table(ends: list[int], tiles_n: int, tile_m: int) -> list[int]:
     return out
 
 
-def reference_tiles(ends: list[int], n: int, tile_m: int, tile_n: int, max_groups: int):
-    """Every work unit's (group, m, n, first row, row end) in order, by the kernel's arithmetic in
-    plain Python: for CPU tests and host-side planning."""
-    tiles_n = -(-n // tile_n)
-    prefix = prefix_table(ends, tiles_n, tile_m)
+def reference_tiles(ends: list[int], n: int, tile_m: int, tile_n: int, max_groups: int,
+                    cluster_mn: tuple[int, int] = (1, 1)):
+    """Every CTA tile's (group, m, n, first row, row end), work unit after work unit and CTA after
+    CTA of the cluster (M fastest), by the kernel's arithmetic in plain Python: for CPU tests and
+    host-side planning. With clusters, tiles past a group's rows (first row >= row end) or past
+    N (n * tile_n >= n) are the CTAs that store nothing."""
+    cm, cn = cluster_mn
+    blocks_n = -(-(-(-n // tile_n)) // cn)
+    prefix = prefix_table(ends, blocks_n, tile_m * cm)
     rows_end = [0] + list(ends)
     out = []
     for work in range(prefix[-1]):
         g = group_of(work, prefix.__getitem__, len(ends), max_groups)
-        m, tn = tile_in_group(work - prefix[g], rows_end[g + 1] - rows_end[g], tile_m)
-        out.append((g, m, tn, rows_end[g] + m * tile_m, rows_end[g + 1]))
+        bm, bn = tile_in_group(work - prefix[g], rows_end[g + 1] - rows_end[g], tile_m * cm)
+        for j in range(cn):
+            for i in range(cm):
+                m = bm * cm + i
+                out.append((g, m, bn * cn + j, rows_end[g] + m * tile_m, rows_end[g + 1]))
     return out
 
 
@@ -98,22 +112,28 @@ class GroupedTileMap:
     count: Int32  # work units
     tile_m: Constexpr
     max_groups: Constexpr
+    cluster_mn: Constexpr = (1, 1)
 
     @staticmethod
-    def create(sEnds, sPrefix, groups, tile_m: int, max_groups: int) -> "GroupedTileMap":
-        """After `write_tables` and a barrier. Values read from the tables are marked warp-uniform:
-        otherwise ptxas cannot tell that loops bounded by them are, and serializes the WGMMAs
-        inside them (C7519)."""
+    def create(sEnds, sPrefix, groups, tile_m: int, max_groups: int,
+               cluster_mn: tuple[int, int] = (1, 1)) -> "GroupedTileMap":
+        """After `write_tables` (written with cluster-sized blocks) and a barrier. Values read from
+        the tables are marked warp-uniform: otherwise ptxas cannot tell that loops bounded by them
+        are, and serializes the WGMMAs inside them (C7519)."""
         count = cute.arch.make_warp_uniform(sPrefix[groups])
-        return GroupedTileMap(sEnds, sPrefix, groups, count, tile_m, max_groups)
+        return GroupedTileMap(sEnds, sPrefix, groups, count, tile_m, max_groups, cluster_mn)
 
     def coord(self, work, cta_in_cluster=(0, 0)) -> TileCoord:
-        """The tile of work unit `work`: m and n within its group, batch = group = its group."""
+        """The tile of CTA `cta_in_cluster` in work unit `work`: m and n within its group,
+        batch = group = its group."""
+        cm, cn = self.cluster_mn
         g = group_of(work, lambda i: self.sPrefix[i], self.groups, self.max_groups, cutlass.min, _select)
         g = cute.arch.make_warp_uniform(g)
-        m, n = tile_in_group(work - self.sPrefix[g], self.sEnds[g + 1] - self.sEnds[g], self.tile_m,
-                             cute.ceil_div)
-        return TileCoord(cute.arch.make_warp_uniform(m), cute.arch.make_warp_uniform(n), g, g)
+        bm, bn = tile_in_group(work - self.sPrefix[g], self.sEnds[g + 1] - self.sEnds[g], self.tile_m * cm,
+                               cute.ceil_div)
+        m = cute.arch.make_warp_uniform(bm * cm + cta_in_cluster[0])
+        n = cute.arch.make_warp_uniform(bn * cn + cta_in_cluster[1])
+        return TileCoord(m, n, g, g)
 
     def rows(self, group):
         """[first, end) rows of `group` in the stacked tokens."""

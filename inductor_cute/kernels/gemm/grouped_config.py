@@ -44,12 +44,22 @@ class GroupedConfig:
     tile_k: int = 64
     stages: int = 4
     consumer_warpgroups: int = 2  # both share every tile (cooperative), 64 rows each
+    # a cluster of cluster_m x cluster_n CTAs takes a block of tiles of one group: cluster_m = 2
+    # shares (multicasts) the weight tile between two row tiles, cluster_n = 2 the token rows
+    # between two column tiles
+    cluster_m: int = 1
+    cluster_n: int = 1
 
     def as_params(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_m * self.cluster_n
+
     def describe(self) -> str:
-        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} stages {self.stages} wg {self.consumer_warpgroups}"
+        cluster = f" cluster {self.cluster_m}x{self.cluster_n}" if self.cluster_size > 1 else ""
+        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} stages {self.stages} wg {self.consumer_warpgroups}{cluster}"
 
 
 def table_bytes(max_groups: int = MAX_GROUPS) -> int:
@@ -87,6 +97,8 @@ def unsupported_reason(problem: GroupedProblem, config: GroupedConfig | None = N
 
 
 def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
+    if c.cluster_m not in (1, 2) or c.cluster_n not in (1, 2) or c.cluster_size > 2:
+        return "clusters of 1x1, 2x1 or 1x2 CTAs are supported"
     if c.consumer_warpgroups not in (1, 2):
         return "consumer_warpgroups must be 1 or 2"
     if c.tile_m % (64 * c.consumer_warpgroups) or not 64 <= c.tile_m <= 256:
@@ -109,10 +121,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def max_work_units(tokens: int, n: int, groups: int, tile_m: int, tile_n: int) -> int:
-    """An upper bound of the tile count, known without reading the offsets: each group adds at
-    most one partial row of tiles to ceil(tokens / tile_m) full ones."""
-    return _ceil_div(n, tile_n) * (_ceil_div(tokens, tile_m) + groups)
+def max_work_units(tokens: int, n: int, groups: int, tile_m: int, tile_n: int,
+                   cluster_mn: tuple[int, int] = (1, 1)) -> int:
+    """An upper bound of the work units (cluster blocks of tiles), known without reading the
+    offsets: each group adds at most one partial row of blocks to ceil(tokens / block rows) full
+    ones (the kernel's launch bound)."""
+    cm, cn = cluster_mn
+    return _ceil_div(_ceil_div(n, tile_n), cn) * (_ceil_div(tokens, tile_m * cm) + groups)
 
 
 def _deepest(cfg: GroupedConfig, p: GroupedProblem) -> GroupedConfig | None:
@@ -142,16 +157,41 @@ def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None =
     return _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2]), problem)
 
 
+# Cluster configs join the candidates once their GPU tests have passed (they are compiled and
+# CPU-checked, not yet run): autotuning checks no results, so an unproven kernel must not compete.
+CLUSTERS_GPU_CHECKED = False
+
+
+def cluster_shapes(tokens: int, n: int, groups: int, tile_m: int, tile_n: int) -> list[tuple[int, int]]:
+    """The clusters worth trying for this tile: 2x1 (two row tiles share the weight tile) when
+    groups average two row tiles or more, 1x2 (two column tiles share the token rows) when N
+    spans two column tiles or more."""
+    out = []
+    if tokens / max(groups, 1) >= 2 * tile_m:
+        out.append((2, 1))
+    if _ceil_div(n, tile_n) >= 2:
+        out.append((1, 2))
+    return out
+
+
 def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = None, groups: int = 1,
-               num_sms: int = SM_COUNT, exhaustive: bool = False) -> list[GroupedConfig]:
+               num_sms: int = SM_COUNT, exhaustive: bool = False,
+               clusters: bool | None = None) -> list[GroupedConfig]:
     """Valid configs: the heuristic default first, then the other tile shapes at their deepest
-    pipelines (and tile_k 128 with `exhaustive`)."""
+    pipelines (and tile_k 128 with `exhaustive`), then the 128-row shapes in clusters (with
+    `clusters`, by default once CLUSTERS_GPU_CHECKED)."""
     out = [default_config(problem, tokens, n, k, groups, num_sms)]
     for tm, tn, wg in _SHAPES:
         for tk in ((64, 128) if exhaustive else (64,)):
             cfg = _deepest(GroupedConfig(tm, tn, tk, MAX_STAGES, wg), problem)
             if cfg is not None and cfg not in out:
                 out.append(cfg)
+    if CLUSTERS_GPU_CHECKED if clusters is None else clusters:
+        for tm, tn, wg in _SHAPES[:2]:
+            for cm, cn in cluster_shapes(tokens, n, groups, tm, tn):
+                cfg = _deepest(GroupedConfig(tm, tn, 64, MAX_STAGES, wg, cm, cn), problem)
+                if cfg is not None:
+                    out.append(cfg)
     return out
 
 

@@ -19,6 +19,12 @@ through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`)
   * the epilogue stores whole tiles with TMA; a tile that ends past its group's last row (the
     group's last row of tiles) stores from registers with per-element row/column predicates,
     since a TMA store clips only at the tensor's edge, not at the group's.
+  * clusters (config cluster_m x cluster_n, at most 2 CTAs): the CTAs of a cluster take one block
+    of tiles of one group (the tile map's work unit), so the two row tiles of a 2x1 cluster
+    multicast halves of their shared weight tile to each other, and the two column tiles of a
+    1x2 cluster halves of their shared token rows. A CTA whose tile lies past its group's rows
+    or past N loads its half and computes as usual (its peer's stages need its loads and its
+    releases) and skips the epilogue.
 
 Tensor conventions of the jit function: a (T, K) row-major; b (N, K, E), from torch's b (E, K, N)
 as b.permute(2, 1, 0) (b_major "k": b[g] is the transpose of an (N, K) row-major weight; "n": b[g]
@@ -43,11 +49,11 @@ from .sm90 import CUTE_DTYPES, HopperGemm
 
 
 class GroupedHopperGemm(HopperGemm):
-    """The dense GEMM's CTA over a grouped tile map; cooperative consumers, no cluster."""
+    """The dense GEMM's CTA over a grouped tile map; cooperative consumers."""
 
     def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT, a_major: str = "k"):
-        dense = GemmConfig(config.tile_m, config.tile_n, config.tile_k, 1, 1, config.stages,
-                           config.consumer_warpgroups, True, False)
+        dense = GemmConfig(config.tile_m, config.tile_n, config.tile_k, config.cluster_m, config.cluster_n,
+                           config.stages, config.consumer_warpgroups, True, False)
         super().__init__(dense, a_major, b_major, False, False, None, num_sms=num_sms)
         self.grouped_cfg = config
 
@@ -101,21 +107,25 @@ class GroupedHopperGemm(HopperGemm):
         self.ab_dtype, self.d_dtype = mA.element_type, mD.element_type
         self._setup()
         tm, tn, tk = self.tile_mnk
-        tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
-                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk))
-        tma_b, gB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
-                                                cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk))
+        cm, cn = self.cluster_mn
+        g2s = lambda n: cpasync.CopyBulkTensorTileG2SOp() if n == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
+        tma_a, gA = cpasync.make_tiled_tma_atom(g2s(self.mcast_a), mA, cute.slice_(self.sA_layout, (None, None, 0)),
+                                                (tm, tk), num_multicast=self.mcast_a)
+        tma_b, gB = cpasync.make_tiled_tma_atom(g2s(self.mcast_b), mB, cute.slice_(self.sB_layout, (None, None, 0)),
+                                                (tn, tk), num_multicast=self.mcast_b)
         tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
                                                 cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
-        # the tile count is known only on the device: launch for an upper bound, capped at a wave
-        work_bound = cute.ceil_div(mD.shape[1], tn) * (cute.ceil_div(mA.shape[0], tm) + mOffs.shape[0])
+        # the work units are known only on the device: launch for an upper bound (max_work_units),
+        # capped at a wave of clusters
+        work_bound = cute.ceil_div(cute.ceil_div(mD.shape[1], tn), cn) * (
+            cute.ceil_div(mA.shape[0], tm * cm) + mOffs.shape[0])
         grid_z = TileScheduler.launch_clusters(work_bound, self.max_clusters)
         self.shared_storage = self._shared_storage()
         assert self.shared_storage.size_in_bytes() == smem_bytes(
             self.grouped_cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8)
         self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mD, mOffs, self.tiled_mma,
                     self.sA_layout, self.sB_layout, self.sD_layout
-                    ).launch(grid=[1, 1, grid_z], block=[self.threads, 1, 1], cluster=[1, 1, 1],
+                    ).launch(grid=[cm, cn, grid_z], block=[self.threads, 1, 1], cluster=[cm, cn, 1],
                              min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
@@ -124,6 +134,7 @@ class GroupedHopperGemm(HopperGemm):
                tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sD_layout: cute.ComposedLayout):
         tm, tn, tk = self.tile_mnk
+        cm, cn = self.cluster_mn
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -131,6 +142,8 @@ class GroupedHopperGemm(HopperGemm):
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_d)
+        cta_layout = cute.make_layout((cm, cn, 1))
+        cta_coord = cta_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -141,33 +154,44 @@ class GroupedHopperGemm(HopperGemm):
 
         ab_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
+        # every warp of the consumer warp groups releases a stage once per CTA that wrote into it
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.cfg.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.tile_wgs),
-            tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     (self.mcast_a + self.mcast_b - 1) * 4 * self.tile_wgs),
+            tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)), defer_sync=True)
         cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.cluster_size > 1):
+            cute.arch.cluster_arrive_relaxed()  # peers must not signal our barriers before they exist
 
-        # group tables from the device offsets; the CTA-wide sync after them also publishes the
-        # pipeline barriers' initialisation
+        # group tables from the device offsets, counting cluster blocks of tiles; the CTA-wide sync
+        # after them also publishes the pipeline barriers' initialisation
         n_cols = mD.shape[1]
-        write_tables(mOffs, sEnds, sPrefix, cute.ceil_div(n_cols, tn), tm, tidx, self.threads)
+        write_tables(mOffs, sEnds, sPrefix, cute.ceil_div(cute.ceil_div(n_cols, tn), cn), tm * cm, tidx,
+                     self.threads)
         cute.arch.sync_threads()
-        tiles = GroupedTileMap.create(sEnds, sPrefix, mOffs.shape[0], tm, MAX_GROUPS)
-        scheduler = TileScheduler.create(tiles, (0, 0))
+        tiles = GroupedTileMap.create(sEnds, sPrefix, mOffs.shape[0], tm, MAX_GROUPS, (cm, cn))
+        scheduler = TileScheduler.create(tiles, cta_coord)
 
         gB = cute.local_tile(tB, (tn, tk), (None, None, None))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+        # each CTA of a 2x1 cluster loads half of the shared weight tile into both
+        tBsB, tBgB = cpasync.tma_partition(tma_b, cta_coord[0], cute.make_layout(cm),
                                            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         k_tiles = cute.size(gB, mode=[3])
         epi_tiles = (tm // self.epi_tile[0], tn // self.epi_tile[1])
         epi_order = cute.make_layout(epi_tiles, stride=(epi_tiles[1], 1))  # n fastest, like the acc
         n_epi = epi_tiles[0] * epi_tiles[1]
 
+        if cutlass.const_expr(self.cluster_size > 1):
+            cute.arch.cluster_wait()
+
         # ================================================================ producer
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
+                a_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=1) if self.mcast_a > 1 else 0
+                b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0) if self.mcast_b > 1 else 0
                 ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
                 work = scheduler.first()
                 while scheduler.valid(work):
@@ -175,14 +199,17 @@ class GroupedHopperGemm(HopperGemm):
                     row0, _ = tiles.rows(tile.group)
                     # the group's rows from its first; rows past its end are read but never stored
                     gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (tm, tk), (tile.m, None))
-                    tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                    # each CTA of a 1x2 cluster loads half of the shared token rows into both
+                    tAsA, tAgA = cpasync.tma_partition(tma_a, cta_coord[1], cute.make_layout(cn),
                                                        cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                     tBgB_t = tBgB[(None, tile.n, None, tile.batch)]
                     for kt in range(k_tiles):
                         ab_pipe.producer_acquire(ab_state)
                         bar = ab_pipe.producer_get_barrier(ab_state)
-                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=a_mask)
+                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=b_mask)
                         ab_pipe.producer_commit(ab_state)
                         ab_state.advance()
                     work = scheduler.next(work)
@@ -237,39 +264,41 @@ class GroupedHopperGemm(HopperGemm):
                 row_end = cutlass.min(row_end, mD.shape[0])  # offsets past the tokens write nothing there
                 first_row = row0 + tile.m * tm
                 first_col = tile.n * tn
-                whole = first_row + tm <= row_end  # else the group's last rows: predicated stores
-                gD_t = cute.zipped_divide(
-                    cute.local_tile(cute.domain_offset((first_row, first_col), tD), (tm, tn), (0, 0)), self.epi_tile)
-                bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
-                for e in cutlass.range_constexpr(n_epi):
-                    e_coord = epi_order.get_hier_coord(e)
-                    for v in cutlass.range_constexpr(n_vals):
-                        tRS_rD[v] = tRS_acc[e * n_vals + v]
-                    tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
-                    if whole:
-                        buf = n_stored % EPI_STAGES
-                        self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d,
-                                                bsD[(None, buf)], bgD[(None, e_coord)], epi_barrier, store_pipe,
-                                                is_store_warp)
-                        n_stored += 1
-                    else:
-                        r_base = first_row + e_coord[0] * self.epi_tile[0]
-                        c_base = first_col + e_coord[1] * self.epi_tile[1]
+                # a cluster peer's tile past its group's rows or past N: nothing to store
+                if first_row < row_end and first_col < n_cols:
+                    whole = first_row + tm <= row_end  # else the group's last rows: predicated stores
+                    gD_t = cute.zipped_divide(
+                        cute.local_tile(cute.domain_offset((first_row, first_col), tD), (tm, tn), (0, 0)), self.epi_tile)
+                    bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
+                    for e in cutlass.range_constexpr(n_epi):
+                        e_coord = epi_order.get_hier_coord(e)
                         for v in cutlass.range_constexpr(n_vals):
-                            r = r_base + tRS_cD[v][0]
-                            c = c_base + tRS_cD[v][1]
-                            if r < row_end and c < n_cols:
-                                mD[r, c] = tRS_rOut[v]
+                            tRS_rD[v] = tRS_acc[e * n_vals + v]
+                        tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
+                        if whole:
+                            buf = n_stored % EPI_STAGES
+                            self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d,
+                                                    bsD[(None, buf)], bgD[(None, e_coord)], epi_barrier, store_pipe,
+                                                    is_store_warp)
+                            n_stored += 1
+                        else:
+                            r_base = first_row + e_coord[0] * self.epi_tile[0]
+                            c_base = first_col + e_coord[1] * self.epi_tile[1]
+                            for v in cutlass.range_constexpr(n_vals):
+                                r = r_base + tRS_cD[v][0]
+                                c = c_base + tRS_cD[v][1]
+                                if r < row_end and c < n_cols:
+                                    mD[r, c] = tRS_rOut[v]
                 work = scheduler.next(work)
             store_pipe.producer_tail()
 
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
-          num_sms=SM_COUNT):
+          cluster_m=1, cluster_n=1, num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major)
-    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups)
+    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n)
     err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)
