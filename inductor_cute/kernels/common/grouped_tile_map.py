@@ -1,9 +1,9 @@
 """The tile map of a grouped GEMM whose groups have their own row counts (MoE: tokens routed to
 each expert, given as cumulative group ends `offs` on the device).
 
-Work units are the output tiles of all groups, group after group: group g has
-ceil(M_g / tile_m) * tiles_n of them, M_g = ends[g] - ends[g - 1]; empty groups have none. Inside
-a group tiles go M-fastest, so work units in flight together read the same columns of the
+Work units are the output tiles of all groups (without clusters; with them, blocks of tiles: see
+below), group after group: group g has ceil(M_g / tile_m) * tiles_n of them, M_g = ends[g] -
+ends[g - 1]; empty groups have none. Inside a group tiles go M-fastest, so work units in flight together read the same columns of the
 group's weight. A kernel first writes two tables into shared memory (`write_tables`):
 
     ends[0] = 0, ends[g + 1] = offs[g]           row range of group g: [ends[g], ends[g + 1])

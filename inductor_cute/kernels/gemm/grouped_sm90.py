@@ -10,8 +10,9 @@ through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`)
 `TileScheduler` loop, over a different tile map:
   * every CTA first turns `offs` into two shared-memory tables (group row ends, tile prefix) and
     the `GroupedTileMap` finds each work unit's group by binary search (kernels/common/
-    grouped_tile_map.py). The grid is one wave, sized from an upper bound of the tile count known
-    on the host (ceil(tokens / tile_m) + groups row tiles); surplus CTAs find no work.
+    grouped_tile_map.py). The grid is one wave of clusters, sized from an upper bound of the work
+    units (cluster blocks of tiles) known on the host (`max_work_units`); surplus clusters find
+    no work.
   * A is one TMA descriptor over all tokens: a tile's rows start at the group's first row
     (`domain_offset`), so a tile that ends past its group reads the next group's rows (or zeros
     past the last token) into accumulator rows that are never written.
