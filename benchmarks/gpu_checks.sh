@@ -33,12 +33,13 @@ for s in $steps; do
         # the backward's tests (dq_reduce's first run among them), then its speeds per schedule
         flex_backward) step flex_backward 300 python3 -m pytest -m gpu tests/gpu/test_flex_backward_gpu.py -q -rf -n 8 -p no:cacheprovider ;;
         flex_backward_speed) step flex_backward_speed 400 python3 benchmarks/flex_backward_speed.py ;;
-        # the grouped GEMM's first cluster runs alone, serially, stopping at the first failure (a hang
+        # the grouped GEMM's first cluster and gated runs alone, serially, stopping at the first failure (a hang
         # then names its test in the log: -v), then the rest of its tests, then every config's speed
         grouped_cluster) step grouped_cluster 240 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -v -x \
-                   -p no:cacheprovider -k cluster ;;
+                   -p no:cacheprovider -k "cluster or gated" ;;
         grouped) step grouped 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -q -rf -n 8 -p no:cacheprovider ;;
         sweep_grouped) step sweep_grouped 540 python3 benchmarks/sweep_grouped.py ;;
+        sweep_gated) step sweep_gated 400 python3 benchmarks/sweep_grouped.py gated ;;
         rmsnorm) step rmsnorm 200 python3 -m pytest -m gpu tests/gpu/test_rmsnorm_gpu.py -q -p no:cacheprovider ;;
         sweep_gemv) step sweep_gemv 400 python3 benchmarks/sweep_gemv.py quick ;;
         flex_splits) step flex_splits 300 python3 benchmarks/sweep_flex_splits.py ;;

@@ -2,11 +2,16 @@
 the forward cases of the grouped_gemm suite (H200): which configs the autotuner should be offered,
 and whether the 2-CTA clusters (multicast of the weight or token tile) pay off.
 
-    python3 benchmarks/sweep_grouped.py [quick|all]
+    python3 benchmarks/sweep_grouped.py [quick|all|gated]
 
 One line per (case, config): device time (L2 flushed, runs interleaved with eager's), TFLOP/s,
-time over the matmul bound at this run's ceiling, and the largest error against eager relative
+time over the roofline bound at this run's ceilings, and the largest error against eager relative
 to its largest value. See docs/perf-notes.md (grouped GEMM clusters).
+
+`gated`: the MoE up projections (fused gate_up weight) as the gated kernel (ops.grouped_mm_gated,
+silu(gate) * up in the epilogue) in each config, against the unfused step as a compiled model
+runs it: the grouped GEMM (eager torch._grouped_mm, or ours in its default config) and then
+silu(gate) * up as one compiled pointwise kernel.
 """
 
 import sys
@@ -15,8 +20,8 @@ import torch
 
 from inductor_cute.bench.suites.grouped_gemm import MODELS, Grouped, cost, group_sizes, make_inputs
 from inductor_cute.bench.timing import bound_us, measure_ceilings, time_side_by_side
-from inductor_cute.host.grouped_gemm import grouped_mm
-from inductor_cute.kernels.gemm.grouped_config import GroupedProblem, candidates, spec
+from inductor_cute.host.grouped_gemm import grouped_mm, grouped_mm_gated
+from inductor_cute.kernels.gemm.grouped_config import GroupedProblem, candidates, default_config, spec
 from inductor_cute.runtime import precompile
 
 MODEL = {m.name: m for m in MODELS}
@@ -30,13 +35,54 @@ ALL = QUICK + [Grouped(MODEL["DeepSeek-V3"], "down", 16384, "skewed"),
 PROBLEM = GroupedProblem("bfloat16", "bfloat16", "k", "k")  # the suite's weights: transposed views
 
 
-def configs_of(case, sizes):
+GATED = GroupedProblem("bfloat16", "bfloat16", "k", "k", "silu")
+GATED_CASES = [Grouped(MODEL[name], "up", tokens, routing) for name, tokens, routing in (
+    ("Qwen3-30B-A3B", 16384, "skewed"), ("Qwen3-30B-A3B", 4096, "balanced"), ("DeepSeek-V3", 16384, "balanced"),
+    ("Mixtral-8x7B", 4096, "balanced"), ("gpt-oss-120b", 16384, "skewed"))]
+
+
+def configs_of(case, sizes, problem=PROBLEM):
     n, k = case.n_k
-    return candidates(PROBLEM, case.rows, n, k, len(sizes), torch.cuda.get_device_properties(0).multi_processor_count,
+    return candidates(problem, case.rows, n, k, len(sizes), torch.cuda.get_device_properties(0).multi_processor_count,
                       clusters=True)
 
 
+def gated(ceil: dict) -> None:
+    """The gated kernel per config against the unfused step (see the module docstring)."""
+    import torch.nn.functional as F
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plans = [(case, group_sizes(case)) for case in GATED_CASES]
+    precompile([spec(p, c, sms) for case, sizes in plans for p in (GATED, PROBLEM) for c in configs_of(case, sizes, p)])
+    for case, sizes in plans:
+        a, b, offs = make_inputs(case, sizes)
+        half = b.shape[-1] // 2
+        pointwise = torch.compile(lambda h: F.silu(h[:, :half]) * h[:, half:])
+        ref = pointwise(torch._grouped_mm(a, b, offs))
+        scale = ref.float().abs().max().item()
+        flops, n_bytes = cost(case, sizes)
+        n_bytes -= a.shape[0] * half * 2  # the output is half as wide
+        fns = {"eager grouped_mm + compiled pointwise": lambda: pointwise(torch._grouped_mm(a, b, offs)),
+               "ours (default) + compiled pointwise": lambda: pointwise(grouped_mm(a, b, offs))}
+        errors = {}
+        for c in configs_of(case, sizes, GATED):
+            errors[c] = (grouped_mm_gated(a, b, offs, config=c).float() - ref.float()).abs().max().item() / scale
+            fns[c] = (lambda c=c: grouped_mm_gated(a, b, offs, config=c))
+        times = time_side_by_side(fns, reps=60, rounds=6)
+        default = default_config(GATED, case.rows, *case.n_k, len(sizes), sms)
+        print(f"{case.name} gated | bound {bound_us(flops, n_bytes, ceil):.1f} us | default {default.describe()}",
+              flush=True)
+        for key, t in times.items():
+            name = key if isinstance(key, str) else "gated " + key.describe()
+            err = f"  relerr {errors[key]:.1e}" if key in errors else ""
+            print(f"    {name:52} {t:9.1f} us {flops / t / 1e6:5.0f} TFLOP/s{err}", flush=True)
+
+
 def main(which: str) -> None:
+    if which == "gated":
+        ceil = measure_ceilings()
+        print(f"ceilings {ceil}", flush=True)
+        return gated(ceil)
     cases = ALL if which == "all" else QUICK
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plans = [(case, group_sizes(case)) for case in cases]

@@ -1,6 +1,7 @@
 """The grouped GEMM (MoE, torch._grouped_mm forward) compiled for sm_90a on the CPU: WGMMA and TMA
 in the PTX, no spills, WGMMAs not serialized, shared memory within budget; and its config rules."""
 
+import dataclasses
 import re
 
 import pytest
@@ -19,6 +20,9 @@ VARIANTS = {
     "small-groups-64x256-one-warpgroup": (K_MAJOR, default_config(K_MAJOR, 2048, 1536, 2048, groups=128)),
     "cluster-2x1-shares-the-weight": (K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)),
     "cluster-1x2-shares-the-tokens": (N_MAJOR, GroupedConfig(128, 128, 64, 6, 2, cluster_n=2)),
+    "gated-silu": (GroupedProblem("bfloat16", "bfloat16", "k", "k", "silu"), GroupedConfig(128, 256, 64, 4, 2)),
+    "gated-gelu-n-major-2x1": (GroupedProblem("bfloat16", "bfloat16", "k", "n", "gelu_tanh"),
+                               GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)),
 }
 
 
@@ -47,6 +51,26 @@ def test_clusters_multicast_and_release_their_peers_stages(request, compiled):
     # one operand multicast (its load once per pipeline stage index), the other plain
     assert multicast and "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert re.search(r"mbarrier\.arrive\S*shared::cluster", ptx)  # a release to the peer CTA
+
+
+def _copies(ptx: str) -> tuple[int, int]:
+    """(weight boxes per token box loaded, output subtiles stored) in a grouped kernel's PTX."""
+    weight = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared\S*global", ptx))
+    tokens = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared\S*global", ptx))
+    return weight // tokens, len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx))
+
+
+@pytest.mark.parametrize("name", ["gated-silu", "gated-gelu-n-major-2x1"])
+def test_gated_kernels_load_two_weight_boxes_and_store_half_the_columns(name):
+    problem, config = VARIANTS[name]
+    compiled = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True)
+    plain = compile_spec(spec(dataclasses.replace(problem, gate=""), config), "sm_90a", keep_ptx=True)
+    (boxes, stores), (plain_boxes, plain_stores) = _copies(compiled.ptx), _copies(plain.ptx)
+    assert stores == plain_stores // 2
+    if problem.b_major == "k" and config.cluster_size == 1:  # (else TMA splits boxes by other rules)
+        assert boxes == 2 * plain_boxes
+    # one tanh.approx per output value of the thread (the fast sigmoid of a bf16 output)
+    assert compiled.ptx.count("tanh.approx") >= config.tile_m * config.tile_n // 2 // (128 * config.consumer_warpgroups)
 
 
 def test_ptxas_reports_no_spills_and_no_serialized_wgmma(compiled):
@@ -79,6 +103,17 @@ def test_cluster_rules_and_candidates():
     few = candidates(K_MAJOR, 4096, 256, 2048, groups=64, clusters=True)
     assert {(c.cluster_m, c.cluster_n) for c in few if c.tile_n == 256} == {(1, 1)}
     assert {(c.cluster_m, c.cluster_n) for c in few if c.tile_n == 128} == {(1, 1), (1, 2)}
+
+
+def test_gated_rules():
+    gated = GroupedProblem(gate="silu")
+    assert "tile_k must be 64" in unsupported_reason(gated, GroupedConfig(128, 128, 128, 3, 2))
+    assert "softplus" in unsupported_reason(GroupedProblem(gate="softplus"))
+    assert "multiple of 16" in unsupported_reason(gated, n=200)
+    assert unsupported_reason(gated, GroupedConfig(128, 256, 64, 4, 2), n=1536, k=2048, groups=128) is None
+    cands = candidates(gated, 16384, 1536, 2048, groups=128, exhaustive=True)
+    assert cands and all(c.tile_k == 64 for c in cands)
+    assert spec(gated, GroupedConfig()).name != spec(K_MAJOR, GroupedConfig()).name
 
 
 def test_default_config_follows_group_sizes():

@@ -77,6 +77,11 @@ def cpu_kernels(monkeypatch):
             for g, end in enumerate(offs.tolist()):
                 if b.dim() == 2:  # weight gradient: a (M, T), b (N, T), out (M, N, E)
                     out[:, :, g] = (a[:, start:end].float() @ b[:, start:end].float().t()).to(out.dtype)
+                elif spec.kwargs.get("gate"):  # gated forward: b (2F, K, E), out (T, F)
+                    prod = a[start:end].float() @ b[:, :, g].float().t()
+                    f = out.shape[1]
+                    act = getattr(torch.nn.functional, spec.kwargs["gate"])
+                    out[start:end] = (act(prod[:, :f]) * prod[:, f:]).to(out.dtype)
                 else:  # forward: a (T, K), b (N, K, E), out (T, N)
                     out[start:end] = (a[start:end].float() @ b[:, :, g].float().t()).to(out.dtype)
                 start = end
@@ -168,3 +173,37 @@ def test_moe_gradients_through_ops_match_fp32(cpu_kernels):
     torch.testing.assert_close(dx.float(), dx_ref, atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(dw.float(), dw_ref, atol=5e-2, rtol=2e-2)
     assert (dw[1] == 0).all()
+
+
+def test_the_gated_up_projection_passes_the_fused_weight_and_a_half_width_output(cpu_kernels):
+    sizes = [30, 0, 50, 7]
+    x = torch.randn(90, 64).bfloat16()
+    w = torch.randn(4, 2 * 48, 64).div(8).bfloat16()  # (E, 2F, K): gate rows, then up rows
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    out = ops.grouped_mm_gated(x, w.transpose(-2, -1), offs)
+    spec, (a, b, _, d) = cpu_kernels[-1]
+    assert spec.kwargs["gate"] == "silu" and spec.kwargs["b_major"] == "k"
+    assert b.shape == (96, 64, 4) and d.shape == (90, 48) and out.shape == (90, 48)
+    start, want = 0, []
+    for g, end in enumerate(offs.tolist()):
+        prod = x[start:end].float() @ w[g].float().t()
+        want.append(torch.nn.functional.silu(prod[:, :48]) * prod[:, 48:])
+        start = end
+    torch.testing.assert_close(out[:87].float(), torch.cat(want), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(activation="softplus"), "gate activation 'softplus'"),
+    (dict(activation=""), "an activation is required"),
+    (dict(out=torch.empty(16, 48, dtype=torch.bfloat16)), "out must be bfloat16 of shape \\(16, 24\\)"),
+])
+def test_gated_calls_we_cannot_take_are_refused(cpu_kernels, kwargs, match):
+    x, w = torch.randn(16, 32).bfloat16(), torch.randn(2, 32, 48).bfloat16()
+    with pytest.raises(UnsupportedError, match=match):
+        ops.grouped_mm_gated(x, w, torch.tensor([8, 16], dtype=torch.int32), **kwargs)
+
+
+def test_a_gated_weight_needs_eight_output_columns_per_half(cpu_kernels):
+    with pytest.raises(UnsupportedError, match="multiple of 16"):
+        ops.grouped_mm_gated(torch.randn(16, 32).bfloat16(), torch.randn(2, 32, 40).bfloat16(),
+                             torch.tensor([8, 16], dtype=torch.int32))

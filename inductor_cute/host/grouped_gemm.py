@@ -46,46 +46,66 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.
     Rows of `out` past offs[-1] are not written (left as they are; uninitialized when `out` is
     None). Offsets must be non-decreasing and at most `tokens`: they are read on the device only,
     so they are not checked."""
-    from ..kernels.gemm.grouped_config import GroupedProblem, default_config, unsupported_reason
-
     if a.dim() == 2 and b.dim() == 2:
         return grouped_mm_wgrad(a, b, offs, out, config=config)
-    check_cuda(NAME, a, b, offs, *([] if out is None else [out]))
+    return _grouped_forward(a, b, offs, out, config, gate="")
+
+
+def grouped_mm_gated(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str = "silu",
+                     out: torch.Tensor | None = None, *, config=None) -> torch.Tensor:
+    """The MoE up projection with its gate fused: b (groups, K, 2F) holds the gate columns, then
+    the up columns (transformers' and torchtitan's fused gate_up weight, transposed), and
+
+        out[offs[g-1]:offs[g]] = act(a_g @ b[g][:, :F]) * (a_g @ b[g][:, F:])     out (tokens, F)
+
+    with fp32 products rounded once; the (tokens, 2F) product is never stored. `activation`: one
+    of grouped_config.GATES (silu for SwiGLU). Otherwise as `grouped_mm`."""
+    if not activation:
+        raise UnsupportedError(f"{NAME}_gated: an activation is required")
+    return _grouped_forward(a, b, offs, out, config, gate=activation)
+
+
+def _grouped_forward(a, b, offs, out, config, gate: str) -> torch.Tensor:
+    from ..kernels.gemm.grouped_config import GroupedProblem, default_config, unsupported_reason
+
+    name = f"{NAME}_gated" if gate else NAME
+    check_cuda(name, a, b, offs, *([] if out is None else [out]))
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
-        raise UnsupportedError(f"{NAME}: dtypes {a.dtype} and {b.dtype} are not supported (use bfloat16)")
+        raise UnsupportedError(f"{name}: dtypes {a.dtype} and {b.dtype} are not supported (use bfloat16)")
     if a.dim() != 2 or b.dim() != 3:
-        raise UnsupportedError(f"{NAME}: expected a (tokens, K) and b (groups, K, N), or a (M, tokens) and "
+        raise UnsupportedError(f"{name}: expected a (tokens, K) and b (groups, K, N), or a (M, tokens) and "
                                f"b (tokens, N), got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     tokens, k = a.shape
-    groups, kb, n = b.shape
+    groups, kb, n_b = b.shape
+    n = n_b // 2 if gate else n_b  # output columns
     if kb != k:
-        raise UnsupportedError(f"{NAME}: a has K={k} but b has K={kb}")
+        raise UnsupportedError(f"{name}: a has K={k} but b has K={kb}")
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != groups:
-        raise UnsupportedError(f"{NAME}: offs must be int32 of shape ({groups},), got {offs.dtype} "
+        raise UnsupportedError(f"{name}: offs must be int32 of shape ({groups},), got {offs.dtype} "
                                f"of shape {tuple(offs.shape)}")
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (tokens, n)):
-        raise UnsupportedError(f"{NAME}: out must be bfloat16 of shape {(tokens, n)}, got {out.dtype} "
+        raise UnsupportedError(f"{name}: out must be bfloat16 of shape {(tokens, n)}, got {out.dtype} "
                                f"of shape {tuple(out.shape)}")
-    reason = unsupported_reason(GroupedProblem(), config, n=n, k=k, groups=groups)
+    reason = unsupported_reason(GroupedProblem(gate=gate), config, n=n_b, k=k, groups=groups)
     if reason:
-        raise UnsupportedError(f"{NAME}: {reason}")
+        raise UnsupportedError(f"{name}: {reason}")
     a_view = _tma_view(a, 1)
     if a_view is None:
         a_view = _tma_view(a.contiguous(), 1)
     if a_view is None:  # a contiguous tensor at an unaligned address
         a_view = _tma_view(a.clone(memory_format=torch.contiguous_format), 1)
     b_view, b_major = _b_operand(b)
-    problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major)
+    problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major, gate)
     if out is None:
         out = torch.empty(tokens, n, device=a.device, dtype=torch.bfloat16)
     out_view = _tma_view(out, 1)
     if out_view is None:
-        raise UnsupportedError(f"{NAME}: out must be row-major with 16-byte aligned rows, got strides "
+        raise UnsupportedError(f"{name}: out must be row-major with 16-byte aligned rows, got strides "
                                f"{tuple(out.stride())}")
     if tokens == 0:
         return out
     num_sms = sm_count(a.device.index or 0)
-    config = config or default_config(problem, tokens, n, k, groups, num_sms)
+    config = config or default_config(problem, tokens, n_b, k, groups, num_sms)
     kernel = _grouped_kernel(problem, config, num_sms)
     kernel(a_view, b_view, offs.contiguous(), out_view)
     return out

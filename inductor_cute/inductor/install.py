@@ -154,6 +154,12 @@ def _config_values(settings: Settings) -> dict:
         values["post_grad_custom_post_pass"] = GROUP_GEMV_PASS
     elif _is_group_gemv_pass(config.post_grad_custom_post_pass):  # an outer enable()'s
         values["post_grad_custom_post_pass"] = None
+    if settings.fuse_moe_gate:
+        from .grouped.gate import GATE_PASS
+
+        values["post_grad_custom_pre_pass"] = GATE_PASS
+    elif _is_gate_pass(config.post_grad_custom_pre_pass):  # an outer enable()'s
+        values["post_grad_custom_pre_pass"] = None
     if settings.pdl:
         values["triton.enable_pdl"] = True
     else:  # a level without it under an outer enable(pdl=True) gets the value from before that level
@@ -172,6 +178,14 @@ def _is_group_gemv_pass(value) -> bool:
     return isinstance(value, GroupGemvPass)
 
 
+def _is_gate_pass(value) -> bool:
+    if value is None:
+        return False
+    from .grouped.gate import GroupedGatePass
+
+    return isinstance(value, GroupedGatePass)
+
+
 class _Enabled:
     """Returned by enable(); leaving a `with` block restores the previous state."""
 
@@ -184,7 +198,7 @@ class _Enabled:
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
            flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
-           keep_m1_mm: bool = False, trace_block_masks: bool = True) -> _Enabled:
+           keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool = False) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -227,7 +241,13 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     step is one graph instead of several with Python between them, unless it passes a padding
     attention mask (transformers branches on its values). On the H200 that took the GPU's wait
     for the host from 270-1140 us to ~60 us per 4-layer Llama decode step. It applies to graphs
-    Dynamo traces while it is on: enable it before the model's first compiled call."""
+    Dynamo traces while it is on: enable it before the model's first compiled call.
+    With `fuse_moe_gate` (off by default: compiled and CPU-checked, not yet measured), a post-grad
+    pass (Inductor's `post_grad_custom_pre_pass`) turns the MoE up projection's
+    `silu(gate) * up` of a fused gate_up `torch._grouped_mm` (chunked or split in halves, as
+    transformers' grouped_mm experts write it) into one grouped GEMM with the gate in its epilogue
+    (inductor/grouped/gate.py), so the (tokens, 2F) product is never stored; a pass the user set
+    there is refused."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -245,8 +265,12 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         group_gemv = not users_own
         if users_own:
             log.info("inductor-cute: post_grad_custom_post_pass is the user's; decode GEMVs are not grouped")
+    pre_pass = config.post_grad_custom_pre_pass
+    if fuse_moe_gate and pre_pass is not None and not _is_gate_pass(pre_pass):
+        raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_pre_pass is already set "
+                           f"({pre_pass!r}); fuse_moe_gate needs to install its own")
     settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm,
-                        trace_block_masks)
+                        trace_block_masks, fuse_moe_gate)
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

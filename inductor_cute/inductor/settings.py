@@ -24,6 +24,8 @@ class Settings:
     keep_m1_mm: bool = _setting("m1mm")  # M = 1 mm's stay mm's under coordinate descent (gemm/m1.py)
     # create_block_mask(_compile=True) traced into the graph (block_masks.py)
     trace_block_masks: bool = _setting("tbm", True)
+    # silu(gate) * up of a grouped_mm product becomes one gated grouped GEMM (grouped/gate.py)
+    fuse_moe_gate: bool = _setting("gate")
 
     def tag(self) -> str:
         return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))

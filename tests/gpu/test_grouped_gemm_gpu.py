@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inductor_cute import UnsupportedError
-from inductor_cute.host.grouped_gemm import grouped_mm
+from inductor_cute.host.grouped_gemm import grouped_mm, grouped_mm_gated
 from inductor_cute.kernels.gemm.grouped_config import GroupedConfig, GroupedProblem, candidates
 
 pytestmark = pytest.mark.gpu
@@ -112,6 +112,54 @@ def test_large_moe_shape_in_clusters():
     sizes[-1] += 8192 - sum(sizes)
     for config in CLUSTERS[:2]:
         check(sizes, 7168, 4096, config=config)
+
+
+GATED_CONFIGS = [None, GroupedConfig(128, 128, 64, 6, 2), GroupedConfig(64, 128, 64, 8, 1),
+                 GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2)]
+
+
+def check_gated(sizes, k, f, layout="k", activation="silu", tokens=None, config=None, seed=0):
+    """The gated up projection against fp32: act(a @ gate) * (a @ up) per group, rows past the
+    last offset untouched (NaN poison)."""
+    covered = sum(sizes)
+    tokens = covered if tokens is None else tokens
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    a = torch.randn(tokens, k, device=DEV, generator=g).bfloat16()
+    b = weights(len(sizes), k, 2 * f, layout, seed)
+    out = torch.full((tokens, f), float("nan"), device=DEV, dtype=torch.bfloat16)
+    assert grouped_mm_gated(a, b, offsets(sizes), activation, out=out, config=config).data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+    prod = reference(a, b, sizes)
+    act = {"silu": torch.nn.functional.silu, "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+           "relu": torch.relu}[activation]
+    ref = act(prod[:, :f]) * prod[:, f:]
+    assert not out[:covered].isnan().any(), "rows of some group were not written"
+    torch.testing.assert_close(out[:covered].float(), ref, atol=3e-2, rtol=3e-2)
+    assert out[covered:].isnan().all(), "rows past the last offset were written"
+
+
+@pytest.mark.parametrize("config", GATED_CONFIGS, ids=lambda c: "default" if c is None else c.describe().replace(" ", "-"))
+@pytest.mark.parametrize("name", ["skewed", "unaligned-offsets", "many-groups", "smaller-than-a-tile"])
+@pytest.mark.parametrize("layout", ["k", "n"])
+def test_gated_up_projection(name, layout, config):
+    check_gated(SIZES[name], 512, 192, layout, config=config)  # F = 192: a partial last column tile
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu"])
+def test_gated_activations_and_ragged_sizes(activation):
+    check_gated([3, 130, 0, 77], 1000, 40, activation=activation, tokens=260)  # F = 40: one partial tile
+    check_gated([100, 0, 300], 256, 264, activation=activation)
+
+
+def test_gated_matches_the_unfused_moe_up_projection():
+    """As transformers computes it: grouped_mm with the fused gate_up weight, chunk, silu * up."""
+    sizes = [300, 0, 17, 1200, 64, 128]
+    a = torch.randn(sum(sizes), 2048, device=DEV).bfloat16()
+    w = torch.randn(len(sizes), 2 * 768, 2048, device=DEV).div(2048 ** 0.5).bfloat16()  # (E, 2F, K)
+    offs = offsets(sizes)
+    gate, up = torch._grouped_mm(a, w.transpose(-2, -1), offs).chunk(2, dim=-1)
+    torch.testing.assert_close(grouped_mm_gated(a, w.transpose(-2, -1), offs),
+                               torch.nn.functional.silu(gate) * up, atol=3e-2, rtol=3e-2)
 
 
 def test_matches_torch_grouped_mm():

@@ -262,6 +262,7 @@ def wall_us(fns: dict, calls: int = 10, rounds: int = 5, warmup: int = 3) -> dic
 
 
 SHARED_A_CALL = "torch.ops.inductor_cute.gemv_shared_a.default("  # the grouped decode GEMV (shared_a pass)
+GATED_CALL = "torch.ops.inductor_cute.grouped_mm_gated.default("  # the fused MoE gate (grouped/gate.py)
 
 
 def our_kernel_calls(code: str) -> int:
@@ -270,6 +271,7 @@ def our_kernel_calls(code: str) -> int:
             + sum(code.count(f"inductor_cute.inductor.flex.runtime.{name}(")
                   for name in ("FlexDecodeLauncher", "FlexPrefillLauncher", "FlexBackwardLauncher"))
             + code.count(GROUPED_CALL)
+            + code.count(GATED_CALL)
             + code.count(SHARED_A_CALL))
 
 
@@ -454,15 +456,18 @@ def _moe_case(step: str, tokens: int, mode_key: str) -> Case:
     ref_out, ref_grads = moe_block.reference(block, x, train)
     notes = [moe_block.routing_note(sizes)]
     runners = {}
+    kwargs = enable_kwargs("train" if train else "prefill")
+    if kwargs:
+        notes.append("inductor_cute: enable(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")")
     for backend in ("aten", "inductor_cute", "triton"):
-        r = moe_block.make_runner(step, block, x, MODES[mode_key], backend)
+        r = moe_block.make_runner(step, block, x, MODES[mode_key], backend, kwargs)
         runners[backend] = r.run
         errors = [f"out {_agreement(r.out, ref_out):.2e}"]
         errors += [f"grad {name} {_agreement(r.grads[name], g):.2e}" for name, g in ref_grads.items()]
         note = f"{backend}: rel err vs fp32 " + ", ".join(errors)
         if r.code:
             note += (f"; cold compile {r.seconds:.1f} s, {our_kernel_calls(r.code)} call site(s) of our kernels, "
-                     f"{r.code.count(GROUPED_CALL)} of them grouped GEMMs")
+                     f"{r.code.count(GROUPED_CALL)} of them grouped GEMMs, {r.code.count(GATED_CALL)} gated")
         notes.append(note)
     del ref_out, ref_grads
     times = wall_us(runners)

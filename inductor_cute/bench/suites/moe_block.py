@@ -223,9 +223,10 @@ def _grads(block, x) -> dict:
     return grads
 
 
-def make_runner(step: str, block: MoeBlock, x: torch.Tensor, mode: str, backend: str) -> Runner:
+def make_runner(step: str, block: MoeBlock, x: torch.Tensor, mode: str, backend: str,
+                enable_kwargs: dict | None = None) -> Runner:
     """The backend's runner: `aten` eager, `triton` stock torch.compile in `mode`, `inductor_cute`
-    the same with inductor_cute.enable(). Compiled runners compile at their first step, inside their
+    the same with inductor_cute.enable(**enable_kwargs). Compiled runners compile at their first step, inside their
     own config with cold Inductor caches (so for a training step the backward graph too), and must
     not compile again later (they would compile outside that config): checked."""
     train = step == "train"
@@ -236,12 +237,13 @@ def make_runner(step: str, block: MoeBlock, x: torch.Tensor, mode: str, backend:
         torch.cuda.synchronize()
         return Runner(lambda: do_step(fn, block, x), out.clone(), _grads(block, x) if train else {},
                       time.perf_counter() - start)
-    compiled, out, seconds, code = _compile(fn, lambda f: do_step(f, block, x), mode, ours=backend == "inductor_cute")
+    compiled, out, seconds, code = _compile(fn, lambda f: do_step(f, block, x), mode, ours=backend == "inductor_cute",
+                                            enable_kwargs=enable_kwargs)
     grads = _grads(block, x) if train else {}
     return Runner(lambda: do_step(compiled, block, x), out, grads, seconds, code)
 
 
-def _compile(fn, do_step, mode: str, ours: bool):
+def _compile(fn, do_step, mode: str, ours: bool, enable_kwargs: dict | None = None):
     """torch.compile `fn` and take one step with it inside its config; (compiled, output, seconds,
     output code). The config is gemm_compiled.compile_now's (backends, cold caches); the step here
     may run a backward."""
@@ -253,7 +255,7 @@ def _compile(fn, do_step, mode: str, ours: bool):
 
     backends = OUR_BACKENDS if ours else STOCK_BACKENDS
     codes: list[str] = []
-    enabled = inductor_cute.enable() if ours else contextlib.nullcontext()
+    enabled = inductor_cute.enable(**(enable_kwargs or {})) if ours else contextlib.nullcontext()
     with enabled, config.patch(max_autotune_gemm_backends=backends, **COLD), _fresh_cache(), capture(codes, []):
         if is_enabled() != ours:
             raise RuntimeError(f"inductor-cute enabled={is_enabled()} while compiling a runner with ours={ours}")

@@ -5,7 +5,10 @@ configurations, limits, candidates and kernel specs. Plain Python, usable withou
 
 a (total_tokens, K) row-major, b (E, K, N), offs int32 (E,) cumulative group ends on the device,
 out (total_tokens, N) row-major. Group sizes are read on the device only: one persistent launch,
-no host sync. Same names as config.py (see there): Problem, Config, unsupported_reason,
+no host sync. Gated (problem.gate = an activation name): b has 2F columns, gate then up, and
+
+    out[offs[g-1]:offs[g], :] = act(a_g @ b[g][:, :F]) * (a_g @ b[g][:, F:])      out (total_tokens, F)
+ Same names as config.py (see there): Problem, Config, unsupported_reason,
 candidates, default_config, spec.
 """
 
@@ -22,6 +25,8 @@ ELEMENT_BYTES = {"bfloat16": 2}
 # The kernel keeps the groups' row ends and tile prefix in shared memory: one Int32 each per group.
 MAX_GROUPS = 512
 MAX_STAGES = 8
+# activations a gated problem takes (kernels/common/activations.py)
+GATES = ("silu", "gelu_tanh", "gelu_erf", "relu", "sigmoid", "tanh")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class GroupedProblem:
     out_dtype_name: str = "bfloat16"
     a_major: str = "k"  # a row-major (tokens, K)
     b_major: str = "k"  # "k": b[g] is the transposed view of an (N, K) row-major weight; "n": (K, N) row-major
+    gate: str = ""  # gated: the activation of the gate half (GATES), fused with the product by the up half
 
     def as_params(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,6 +93,10 @@ def unsupported_reason(problem: GroupedProblem, config: GroupedConfig | None = N
         return "a must be row-major (tokens, K)"
     if p.b_major not in ("k", "n"):
         return "b_major must be 'k' or 'n'"
+    if p.gate and p.gate not in GATES:
+        return f"gate activation {p.gate!r} is not one of {', '.join(GATES)}"
+    if p.gate and n is not None and (n < 2 or n % 16):
+        return f"gated: the weight's N={n} (gate and up) must be a positive multiple of 16 (8 output columns)"
     if n is not None and (n < 1 or n % 8):
         return f"N={n} must be a positive multiple of 8 (16-byte rows for TMA)"
     if k is not None and (k < 1 or k % 8):
@@ -97,6 +107,11 @@ def unsupported_reason(problem: GroupedProblem, config: GroupedConfig | None = N
 
 
 def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
+    if p.gate and c.tile_k != 64:
+        # at tile_k 64 the half tiles' layout addresses a stage as the whole tile's does
+        return "gated: tile_k must be 64"
+    if p.gate and (c.tile_n // 2) % EPI_N:
+        return f"gated: tile_n must be a multiple of {2 * EPI_N}"
     if c.cluster_m not in (1, 2) or c.cluster_n not in (1, 2) or c.cluster_size > 2:
         return "clusters of 1x1, 2x1 or 1x2 CTAs are supported"
     if c.consumer_warpgroups not in (1, 2):

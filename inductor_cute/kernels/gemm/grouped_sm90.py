@@ -27,6 +27,15 @@ through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`)
     or past N loads its half and computes as usual (its peer's stages need its loads and its
     releases) and skips the epilogue.
 
+Gated variant (problem.gate, an activation name; the MoE up projection with gate and up fused in
+one weight, as transformers and torchtitan hold it): b[g] has 2F columns, gate in [0, F) and up
+in [F, 2F), and d (T, F) = act(a @ b[g][:, :F]) * (a @ b[g][:, F:]) in the epilogue, so the
+(T, 2F) product never reaches memory. A CTA's weight tile is two half tiles, tile_n / 2 gate
+columns and the same up columns, loaded as two TMA boxes into the two halves of each stage (the
+half tiles' smem layout, twice the stages, addresses the stage's memory exactly as the full one
+does at tile_k 64: the MMA reads the stage as one tile_n-column operand). Gate and up values of
+an output element sit in the same thread's accumulator, tile_n / 2 columns apart.
+
 Tensor conventions of the jit function: a (T, K) row-major; b (N, K, E), from torch's b (E, K, N)
 as b.permute(2, 1, 0) (b_major "k": b[g] is the transpose of an (N, K) row-major weight; "n": b[g]
 is (K, N) row-major); offs int32 (E,); d (T, N) row-major. The compiled function (TVM-FFI, env
@@ -42,6 +51,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
 
 from ..common import barriers
+from ..common.activations import activations
 from ..common.grouped_tile_map import GroupedTileMap, write_tables
 from ..common.tile_scheduler import TileScheduler
 from .config import EPI_STAGES, SM_COUNT, GemmConfig
@@ -52,11 +62,15 @@ from .sm90 import CUTE_DTYPES, HopperGemm
 class GroupedHopperGemm(HopperGemm):
     """The dense GEMM's CTA over a grouped tile map; cooperative consumers."""
 
-    def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT, a_major: str = "k"):
+    def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT, a_major: str = "k",
+                 gate: str = ""):
         dense = GemmConfig(config.tile_m, config.tile_n, config.tile_k, config.cluster_m, config.cluster_n,
                            config.stages, config.consumer_warpgroups, True, False)
         super().__init__(dense, a_major, b_major, False, False, None, num_sms=num_sms)
         self.grouped_cfg = config
+        self.gate = gate
+        # output columns of a tile; a TMA box of the weight covers the same columns (gated: per half)
+        self.out_tn = config.tile_n // 2 if gate else config.tile_n
 
     def _epilogue_fragments(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, sD: cute.Tensor, ctid):
         """A consumer thread's epilogue pieces: the stmatrix-shaped register-to-smem copy, its
@@ -112,20 +126,25 @@ class GroupedHopperGemm(HopperGemm):
         g2s = lambda n: cpasync.CopyBulkTensorTileG2SOp() if n == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
         tma_a, gA = cpasync.make_tiled_tma_atom(g2s(self.mcast_a), mA, cute.slice_(self.sA_layout, (None, None, 0)),
                                                 (tm, tk), num_multicast=self.mcast_a)
-        tma_b, gB = cpasync.make_tiled_tma_atom(g2s(self.mcast_b), mB, cute.slice_(self.sB_layout, (None, None, 0)),
-                                                (tn, tk), num_multicast=self.mcast_b)
+        # the weight's TMA boxes: whole stages, or (gated) half stages in a layout of twice the stages
+        sB_box_layout = self.sB_layout
+        if cutlass.const_expr(bool(self.gate)):
+            sB_box_layout = sm90_utils.make_smem_layout_b(self.b_layout, (tm, self.out_tn, tk), self.ab_dtype,
+                                                          2 * self.cfg.stages)
+        tma_b, gB = cpasync.make_tiled_tma_atom(g2s(self.mcast_b), mB, cute.slice_(sB_box_layout, (None, None, 0)),
+                                                (self.out_tn, tk), num_multicast=self.mcast_b)
         tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
                                                 cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
         # the work units are known only on the device: launch for an upper bound (max_work_units),
         # capped at a wave of clusters
-        work_bound = cute.ceil_div(cute.ceil_div(mD.shape[1], tn), cn) * (
+        work_bound = cute.ceil_div(cute.ceil_div(mD.shape[1], self.out_tn), cn) * (
             cute.ceil_div(mA.shape[0], tm * cm) + mOffs.shape[0])
         grid_z = TileScheduler.launch_clusters(work_bound, self.max_clusters)
         self.shared_storage = self._shared_storage()
         assert self.shared_storage.size_in_bytes() == smem_bytes(
             self.grouped_cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8)
         self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mD, mOffs, self.tiled_mma,
-                    self.sA_layout, self.sB_layout, self.sD_layout
+                    self.sA_layout, self.sB_layout, sB_box_layout, self.sD_layout
                     ).launch(grid=[cm, cn, grid_z], block=[self.threads, 1, 1], cluster=[cm, cn, 1],
                              min_blocks_per_mp=1, stream=stream)
 
@@ -133,8 +152,9 @@ class GroupedHopperGemm(HopperGemm):
     def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom, tB: cute.Tensor,
                tma_d: cute.CopyAtom, tD: cute.Tensor, mD: cute.Tensor, mOffs: cute.Tensor,
                tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
-               sD_layout: cute.ComposedLayout):
+               sB_box_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout):
         tm, tn, tk = self.tile_mnk
+        out_tn = self.out_tn
         cm, cn = self.cluster_mn
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -149,6 +169,7 @@ class GroupedHopperGemm(HopperGemm):
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sB_box = storage.sB.get_tensor(sB_box_layout.outer, swizzle=sB_box_layout.inner)  # the producer's view
         sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
         sEnds = storage.sEnds.get_tensor(cute.make_layout(MAX_GROUPS + 1))
         sPrefix = storage.sPrefix.get_tensor(cute.make_layout(MAX_GROUPS + 1))
@@ -168,21 +189,31 @@ class GroupedHopperGemm(HopperGemm):
 
         # group tables from the device offsets, counting cluster blocks of tiles; the CTA-wide sync
         # after them also publishes the pipeline barriers' initialisation
-        n_cols = mD.shape[1]
-        write_tables(mOffs, sEnds, sPrefix, cute.ceil_div(cute.ceil_div(n_cols, tn), cn), tm * cm, tidx,
+        n_cols = mD.shape[1]  # output columns (gated: the up half starts at this column of the weight)
+        write_tables(mOffs, sEnds, sPrefix, cute.ceil_div(cute.ceil_div(n_cols, out_tn), cn), tm * cm, tidx,
                      self.threads)
         cute.arch.sync_threads()
         tiles = GroupedTileMap.create(sEnds, sPrefix, mOffs.shape[0], tm, MAX_GROUPS, (cm, cn))
         scheduler = TileScheduler.create(tiles, cta_coord)
 
-        gB = cute.local_tile(tB, (tn, tk), (None, None, None))
-        # each CTA of a 2x1 cluster loads half of the shared weight tile into both
+        gB = cute.local_tile(tB, (out_tn, tk), (None, None, None))
+        # each CTA of a 2x1 cluster loads half of each shared weight box into both
         tBsB, tBgB = cpasync.tma_partition(tma_b, cta_coord[0], cute.make_layout(cm),
-                                           cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                                           cute.group_modes(sB_box, 0, 2), cute.group_modes(gB, 0, 2))
+        tBgB_up = tBgB
+        if cutlass.const_expr(bool(self.gate)):
+            gB_up = cute.local_tile(cute.domain_offset((n_cols, 0, 0), tB), (out_tn, tk), (None, None, None))
+            _, tBgB_up = cpasync.tma_partition(tma_b, cta_coord[0], cute.make_layout(cm),
+                                               cute.group_modes(sB_box, 0, 2), cute.group_modes(gB_up, 0, 2))
         k_tiles = cute.size(gB, mode=[3])
-        epi_tiles = (tm // self.epi_tile[0], tn // self.epi_tile[1])
-        epi_order = cute.make_layout(epi_tiles, stride=(epi_tiles[1], 1))  # n fastest, like the acc
+        # epilogue subtiles of the output tile, n fastest like the accumulator; gated, the gate
+        # values of output subtile (i, j) are the accumulator's subtile (i, j) of the full tile
+        # and the up values its subtile (i, j + up_shift)
+        epi_tiles = (tm // self.epi_tile[0], out_tn // self.epi_tile[1])
+        epi_order = cute.make_layout(epi_tiles, stride=(epi_tiles[1], 1))
         n_epi = epi_tiles[0] * epi_tiles[1]
+        acc_epi_n = tn // self.epi_tile[1]  # subtiles per row of the accumulator
+        up_shift = out_tn // self.epi_tile[1]
 
         if cutlass.const_expr(self.cluster_size > 1):
             cute.arch.cluster_wait()
@@ -204,13 +235,20 @@ class GroupedHopperGemm(HopperGemm):
                     tAsA, tAgA = cpasync.tma_partition(tma_a, cta_coord[1], cute.make_layout(cn),
                                                        cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                     tBgB_t = tBgB[(None, tile.n, None, tile.batch)]
+                    tBgB_up_t = tBgB_up[(None, tile.n, None, tile.batch)]
                     for kt in range(k_tiles):
                         ab_pipe.producer_acquire(ab_state)
                         bar = ab_pipe.producer_get_barrier(ab_state)
                         cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar,
                                   mcast_mask=a_mask)
-                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar,
-                                  mcast_mask=b_mask)
+                        if cutlass.const_expr(bool(self.gate)):  # gate half, then up half of the stage
+                            cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, 2 * ab_state.index)], tma_bar_ptr=bar,
+                                      mcast_mask=b_mask)
+                            cute.copy(tma_b, tBgB_up_t[(None, kt)], tBsB[(None, 2 * ab_state.index + 1)],
+                                      tma_bar_ptr=bar, mcast_mask=b_mask)
+                        else:
+                            cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar,
+                                      mcast_mask=b_mask)
                         ab_pipe.producer_commit(ab_state)
                         ab_state.advance()
                     work = scheduler.next(work)
@@ -229,6 +267,8 @@ class GroupedHopperGemm(HopperGemm):
 
             r2s, tRS_sD, tRS_acc, tRS_cD, tRS_rD, tRS_rOut = self._epilogue_fragments(tiled_mma, acc, sD, ctid)
             n_vals = cute.size(tRS_rD)
+            tRS_rUp = cute.make_rmem_tensor(tRS_cD.shape, Float32)
+            gate_fn = activations(self.d_dtype.width == 16)[self.gate] if self.gate else None
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
@@ -264,18 +304,25 @@ class GroupedHopperGemm(HopperGemm):
                 row0, row_end = tiles.rows(tile.group)
                 row_end = cutlass.min(row_end, mD.shape[0])  # offsets past the tokens write nothing there
                 first_row = row0 + tile.m * tm
-                first_col = tile.n * tn
+                first_col = tile.n * out_tn
                 # a cluster peer's tile past its group's rows or past N: nothing to store
                 if first_row < row_end and first_col < n_cols:
                     whole = first_row + tm <= row_end  # else the group's last rows: predicated stores
                     gD_t = cute.zipped_divide(
-                        cute.local_tile(cute.domain_offset((first_row, first_col), tD), (tm, tn), (0, 0)), self.epi_tile)
+                        cute.local_tile(cute.domain_offset((first_row, first_col), tD), (tm, out_tn), (0, 0)),
+                        self.epi_tile)
                     bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
                     for e in cutlass.range_constexpr(n_epi):
                         e_coord = epi_order.get_hier_coord(e)
+                        e_acc = (e // epi_tiles[1]) * acc_epi_n + e % epi_tiles[1]  # the same subtile in the acc
                         for v in cutlass.range_constexpr(n_vals):
-                            tRS_rD[v] = tRS_acc[e * n_vals + v]
-                        tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
+                            tRS_rD[v] = tRS_acc[e_acc * n_vals + v]
+                        if cutlass.const_expr(bool(self.gate)):
+                            for v in cutlass.range_constexpr(n_vals):
+                                tRS_rUp[v] = tRS_acc[(e_acc + up_shift) * n_vals + v]
+                            tRS_rOut.store((gate_fn(tRS_rD.load()) * tRS_rUp.load()).to(self.d_dtype))
+                        else:
+                            tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
                         if whole:
                             buf = n_stored % EPI_STAGES
                             self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d,
@@ -296,9 +343,9 @@ class GroupedHopperGemm(HopperGemm):
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
-          cluster_m=1, cluster_n=1, num_sms=SM_COUNT):
+          cluster_m=1, cluster_n=1, gate="", num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
-    problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major)
+    problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major, gate)
     cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n)
     err = unsupported_reason(problem, cfg)
     if err:
@@ -315,8 +362,10 @@ def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, 
 
     a = make_fake_tensor(ab_t, (T, K), stride=(ld(), 1), assumed_align=16)
     b_stride = (ld(), 1, ld()) if b_major == "k" else (1, ld(), ld())
-    b = make_fake_tensor(ab_t, (N, K, E), stride=b_stride, assumed_align=16)
+    # gated: b has the gate and up columns, twice d's (the host checks that)
+    b_n = cute.sym_int(divisibility=16) if gate else N
+    b = make_fake_tensor(ab_t, (b_n, K, E), stride=b_stride, assumed_align=16)
     offs = make_fake_tensor(Int32, (E,), stride=(1,), assumed_align=4)
     d = make_fake_tensor(d_t, (T, N), stride=(ld(), 1), assumed_align=16)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return GroupedHopperGemm(cfg, b_major, num_sms=num_sms), (a, b, offs, d, stream)
+    return GroupedHopperGemm(cfg, b_major, num_sms=num_sms, gate=gate), (a, b, offs, d, stream)

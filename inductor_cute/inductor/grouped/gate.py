@@ -1,0 +1,185 @@
+"""The MoE up projection with its gate fused (issue 14): a post-grad graph pass (Inductor's
+`post_grad_custom_pre_pass`, with enable(fuse_moe_gate=True)) that finds
+
+    gate, up = torch._grouped_mm(x, w_gate_up, offs).chunk(2, dim=-1)      (or torch.split in halves)
+    h = F.silu(gate) * up
+
+as transformers' grouped_mm experts and torchtitan-style MoE code write it, and replaces it by one
+call of `torch.ops.inductor_cute.grouped_mm_gated(x, w_gate_up, offs, "silu")`: our grouped GEMM
+with the SwiGLU in its epilogue (ops.grouped_mm_gated), so the (tokens, 2F) product is never
+written and read back. Inductor emits the op as an extern call, with the heuristic default config
+(no autotuning yet).
+
+The patterns are Inductor's own pattern matcher's (`register_replacement`): the search functions
+are traced through the same decompositions as the graph, so the form silu takes after them
+(fp32 upcast, exp, div) matches whatever this torch version makes of it. A match is taken only
+when its intermediates have no other users (a training graph that saves gate and up for the
+backward keeps them), the split is into equal halves, and our kernel serves the call
+(`gate_decline_reason`); the op itself falls back to the unfused computation for what only real
+tensors show (an unaligned data pointer) and off CUDA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ...errors import UnsupportedError
+from ...host import grouped_gemm as _host_grouped
+from ...kernels.gemm import grouped_config
+from .lowering import GroupedCall, decline_reason
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------- the custom op
+
+SCHEMA = "grouped_mm_gated(Tensor a, Tensor b, Tensor offs, str activation) -> Tensor"
+_LIBRARY = torch.library.Library("inductor_cute", "FRAGMENT")  # owns the registrations while imported
+_LIBRARY.define(SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
+
+DEVICE_TYPES = ("cuda",)  # where the fused kernel runs (the CPU tests add "cpu")
+# the activations the pass fuses, as torch computes them
+ACTIVATIONS = {"silu": F.silu}
+
+
+def unfused(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str) -> torch.Tensor:
+    gate, up = torch._grouped_mm(a, b, offs).chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
+
+
+def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(a @ b_gate) * (a @ b_up) per group in one launch; what the pass decided on fake
+    tensors but a real one refuses (an unaligned data pointer), and any device but CUDA, runs
+    unfused."""
+    if a.device.type in DEVICE_TYPES:
+        try:
+            return _host_grouped.grouped_mm_gated(a, b, offs, activation)
+        except UnsupportedError as e:
+            log.debug("grouped_mm_gated: %s; unfused instead", e)
+    return unfused(a, b, offs, activation)
+
+
+_LIBRARY.impl("grouped_mm_gated", grouped_mm_gated_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("inductor_cute::grouped_mm_gated", lib=_LIBRARY)
+def _grouped_mm_gated_fake(a, b, offs, activation):
+    return a.new_empty(a.shape[0], b.shape[-1] // 2)
+
+
+OP = torch.ops.inductor_cute.grouped_mm_gated.default
+
+# ---------------------------------------------------------------------------- the decision
+
+
+def _ints(values) -> tuple:
+    return tuple(v if type(v) is int else None for v in values)
+
+
+def gate_decline_reason(a, b, offs, activation: str) -> str | None:
+    """Why the fused kernel does not take act(gate) * up of _grouped_mm(a, b, offs) (fake tensors),
+    in one line; None when it does."""
+    if a.device.type not in DEVICE_TYPES:
+        return f"device {a.device.type} is not CUDA"
+    if b.dim() != 3 or type(b.shape[-1]) is not int or b.shape[-1] % 2:
+        return f"b of shape {tuple(b.shape)} has no static even number of columns to halve"
+    call = GroupedCall(a_size=_ints(a.shape), a_stride=_ints(a.stride()), b_size=_ints(b.shape),
+                       b_stride=_ints(b.stride()), offs_size=_ints(offs.shape),
+                       out_size=_ints((a.shape[0], b.shape[-1] // 2)), out_stride=(b.shape[-1] // 2, 1),
+                       a_dtype=a.dtype, b_dtype=b.dtype, offs_dtype=offs.dtype, out_dtype=a.dtype,
+                       device_type="cuda")
+    reason = decline_reason(call)
+    if reason:
+        return reason
+    groups, k, n = b.shape
+    return grouped_config.unsupported_reason(grouped_config.GroupedProblem(gate=activation), n=n, k=k,
+                                             groups=groups)
+
+
+# ---------------------------------------------------------------------------- the patterns
+
+def _chunked(a, b, offs):
+    gate, up = torch._grouped_mm(a, b, offs).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _split(a, b, offs):
+    half = b.shape[-1] // 2
+    gate, up = torch._grouped_mm(a, b, offs).split([half, half], dim=-1)
+    return F.silu(gate) * up
+
+
+def _fused(a, b, offs):
+    return OP(a, b, offs, "silu")
+
+
+_SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+
+
+def _halves(match) -> bool:
+    """The pattern's split cuts the product into two equal halves (the matcher ignores its sizes)."""
+    split = next(n for n in match.nodes if n.op == "call_function" and n.target in _SPLITS)
+    n = split.args[0].meta["val"].shape[-1]
+    sizes = split.args[1]
+    return type(n) is int and n % 2 == 0 and (sizes == n // 2 if isinstance(sizes, int) else list(sizes) == [n // 2] * 2)
+
+
+def _taken(match) -> bool:
+    if not _halves(match):
+        return False
+    a, b, offs = (match.kwargs[name].meta["val"] for name in ("a", "b", "offs"))
+    reason = gate_decline_reason(a, b, offs, "silu")
+    if reason:
+        log.info("inductor-cute leaves a gated grouped_mm %s x %s unfused: %s", tuple(a.shape), tuple(b.shape), reason)
+    return reason is None
+
+
+_PATTERNS = None  # our PatternMatcherPass, made at the first use
+
+
+def _register_patterns() -> None:
+    """Trace the search functions once per process, as Inductor registers its own patterns: under
+    a fresh fake mode (init_once_fakemode), on example tensors of that mode."""
+    from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, init_once_fakemode, register_replacement
+
+    @init_once_fakemode
+    def register():
+        global _PATTERNS
+        patterns = PatternMatcherPass(pass_name="inductor_cute_grouped_gate")
+        example = [torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16),
+                   torch.empty(2, dtype=torch.int32)]
+        for search in (_chunked, _split):
+            register_replacement(search, _fused, example, fwd_only, [patterns], extra_check=_taken)
+        _PATTERNS = patterns
+
+    register()
+
+
+def fuse_grouped_gates(graph: torch.fx.Graph) -> int:
+    """Replace each act(gate) * up of a grouped_mm product by one fused call; the number made."""
+    if _PATTERNS is None:
+        _register_patterns()
+    made = _PATTERNS.apply(graph)
+    if made:
+        log.info("inductor-cute fused %d MoE gate(s) into grouped_mm_gated", made)
+    return made
+
+
+class GroupedGatePass(CustomGraphPass):
+    """The `config.post_grad_custom_pre_pass` of enable(fuse_moe_gate=True); its uuid (this
+    module's source) enters the FX graph cache key."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        fuse_grouped_gates(graph)
+
+    def uuid(self) -> str:
+        return _SOURCE_HASH
+
+
+_SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+GATE_PASS = GroupedGatePass()
