@@ -77,6 +77,13 @@ for s in $steps; do
                 .device/pt/test_flex_attention.py --out /tmp/ptt --modes "$modes" --prefill --backward -n 14 \
                 --where-stock-passed
             cp /tmp/ptt/*-summary.md /tmp/ptt/*.jsonl "$OUT/" 2>/dev/null ;;
+        # test_flex_decoding.py as written (with grad), the same way (issue 15 names both files)
+        ptd_stock|ptd_enabled)
+            modes=stock; [ "$s" = ptd_enabled ] && modes=enabled
+            PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
+                .device/pt/test_flex_decoding.py --out /tmp/ptd --modes "$modes" --prefill --backward -n 14 \
+                --where-stock-passed
+            cp /tmp/ptd/*-summary.md /tmp/ptd/*.jsonl "$OUT/" 2>/dev/null ;;
         *) echo "unknown step $s" ;;
     esac
 done

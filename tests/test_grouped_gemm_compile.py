@@ -108,6 +108,8 @@ def test_cluster_rules_and_candidates():
 def test_gated_rules():
     gated = GroupedProblem(gate="silu")
     assert "tile_k must be 64" in unsupported_reason(gated, GroupedConfig(128, 128, 128, 3, 2))
+    for tile_n in (64, 192):  # half tiles of 32 or 96 columns would swizzle unlike the whole
+        assert "multiple of 128" in unsupported_reason(gated, GroupedConfig(128, tile_n, 64, 4, 2))
     assert "softplus" in unsupported_reason(GroupedProblem(gate="softplus"))
     assert "multiple of 16" in unsupported_reason(gated, n=200)
     assert unsupported_reason(gated, GroupedConfig(128, 256, 64, 4, 2), n=1536, k=2048, groups=128) is None
@@ -140,3 +142,37 @@ def test_layout_is_part_of_the_kernel_spec():
     cfg = GroupedConfig(128, 128, 64, 6, 2)
     assert spec(K_MAJOR, cfg).name != spec(N_MAJOR, cfg).name
 
+
+
+def test_gated_half_tiles_address_each_stage_as_the_whole_tile_does():
+    """The gated kernel's producer writes the weight through a layout of half tiles with twice the
+    stages, its WGMMA reads the whole tile's layout: for every gated config the two must give each
+    (column, k, stage) element the same swizzled smem offset, in both weight majors."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    mismatches = []
+
+    @cute.jit
+    def compare(tile_n: cutlass.Constexpr, major: cutlass.Constexpr):
+        layout = LayoutEnum.ROW_MAJOR if major == "k" else LayoutEnum.COL_MAJOR
+        whole = sm90_utils.make_smem_layout_b(layout, (128, tile_n, 64), cutlass.BFloat16, 2)
+        halves = sm90_utils.make_smem_layout_b(layout, (128, tile_n // 2, 64), cutlass.BFloat16, 4)
+        bad = 0
+        for stage in cutlass.range_constexpr(2):
+            for h in cutlass.range_constexpr(2):
+                for n in cutlass.range_constexpr(0, tile_n // 2, 5):
+                    for k in cutlass.range_constexpr(0, 64, 3):
+                        if cutlass.const_expr(whole((h * (tile_n // 2) + n, k, stage)) != halves((n, k, 2 * stage + h))):
+                            bad += 1
+        mismatches.append((tile_n, major, bad))
+
+    gated = GroupedProblem(gate="silu")
+    widths = {c.tile_n for c in candidates(gated, 16384, 1536, 2048, groups=128, exhaustive=True, clusters=True)}
+    assert widths == {128, 256}
+    for tile_n in sorted(widths):
+        for major in ("k", "n"):
+            compare(tile_n, major)
+    assert mismatches and all(bad == 0 for _, _, bad in mismatches), mismatches

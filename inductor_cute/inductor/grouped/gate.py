@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from ...errors import UnsupportedError
 from ...host import grouped_gemm as _host_grouped
 from ...kernels.gemm import grouped_config
+from . import lowering as _lowering
 from .lowering import GroupedCall, decline_reason
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,14 @@ OP = torch.ops.inductor_cute.grouped_mm_gated.default
 # ---------------------------------------------------------------------------- the decision
 
 
+def _output_code() -> str:
+    """What this compile emits: the op is a Python custom op, not for AOTInductor or the C++ wrapper."""
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    return "aot" if getattr(V, "aot_compilation", False) else "cpp_wrapper" if config.cpp_wrapper else "python"
+
+
 def _ints(values) -> tuple:
     return tuple(v if type(v) is int else None for v in values)
 
@@ -92,7 +102,7 @@ def gate_decline_reason(a, b, offs, activation: str) -> str | None:
                        b_stride=_ints(b.stride()), offs_size=_ints(offs.shape),
                        out_size=_ints((a.shape[0], b.shape[-1] // 2)), out_stride=(b.shape[-1] // 2, 1),
                        a_dtype=a.dtype, b_dtype=b.dtype, offs_dtype=offs.dtype, out_dtype=a.dtype,
-                       device_type="cuda")
+                       device_type="cuda", output_code=_output_code())
     reason = decline_reason(call)
     if reason:
         return reason
@@ -122,11 +132,14 @@ _SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
 
 
 def _halves(match) -> bool:
-    """The pattern's split cuts the product into two equal halves (the matcher ignores its sizes)."""
+    """The pattern's split cuts the product's last dim into two equal halves. (The matcher checks
+    this already: it traces the search function again at the match's shapes, sizes literal; kept
+    as the statement of what the rewrite needs.)"""
     split = next(n for n in match.nodes if n.op == "call_function" and n.target in _SPLITS)
     n = split.args[0].meta["val"].shape[-1]
     sizes = split.args[1]
-    return type(n) is int and n % 2 == 0 and (sizes == n // 2 if isinstance(sizes, int) else list(sizes) == [n // 2] * 2)
+    sizes = [sizes] * 2 if isinstance(sizes, int) else list(sizes)
+    return type(n) is int and n % 2 == 0 and all(type(s) is int and s == n // 2 for s in sizes)
 
 
 def _taken(match) -> bool:
@@ -181,5 +194,7 @@ class GroupedGatePass(CustomGraphPass):
         return _SOURCE_HASH
 
 
-_SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+# what decides a rewrite: this module, the grouped lowering's decline reasons and the kernel's limits
+_SOURCE_HASH = hashlib.sha256(b"".join(
+    Path(module.__file__).read_bytes() for module in (sys.modules[__name__], _lowering, grouped_config))).hexdigest()
 GATE_PASS = GroupedGatePass()

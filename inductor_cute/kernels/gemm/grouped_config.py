@@ -110,8 +110,11 @@ def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
     if p.gate and c.tile_k != 64:
         # at tile_k 64 the half tiles' layout addresses a stage as the whole tile's does
         return "gated: tile_k must be 64"
-    if p.gate and (c.tile_n // 2) % EPI_N:
-        return f"gated: tile_n must be a multiple of {2 * EPI_N}"
+    if p.gate and (c.tile_n // 2) % 64:
+        # a half tile of 64 columns or more gets the whole tile's 128-byte swizzle (an N-major
+        # weight's swizzle follows the tile's width: at 32 or 96 columns the halves would not
+        # address the stage as the whole tile does)
+        return "gated: tile_n must be a multiple of 128"
     if c.cluster_m not in (1, 2) or c.cluster_n not in (1, 2) or c.cluster_size > 2:
         return "clusters of 1x1, 2x1 or 1x2 CTAs are supported"
     if c.consumer_warpgroups not in (1, 2):
