@@ -143,3 +143,27 @@ def test_a_users_pre_pass_is_not_replaced():
             inductor_cute.enable(fuse_moe_gate=True)
         with inductor_cute.enable():  # without the gate fusion the user's pass stays
             assert inductor_config.post_grad_custom_pre_pass is users_pass
+
+
+def test_transformers_qwen3_moe_experts_are_fused(cpu_counts_as_cuda):
+    """A transformers Qwen3-MoE sparse block (grouped_mm experts, the default where torch has
+    grouped_mm), compiled: its gate_up projection and SiLU-mul become one gated call."""
+    transformers = pytest.importorskip("transformers")
+    from torch._inductor.utils import run_and_get_code
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=K, intermediate_size=96, moe_intermediate_size=F_, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).to(BF16).eval()
+    block = model.model.layers[0].mlp
+    if getattr(model.config, "_experts_implementation", None) != "grouped_mm":
+        pytest.skip("this transformers runs its experts without grouped_mm")
+    x = torch.randn(2, 20, K).to(BF16)
+    torch._dynamo.reset()
+    with torch.no_grad(), inductor_cute.enable(fuse_moe_gate=True):
+        out, codes = run_and_get_code(torch.compile(block), x)
+        want = block(x)
+    assert "torch.ops.inductor_cute.grouped_mm_gated.default(" in "\n".join(codes)
+    out, want = (o[0] if isinstance(o, tuple) else o for o in (out, want))
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
