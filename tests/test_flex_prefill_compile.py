@@ -99,6 +99,13 @@ def test_ptxas_reports_no_spills_and_no_stack(compiled):
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
 
 
+def test_ptxas_keeps_every_wgmma_asynchronous(compiled):
+    # C7512 (insufficient registers) or C7519: ptxas made each WGMMA wait for the one before it,
+    # no error and no spill, but the softmax no longer overlaps the matrix products (the persistent
+    # causal kernels ran 1.4x slower that way)
+    assert "wgmma.mma_async instructions are serialized" not in compiled.ptxas_report
+
+
 def test_setmaxnreg_only_moves_the_launched_registers(compiled):
     # 384 threads launch with 168 registers each; the consumers' increase waits for registers the
     # producer gives back, so the two must balance exactly or the CTA hangs

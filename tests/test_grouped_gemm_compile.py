@@ -78,7 +78,7 @@ def test_ptxas_reports_no_spills_and_no_serialized_wgmma(compiled):
     assert report and "Used" in report
     assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report)
     assert not re.search(r"[1-9]\d* bytes spill", report)
-    assert "C7519" not in report  # "wgmma.mma_async instructions are serialized"
+    assert "wgmma.mma_async instructions are serialized" not in report  # C7512 or C7519
 
 
 def test_variants_fit_shared_memory():

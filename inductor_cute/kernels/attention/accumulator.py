@@ -6,6 +6,9 @@ row half (v // 2) % 2 and column v % 2 + 8 * (v // 4). `check_acc_layout` assert
 """
 
 import cutlass.cute as cute
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 def row_half(n_values: int, h: int) -> list[int]:
@@ -30,3 +33,20 @@ def acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
     v = acc_layout.shape[0][2]
     assert cute.size(acc_layout) == 4 * v and v % 2 == 0
     return cute.make_layout(((2, 2, 2), 1, v // 2), stride=((1, 2, 4), 0, 8))
+
+
+@dsl_user_op
+def _pinned(x, *, loc=None, ip=None):
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(x).ir_value(loc=loc, ip=ip)], "", "=r,0",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def fence_operand(t: cute.Tensor) -> None:
+    """Pass each 32-bit register of register tensor `t` through an empty volatile asm (what
+    CUTLASS's warpgroup_fence_operand does): `t` is materialised here, so the compiler cannot sink
+    the code that computes it past the WGMMAs that follow. Without it, in the persistent prefill
+    loop NVVM moved P's bf16 pack below the next block's S WGMMAs; P then stayed live in fp32 beside
+    S and O, over the consumers' registers, and ptxas serialized every WGMMA (C7512)."""
+    words = cute.recast_tensor(t, Int32)
+    for i in range(cute.size(words)):
+        words[i] = _pinned(words[i])

@@ -59,7 +59,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import barriers
 from ..common.units import LN2
-from .accumulator import acc_as_operand_a, check_acc_layout, row_half
+from .accumulator import acc_as_operand_a, check_acc_layout, fence_operand, row_half
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
@@ -345,8 +345,10 @@ class FlexPrefillSm90:
                          score_tensors, mask_tensors)
             online_softmax_scores(acc_s, row_max, correction,  # O is still 0: no rescale
                                   scale_log2 if const_expr(self.fold_scale) else None)
+            self._pin_p(acc_s)
             add_row_sums(acc_s, row_sum, correction)
             r_p.store(acc_s.load().to(self.dtype))
+            self._pin_p(r_p)
             read.advance()
             # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
             # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
@@ -364,12 +366,14 @@ class FlexPrefillSm90:
                              score_tensors, mask_tensors)
                 online_softmax_scores(acc_s, row_max, correction,
                                       scale_log2 if const_expr(self.fold_scale) else None)
+                self._pin_p(acc_s)
                 warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
                 kv_pipe.consumer_release(release)
                 release.advance()
                 rescale_rows(acc_o, correction)
                 add_row_sums(acc_s, row_sum, correction)
                 r_p.store(acc_s.load().to(self.dtype))
+                self._pin_p(r_p)
                 read.advance()
             # ---- the last block's P V
             self._turn(slot).arrive_and_wait()
@@ -411,6 +415,15 @@ class FlexPrefillSm90:
         if const_expr(self.config.q_stages > 1):
             tQsQ = tQsQ[(None, q_state.index)]
         cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+
+    def _pin_p(self, t: cute.Tensor) -> None:
+        """Persistent CTAs: P's fp32 scores and its bf16 pack are materialised where they are made
+        (fence_operand). Otherwise NVVM sinks the pack below the next block's S WGMMAs in the tile
+        loop, P stays live in fp32 beside S and O, and ptxas serializes every WGMMA (C7512; the
+        persistent causal kernels ran 1.4x slower than one CTA per tile). One CTA per tile keeps
+        its measured code."""
+        if const_expr(self.config.persistent_ctas > 0):
+            fence_operand(t)
 
     # _qk and _pv are traced inline (not @cute.jit): the MMA's accumulate flag they set must stay
     # a value of the caller's loop body
