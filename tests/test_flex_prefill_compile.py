@@ -43,14 +43,25 @@ PERSISTENT = {
     "d64-causal-persistent-2q": FlexPrefillProblem(64, 64, "bfloat16", mask_program=CAUSAL, sparse_block=128),
 }
 VARIANTS.update(PERSISTENT)
+# K and V in rings of their own (config.split_kv), one CTA per tile and persistent
+SPLIT_KV = {
+    "mla-192-128-causal-block128-split-kv": VARIANTS["mla-192-128-causal-block128"],
+    "d128-causal-block128-split-kv-persistent": VARIANTS["d128-causal-block128"],
+}
+VARIANTS.update(SPLIT_KV)
+
+
+def variant_config(name):
+    config = default_config(VARIANTS[name])
+    if name in PERSISTENT or name.endswith("-persistent"):
+        config = dataclasses.replace(config, persistent_ctas=132, q_stages=2 if name.endswith("-2q") else 1)
+    if name in SPLIT_KV:
+        config = dataclasses.replace(config, split_kv=True)
+    return config
 
 
 def variant_spec(name):
-    problem = VARIANTS[name]
-    config = default_config(problem)
-    if name in PERSISTENT:
-        config = dataclasses.replace(config, persistent_ctas=132, q_stages=2 if name.endswith("-2q") else 1)
-    return spec(problem, config)
+    return spec(VARIANTS[name], variant_config(name))
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +108,13 @@ def test_ptxas_reports_no_spills_and_no_stack(compiled):
     assert not re.search(r"[1-9]\d* bytes spill", report)
     assert "setmaxnreg' ignored" not in report.replace("''", "'")
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+
+
+def test_split_kv_rings_have_barriers_of_their_own(request, compiled):
+    name = request.node.callspec.params["compiled"]
+    config = variant_config(name)
+    rings = 2 if config.split_kv else 1  # full and empty mbarriers per stage and ring, and Q's
+    assert compiled.ptx.count("mbarrier.init") == 2 * (rings * config.stages + config.q_stages)
 
 
 def test_ptxas_keeps_every_wgmma_asynchronous(compiled):

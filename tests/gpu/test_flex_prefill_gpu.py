@@ -262,3 +262,32 @@ def test_two_q_buffers_with_causal_blocks_and_empty_tiles():
 def test_persistent_ctas_more_than_tiles():
     q, k, v = rand(1, 2, 200, 128), rand(1, 2, 700, 128), rand(1, 2, 700, 128)
     check(q, k, v, config=persistent(132)(128, 128))  # 4 tiles: the grid is cut to them
+
+
+# ------------------------------------------------------------------------- split K/V rings
+def split_kv(dqk, dv, **changes):
+    """The default config with K and V in rings of their own (config.split_kv)."""
+    from inductor_cute.kernels.attention import flex_prefill_config as fpc
+
+    base = fpc.default_config(fpc.FlexPrefillProblem(dqk, dv, "bfloat16"))
+    return dataclasses.replace(base, split_kv=True, **changes)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (100, 77), (129, 300), (255, 2049)])
+def test_split_kv_rings(dqk, dv, q_len, kv_len):
+    q, k, v = rand(2, 4, q_len, dqk), rand(2, 2, kv_len, dqk), rand(2, 2, kv_len, dv)
+    check(q, k, v, config=split_kv(dqk, dv))
+
+
+@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128)])
+def test_split_kv_rings_with_causal_blocks_and_empty_tiles(dqk, dv):
+    mask = sp.dumps([["c", "ge", "q", "kv"], ["z", "eq", "b", 0], ["o", "and", "c", "z"]])
+    for config in (split_kv(dqk, dv), split_kv(dqk, dv, persistent_ctas=5)):  # one CTA per tile, then few CTAs
+        check_block_mask(rand(2, 4, 1500, dqk), rand(2, 2, 1500, dqk), rand(2, 2, 1500, dv),
+                         lambda b, h, m, n: (m >= n) & (b == 0), mask, config=config)
+
+
+def test_split_kv_rings_on_persistent_ctas_with_two_q_buffers():
+    check(rand(2, 4, 1000, 64), rand(2, 2, 1000, 64), rand(2, 2, 1000, 64),
+          config=split_kv(64, 64, persistent_ctas=3, q_stages=2))

@@ -17,6 +17,8 @@ Runners of a case (all on the same q, k, v and mods):
   persistent     ours with persistent CTAs (FlexPrefillConfig.persistent_ctas = the SM count) and two
                  Q buffers where shared memory holds them beside the default ring (head dim 64),
                  beside the default one CTA per tile until it is measured and made the default
+  split_kv       ours, one CTA per tile, with K and V in rings of their own (FlexPrefillConfig.split_kv:
+                 each stage freed once its product is done), beside the default until measured
 Correctness: the harness checks every runner's output against an fp32 reference (untimed; the
 same score_mod and mask_mod applied to dense scores, chunked over queries). q is scaled so softmax
 puts its weight on a few dozen keys (flex_decode.peaked_query_scale), as trained attention does,
@@ -273,6 +275,15 @@ def persistent_config(p: Prefill):
     return fpc.persistent_config(fpc.default_config(problem), problem, sm_count(0))
 
 
+def split_kv_config(p: Prefill):
+    """The default config of the case's head dims with K and V in rings of their own."""
+    import dataclasses
+
+    from ...kernels.attention import flex_prefill_config as fpc
+
+    return dataclasses.replace(fpc.default_config(fpc.FlexPrefillProblem(p.dqk, p.dv, "bfloat16")), split_kv=True)
+
+
 def _case(p: Prefill) -> Case:
     from ...host.flex_prefill import flex_prefill
 
@@ -301,7 +312,8 @@ def _case(p: Prefill) -> Case:
         flops=flops, bytes=n_bytes, matmul=True, notes=notes, atol=2e-2, rtol=2e-2,
         runners={"inductor_cute": lambda: flex_prefill(q, k, v, scale=scale, **ours_kw), **stock,
                  "aten": sdpa_runner(p, q, k, v, scale), "flash": flash,
-                 "persistent": lambda: flex_prefill(q, k, v, scale=scale, config=persistent_config(p), **ours_kw)},
+                 "persistent": lambda: flex_prefill(q, k, v, scale=scale, config=persistent_config(p), **ours_kw),
+                 "split_kv": lambda: flex_prefill(q, k, v, scale=scale, config=split_kv_config(p), **ours_kw)},
         reference=lambda: reference(q, k, v, scale, mods),
     )
 

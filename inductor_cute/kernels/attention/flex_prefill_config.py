@@ -76,13 +76,22 @@ class FlexPrefillConfig:
     # Q waits for that store); 2 (with persistent CTAs), the next tile's Q loads into the other
     # buffer while this one still runs, and O gets a staging buffer of its own
     q_stages: int = 1
+    # K and V in rings of their own, each stage freed as soon as its product is done (K after S,
+    # V after P V) and the producer loading K_{j+1} before V_j; off: one ring whose stage holds a
+    # block's K and V and is freed after P V, so at 2 stages (192/128) the next block's K waits
+    # for the other warp group's P V and its 80 KB reload is exposed every block
+    split_kv: bool = False
 
     @property
     def threads(self) -> int:
         return 128 * (1 + CONSUMER_WARPGROUPS)  # one producer warp group + consumers
 
     def as_params(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, split_kv left out when False (the specs that predate it keep their keys)."""
+        params = dataclasses.asdict(self)
+        if not self.split_kv:
+            del params["split_kv"]
+        return params
 
 
 def _align(n: int, a: int) -> int:
@@ -90,14 +99,14 @@ def _align(n: int, a: int) -> int:
 
 
 def smem_bytes(problem: FlexPrefillProblem, config: FlexPrefillConfig) -> int:
-    """Shared memory of one CTA: mbarriers (K/V ring and Q), Q (with one Q buffer, it stages O
+    """Shared memory of one CTA: mbarriers (K/V ring, or K and V rings, and Q), Q (with one Q buffer, it stages O
     for the TMA store at the end: Dv <= Dqk; with two, O has its own) and the K/V ring, each
     buffer 1 KB aligned."""
     q = config.q_stages * M_BLOCK * problem.head_dim_qk * 2
     o = M_BLOCK * problem.head_dim_v * 2 if config.q_stages > 1 else 0
     k = config.stages * config.kv_block * problem.head_dim_qk * 2
     v = config.stages * config.kv_block * problem.head_dim_v * 2
-    bars = 16 * config.stages + 16 * config.q_stages
+    bars = 16 * config.stages * (2 if config.split_kv else 1) + 16 * config.q_stages
     return _align(bars, 1024) + _align(q, 1024) + _align(o, 1024) + _align(k, 1024) + v
 
 

@@ -118,9 +118,13 @@ class FlexPrefillSm90:
         self.sO_layout = cute.slice_(sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (M_BLOCK, self.dv), 1),
                                      (None, None, 0))
 
+        split = self.config.split_kv
+
         @cute.struct
         class SharedStorage:
-            kv_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            kv_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]  # K's ring with split_kv
+            if split:
+                v_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * qs]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
             if qs > 1:  # two Q buffers: O staged in a buffer of its own
@@ -213,8 +217,15 @@ class FlexPrefillSm90:
         else:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         consumer_warps = 4 * CONSUMER_WARPGROUPS
-        kv_pipe = tma_pipeline(storage.kv_bars, self.config.stages, stage_bytes(self.dtype, sK_layout, sV_layout),
-                               consumer_warps)
+        if const_expr(self.config.split_kv):  # K's ring and V's, as kv_pipe and v_pipe
+            kv_pipe = tma_pipeline(storage.kv_bars, self.config.stages, stage_bytes(self.dtype, sK_layout),
+                                   consumer_warps)
+            v_pipe = tma_pipeline(storage.v_bars, self.config.stages, stage_bytes(self.dtype, sV_layout),
+                                  consumer_warps)
+        else:
+            kv_pipe = tma_pipeline(storage.kv_bars, self.config.stages, stage_bytes(self.dtype, sK_layout, sV_layout),
+                                   consumer_warps)
+            v_pipe = kv_pipe
         q_bytes = cute.size_in_bytes(self.dtype, self._one_q_layout(sQ_layout))
         q_pipe = tma_pipeline(storage.q_bars, self.config.q_stages, q_bytes, consumer_warps)
         cute.arch.mbarrier_init_fence()
@@ -236,6 +247,7 @@ class FlexPrefillSm90:
                                                    cute.group_modes(gV, 0, 2))
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.q_stages)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.stages)
+                v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.stages)
                 for tile in range(first_tile, n_tiles, ctas):
                     m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
                     hkv = head // q_per_kv
@@ -252,6 +264,7 @@ class FlexPrefillSm90:
                     if not later:
                         self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
                         q_state.advance()
+                    prev_blk = Int32(0)  # split_kv: the block whose V follows the next K
                     for j in range(n_blocks):
                         if later and j == self.config.stages:
                             self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
@@ -260,9 +273,20 @@ class FlexPrefillSm90:
                         kv_pipe.producer_acquire(state)
                         bar = kv_pipe.producer_get_barrier(state)
                         cute.copy(tma_k, tKgK[(None, blk, 0, hkv, b_kv)], tKsK[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b_kv)], tVsV[(None, state.index)], tma_bar_ptr=bar)
+                        if const_expr(not self.config.split_kv):
+                            cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b_kv)], tVsV[(None, state.index)],
+                                      tma_bar_ptr=bar)
                         kv_pipe.producer_commit(state)
                         state.advance()
+                        if const_expr(self.config.split_kv):  # V_{j-1} after K_j: the order they are used
+                            if j > 0:
+                                self._load_v(v_pipe, v_state, tma_v, tVgV, tVsV, prev_blk, hkv, b_kv)
+                                v_state.advance()
+                            prev_blk = blk
+                    if const_expr(self.config.split_kv):
+                        if n_blocks > 0:
+                            self._load_v(v_pipe, v_state, tma_v, tVgV, tVsV, prev_blk, hkv, b_kv)
+                            v_state.advance()
                     if later and n_blocks <= self.config.stages:
                         self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
                         q_state.advance()
@@ -291,7 +315,7 @@ class FlexPrefillSm90:
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.config.stages)
             tile_args = ((m_blocks, heads, batch, width), (q_len, seq_len), (mKvNum, mKvIdx, mFullNum, mFullIdx),
-                         (q_pipe, kv_pipe), slot, (tSrQ, tSrK, tOrV, tScS, tOcO),
+                         (q_pipe, kv_pipe, v_pipe), slot, (tSrQ, tSrK, tOrV, tScS, tOcO),
                          (acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction), scale_log2, scale,
                          score_tensors, mask_tensors, (mma_pv, sO, tma_o, gO_full, mLse), ctid, warp_idx)
             if const_expr(self.config.persistent_ctas > 0):
@@ -314,7 +338,7 @@ class FlexPrefillSm90:
         m_blocks, heads, batch, width = order
         q_len, seq_len = lengths
         mKvNum, mKvIdx, mFullNum, mFullIdx = block_tensors
-        q_pipe, kv_pipe = pipes
+        q_pipe, kv_pipe, v_pipe = pipes
         tSrQ, tSrK, tOrV, tScS, tOcO = frags
         acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction = regs
         mma_pv, sO, tma_o, gO_full, mLse = out
@@ -330,60 +354,68 @@ class FlexPrefillSm90:
         # Turns: n_blocks + 1 per consumer and tile (S_0; S_j with P_{j-1} V_{j-1}; P_last
         # V_last), slot 0 first. Slot 1 opens slot 0's first turn and hands over only turns
         # slot 0 still takes, so no arrive is left pending when the tile ends.
-        if n_blocks > 0:
-            if slot == 1:
-                self._turn(0).arrive()
-            # ---- block 0: S_0 alone
-            self._turn(slot).arrive_and_wait()
-            kv_pipe.consumer_wait(read)
-            self._qk(acc_s, tSrQ, tSrK, read.index)
-            warpgroup.commit_group()
-            self._turn(1 - slot).arrive()
-            warpgroup.wait_group(0)
-            blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
-            self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
-                         score_tensors, mask_tensors)
-            online_softmax_scores(acc_s, row_max, correction,  # O is still 0: no rescale
-                                  scale_log2 if const_expr(self.fold_scale) else None)
-            self._pin_p(acc_s)
-            add_row_sums(acc_s, row_sum, correction)
-            r_p.store(acc_s.load().to(self.dtype))
-            self._pin_p(r_p)
-            read.advance()
-            # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
-            # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
-            for j in range(1, n_blocks):
+        if const_expr(self.config.split_kv):
+            kv_states = [read, release]  # K's and V's ring states
+            self._consume_blocks_split(
+                n_blocks, (kv_pipe, v_pipe), kv_states, slot, (tSrQ, tSrK, tOrV, tScS),
+                (acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction), scale_log2, scale, b, head, row0, q_len,
+                seq_len, (n_partial, zm, hm, r, mKvIdx, mFullIdx), score_tensors, mask_tensors)
+            read, release = kv_states
+        else:
+            if n_blocks > 0:
+                if slot == 1:
+                    self._turn(0).arrive()
+                # ---- block 0: S_0 alone
                 self._turn(slot).arrive_and_wait()
                 kv_pipe.consumer_wait(read)
                 self._qk(acc_s, tSrQ, tSrK, read.index)
                 warpgroup.commit_group()
-                self._pv(acc_o, tOrP, tOrV, release.index)
-                warpgroup.commit_group()
                 self._turn(1 - slot).arrive()
-                warpgroup.wait_group(1)  # S_j
-                blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                warpgroup.wait_group(0)
+                blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                 self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                              score_tensors, mask_tensors)
-                online_softmax_scores(acc_s, row_max, correction,
+                online_softmax_scores(acc_s, row_max, correction,  # O is still 0: no rescale
                                       scale_log2 if const_expr(self.fold_scale) else None)
                 self._pin_p(acc_s)
-                warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
-                kv_pipe.consumer_release(release)
-                release.advance()
-                rescale_rows(acc_o, correction)
                 add_row_sums(acc_s, row_sum, correction)
                 r_p.store(acc_s.load().to(self.dtype))
                 self._pin_p(r_p)
                 read.advance()
-            # ---- the last block's P V
-            self._turn(slot).arrive_and_wait()
-            self._pv(acc_o, tOrP, tOrV, release.index)
-            warpgroup.commit_group()
-            if slot == 0:
-                self._turn(1).arrive()
-            warpgroup.wait_group(0)
-            kv_pipe.consumer_release(release)
-            release.advance()
+                # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
+                # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
+                for j in range(1, n_blocks):
+                    self._turn(slot).arrive_and_wait()
+                    kv_pipe.consumer_wait(read)
+                    self._qk(acc_s, tSrQ, tSrK, read.index)
+                    warpgroup.commit_group()
+                    self._pv(acc_o, tOrP, tOrV, release.index)
+                    warpgroup.commit_group()
+                    self._turn(1 - slot).arrive()
+                    warpgroup.wait_group(1)  # S_j
+                    blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                    self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
+                                 score_tensors, mask_tensors)
+                    online_softmax_scores(acc_s, row_max, correction,
+                                          scale_log2 if const_expr(self.fold_scale) else None)
+                    self._pin_p(acc_s)
+                    warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
+                    kv_pipe.consumer_release(release)
+                    release.advance()
+                    rescale_rows(acc_o, correction)
+                    add_row_sums(acc_s, row_sum, correction)
+                    r_p.store(acc_s.load().to(self.dtype))
+                    self._pin_p(r_p)
+                    read.advance()
+                # ---- the last block's P V
+                self._turn(slot).arrive_and_wait()
+                self._pv(acc_o, tOrP, tOrV, release.index)
+                warpgroup.commit_group()
+                if slot == 0:
+                    self._turn(1).arrive()
+                warpgroup.wait_group(0)
+                kv_pipe.consumer_release(release)
+                release.advance()
         self._epilogue(acc_o, tOcO, row_max, row_sum, mma_pv, sO, tma_o, gO_full, mLse, ctid, warp_idx,
                        m_block, head, b, q_len)
         # after the store warp saw the TMA unit read O (which, with one Q buffer, was staged in
@@ -416,13 +448,94 @@ class FlexPrefillSm90:
             tQsQ = tQsQ[(None, q_state.index)]
         cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
 
+    def _load_v(self, v_pipe, v_state, tma_v: cute.CopyAtom, tVgV: cute.Tensor, tVsV: cute.Tensor, blk: Int32,
+                hkv: Int32, b_kv: Int32):
+        """Block `blk`'s V into V's ring (split_kv; producer warp). The caller advances v_state."""
+        v_pipe.producer_acquire(v_state)
+        cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b_kv)], tVsV[(None, v_state.index)],
+                  tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
+        v_pipe.producer_commit(v_state)
+
+    @cute.jit
+    def _consume_blocks_split(self, n_blocks: Int32, pipes: tuple, states: list, slot: Int32, frags: tuple,
+                              regs: tuple, scale_log2: Float32, scale: Float32, b: Int32, head: Int32, row0: Int32,
+                              q_len: Int32, seq_len: Int32, walk: tuple, score_tensors: tuple, mask_tensors: tuple):
+        """A tile's KV blocks with K and V in rings of their own (split_kv; a consumer warp group):
+        the order and turns of the one-ring loop in _consume_tile, but K_j's stage is freed once
+        S_j is done and V_{j-1}'s once P_{j-1} V_{j-1} is, so the producer's next loads never wait
+        for the other warp group's P V. `states` ([K's, V's] ring state) comes back advanced."""
+        k_pipe, v_pipe = pipes
+        k_state, v_state = states
+        tSrQ, tSrK, tOrV, tScS = frags
+        acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction = regs
+        n_partial, zm, hm, r, mKvIdx, mFullIdx = walk
+        if n_blocks > 0:
+            if slot == 1:
+                self._turn(0).arrive()
+            # ---- block 0: S_0 alone
+            self._turn(slot).arrive_and_wait()
+            k_pipe.consumer_wait(k_state)
+            self._qk(acc_s, tSrQ, tSrK, k_state.index)
+            warpgroup.commit_group()
+            self._turn(1 - slot).arrive()
+            warpgroup.wait_group(0)
+            k_pipe.consumer_release(k_state)
+            k_state.advance()
+            blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+            self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
+                         score_tensors, mask_tensors)
+            online_softmax_scores(acc_s, row_max, correction,  # O is still 0: no rescale
+                                  scale_log2 if const_expr(self.fold_scale) else None)
+            self._pin_p(acc_s)
+            add_row_sums(acc_s, row_sum, correction)
+            r_p.store(acc_s.load().to(self.dtype))
+            self._pin_p(r_p)
+            # ---- block j: S_j and P_{j-1} V_{j-1}
+            for j in range(1, n_blocks):
+                self._turn(slot).arrive_and_wait()
+                k_pipe.consumer_wait(k_state)
+                self._qk(acc_s, tSrQ, tSrK, k_state.index)
+                warpgroup.commit_group()
+                v_pipe.consumer_wait(v_state)
+                self._pv(acc_o, tOrP, tOrV, v_state.index)
+                warpgroup.commit_group()
+                self._turn(1 - slot).arrive()
+                warpgroup.wait_group(1)  # S_j: K_j's stage is free
+                k_pipe.consumer_release(k_state)
+                k_state.advance()
+                blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
+                             score_tensors, mask_tensors)
+                online_softmax_scores(acc_s, row_max, correction,
+                                      scale_log2 if const_expr(self.fold_scale) else None)
+                self._pin_p(acc_s)
+                warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: V_{j-1}'s stage, O and P's registers are free
+                v_pipe.consumer_release(v_state)
+                v_state.advance()
+                rescale_rows(acc_o, correction)
+                add_row_sums(acc_s, row_sum, correction)
+                r_p.store(acc_s.load().to(self.dtype))
+                self._pin_p(r_p)
+            # ---- the last block's P V
+            self._turn(slot).arrive_and_wait()
+            v_pipe.consumer_wait(v_state)
+            self._pv(acc_o, tOrP, tOrV, v_state.index)
+            warpgroup.commit_group()
+            if slot == 0:
+                self._turn(1).arrive()
+            warpgroup.wait_group(0)
+            v_pipe.consumer_release(v_state)
+            v_state.advance()
+        states[:] = [k_state, v_state]
+
     def _pin_p(self, t: cute.Tensor) -> None:
-        """Persistent CTAs: P's fp32 scores and its bf16 pack are materialised where they are made
-        (fence_operand). Otherwise NVVM sinks the pack below the next block's S WGMMAs in the tile
-        loop, P stays live in fp32 beside S and O, and ptxas serializes every WGMMA (C7512; the
-        persistent causal kernels ran 1.4x slower than one CTA per tile). One CTA per tile keeps
-        its measured code."""
-        if const_expr(self.config.persistent_ctas > 0):
+        """Persistent CTAs and split_kv: P's fp32 scores and its bf16 pack are materialised where
+        they are made (fence_operand). Otherwise NVVM sinks the pack below the next block's S
+        WGMMAs in the tile loop, P stays live in fp32 beside S and O, and ptxas serializes every
+        WGMMA (C7512; the persistent causal kernels ran 1.4x slower than one CTA per tile); and it
+        sinks the exponentials below the wait for P V, so a warp group's softmax no longer overlaps
+        its own P V. One CTA per tile with one ring keeps its measured code."""
+        if const_expr(self.config.persistent_ctas > 0 or self.config.split_kv):
             fence_operand(t)
 
     # _qk and _pv are traced inline (not @cute.jit): the MMA's accumulate flag they set must stay
