@@ -65,8 +65,11 @@ def run_case(name, b, hq, hkv, s, dims, causal, score_mod):
     configs = {"ours": plain}
     for label, change in (("ours dq_overlap", dict(dq_overlap=True)),
                           ("ours overlap", dict(overlap=True, dq_overlap=True)),
-                          ("ours dq_reduce", None)):
-        config = dataclasses.replace(plain, **change) if change else default_config(problem, dq_reduce=True)
+                          ("ours exp_under_dp", dict(exp_under_dp=True)),
+                          ("ours dq_reduce", None), ("ours dq_reduce exp_under_dp", "dq_reduce")):
+        config = dataclasses.replace(plain, **change) if isinstance(change, dict) else default_config(problem, dq_reduce=True)
+        if change == "dq_reduce":
+            config = dataclasses.replace(config, exp_under_dp=True)
         if config_error(config, problem) is None:
             configs[label] = config
     fns = {label: (lambda c=c: flex_attention_backward(q, k, v, out, lse, grad_out, config=c, **kwargs))

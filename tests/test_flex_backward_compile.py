@@ -52,6 +52,28 @@ def compiled(request, compiled_all):
     return obj
 
 
+@pytest.mark.parametrize("kernel,name,dq_reduce", [
+    (kernel, name, False) for kernel in ("dkdv", "dq") for name in ("d128", "d64-fp16", "d128-causal-block128")
+] + [("dkdv", "d128", True)])  # (dq_reduce runs no dQ kernel)
+def test_exp_under_dp_commits_s_and_dp_apart(kernel, name, dq_reduce):
+    problem = PROBLEMS[name]
+    config = dataclasses.replace(default_config(problem, dq_reduce=dq_reduce), exp_under_dp=True)
+    obj = compile_spec(specs(problem, config)[kernel], "sm_90a", keep_ptx=True)
+    assert_no_spills(obj)
+    assert "wgmma.mma_async instructions are serialized" not in obj.ptxas_report
+    # S and dP each committed and waited apart (wait_group 1, then 0), then the gradient products
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", obj.ptx)
+    plain = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", compile_spec(
+        specs(problem, dataclasses.replace(config, exp_under_dp=False))[kernel], "sm_90a", keep_ptx=True).ptx)
+    assert len(waits) == len(plain) + 1 and waits.count("1") == plain.count("1") + 1
+    assert "exp_under_dp" in config.as_params() and "exp_under_dp" not in default_config(problem).as_params()
+
+
+def test_exp_under_dp_is_refused_where_it_would_serialize():
+    problem = FlexBackwardProblem(192, 128, "bfloat16")
+    assert "serializes" in config_error(dataclasses.replace(default_config(problem), exp_under_dp=True), problem)
+
+
 def assert_no_spills(compiled):
     report = compiled.ptxas_report
     assert report and report.count("Used") == 1

@@ -229,6 +229,17 @@ def test_overlapped_schedules(d, overlap):
                      config=config)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_exp_under_dp(d):
+    # S and dP committed apart, P exponentiated while dP computes (both kernels; and with dq_reduce)
+    from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardConfig
+
+    for config in (FlexBackwardConfig(4, 4, exp_under_dp=True), FlexBackwardConfig(**DQ_REDUCE, exp_under_dp=True)):
+        check(rand(2, 8, 1000, d), rand(2, 2, 1000, d), rand(2, 2, 1000, d), config=config)
+        check_block_mask(rand(1, 8, 777, d), rand(1, 2, 777, d), rand(1, 2, 777, d), lambda b, h, m, n: m >= n,
+                         CAUSAL, config=config)
+
+
 DQ_REDUCE = dict(stages=3, dq_stages=4, dq_reduce=True)
 
 

@@ -101,6 +101,10 @@ class FlexBackwardConfig:
     overlap: bool = False
     dq_overlap: bool = False
     dq_reduce: bool = False  # dQ from the dK/dV CTAs (five products; see the module docstring)
+    # The strictly sequential schedules (overlap / dq_overlap off) commit S and dP apart and
+    # exponentiate S while dP still computes; off: one group, the math after both. Without a
+    # score program only (its derivative needs dP before the exponential).
+    exp_under_dp: bool = False
 
     @property
     def threads(self) -> int:
@@ -108,8 +112,9 @@ class FlexBackwardConfig:
 
     def as_params(self) -> dict:
         params = dataclasses.asdict(self)
-        if not self.dq_reduce:  # specs without it keep their keys
-            del params["dq_reduce"]
+        for flag in ("dq_reduce", "exp_under_dp"):
+            if not params[flag]:  # specs without it keep their keys
+                del params[flag]
         return params
 
 
@@ -201,6 +206,9 @@ def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> st
         return "dq_reduce runs the plain dK/dV schedule only (not overlap)"
     if config.dq_reduce and config.dq_overlap:
         return "dq_reduce runs no dQ kernel: dq_overlap must be off"
+    if config.exp_under_dp and problem.head_dim_qk > 128:
+        # dK (96 fp32 registers) beside S^T and dP^T in flight apart: ptxas spills and serializes
+        return f"exp_under_dp serializes the dK/dV kernel's WGMMAs at head dims {problem.head_dim_qk}/{problem.head_dim_v}"
     if config.overlap and problem.head_dim_qk + problem.head_dim_v > MAX_OVERLAP_DIMS:
         return (f"overlap (dK/dV) spills registers at head dims {problem.head_dim_qk}/{problem.head_dim_v}: dK, dV, "
                 "S^T, dP^T and both 16-bit operands would be live at once")

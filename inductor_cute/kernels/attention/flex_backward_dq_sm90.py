@@ -63,6 +63,7 @@ class FlexBackwardDqSm90:
         self.consumer_regs = 240
         self.mods = ScoreMods("", (), problem.mask_program, problem.mask_dtypes, DQ_KV_STEP, PackGQA(1))
         self.score_grad = ScoreGrad(problem.score_program, problem.score_dtypes) if problem.score_program else None
+        self.exp_under_dp = config.exp_under_dp and self.score_grad is None
         self.blocks = BlockSparse(problem.sparse_block, DQ_KV_STEP)
 
     def _make_mma_s(self):
@@ -238,11 +239,25 @@ class FlexBackwardDqSm90:
                 for j in range(n_blocks):
                     blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                     kv_pipe.consumer_wait(read)
-                    self._issue_s_dp(acc_s, acc_dp, operands, read.index)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,
-                                      mask_tensors, lse2, delta, scale, score_tensors)
+                    if const_expr(self.exp_under_dp):  # P while dP still computes
+                        tSrQ, tSrK, tPrdO, tPrV = operands[:4]
+                        gemm_ss(self._make_mma_s(), acc_s, tSrQ, tSrK, read.index)
+                        warpgroup.commit_group()
+                        gemm_ss(self._make_mma_s(), acc_dp, tPrdO, tPrV, read.index)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)  # S
+                        self._probabilities(acc_s, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,
+                                            mask_tensors, lse2, scale)
+                        warpgroup.wait_group(0)  # dP
+                        for h in cutlass.range_constexpr(2):
+                            for v in row_half(cute.size(acc_s), h):
+                                acc_dp[v] = acc_s[v] * (acc_dp[v] - delta[h])
+                    else:
+                        self._issue_s_dp(acc_s, acc_dp, operands, read.index)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial,
+                                          seq_len, mask_tensors, lse2, delta, scale, score_tensors)
                     r_ds.store(acc_dp.load().to(self.dtype))
                     self._issue_dq(acc_dq, operands, read.index)
                     warpgroup.commit_group()
@@ -317,6 +332,20 @@ class FlexBackwardDqSm90:
                     acc_dp[v] = p * (acc_dp[v] - delta[h])
                 else:  # a masked element's derivative may be inf or NaN: its dS is 0
                     acc_dp[v] = cutlass.select_(p == Float32(0.0), Float32(0.0), p * acc_dp[v])
+
+
+    @cute.jit
+    def _probabilities(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, b: Int32, head: Int32,
+                       row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32, mask_tensors: tuple,
+                       lse2: cute.Tensor, scale: Float32):
+        """exp_under_dp's first half of _scores_grad (no score program): S masked as in the
+        forward, then P = 2^(x - lse2) in place."""
+        self.mods.apply(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, (None,) * 4,
+                        mask_tensors, scale_later=False)
+        mask_past_end(acc_s, tScS, DQ_KV_STEP, blk, seq_len)
+        for h in cutlass.range_constexpr(2):
+            for v in row_half(cute.size(acc_s), h):
+                acc_s[v] = cute.math.exp2(acc_s[v] - lse2[h], fastmath=True)
 
 
 def build(**params):

@@ -92,6 +92,7 @@ class FlexBackwardSm90:
         self.consumer_regs = 240
         self.mods = ScoreMods("", (), problem.mask_program, problem.mask_dtypes, KV_BLOCK, PackGQA(1))
         self.score_grad = ScoreGrad(problem.score_program, problem.score_dtypes) if problem.score_program else None
+        self.exp_under_dp = config.exp_under_dp and self.score_grad is None
         # the backward lists, in Q_STEP blocks (sparse_block 0: no block mask)
         self.blocks = BlockSparse(problem.sparse_q_block if problem.sparse_block else 0, Q_STEP)
         # dq_reduce: each consumer warp group's dQ product, (Q_STEP x dq_cols) over dq_keys keys
@@ -329,11 +330,23 @@ class FlexBackwardSm90:
                     for j in range(n_blocks):
                         blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mQIdx, mFullIdx)
                         q_pipe.consumer_wait(read)
-                        self._issue_s_dp(acc_s, acc_dp, operands, read.index)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk, seq_len,
-                                           blk, q_len, partial, mask_tensors, scale, score_tensors)
+                        if const_expr(self.exp_under_dp):  # P^T while dP^T still computes
+                            tSrK, tSrQ, tPrV, tPrdO = operands[:4]
+                            gemm_ss(self._make_mma_t(), acc_s, tSrK, tSrQ, read.index)
+                            warpgroup.commit_group()
+                            gemm_ss(self._make_mma_t(), acc_dp, tPrV, tPrdO, read.index)
+                            warpgroup.commit_group()
+                            warpgroup.wait_group(1)  # S^T
+                            self._probabilities(acc_s, tScS, scale_log2, mLse2, b, head, kv_blk, seq_len, blk, q_len,
+                                                partial, mask_tensors)
+                            warpgroup.wait_group(0)  # dP^T
+                            self._score_grads(acc_s, acc_dp, tScS, mDelta, b, head, blk)
+                        else:
+                            self._issue_s_dp(acc_s, acc_dp, operands, read.index)
+                            warpgroup.commit_group()
+                            warpgroup.wait_group(0)
+                            self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk,
+                                               seq_len, blk, q_len, partial, mask_tensors, scale, score_tensors)
                         if const_expr(self.config.dq_reduce):
                             zero_past_end(acc_dp, tScS, kv_blk * KV_BLOCK, seq_len)
                         r_p.store(acc_s.load().to(self.dtype))
@@ -460,6 +473,28 @@ class FlexBackwardSm90:
                 acc_dp[v] = p * (acc_dp[v] - mDelta[(b, head, q)])
             else:  # a masked element's derivative may be inf or NaN: its dS is 0
                 acc_dp[v] = cutlass.select_(p == Float32(0.0), Float32(0.0), p * acc_dp[v])
+
+
+    @cute.jit
+    def _probabilities(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, mLse2: cute.Tensor,
+                       b: Int32, head: Int32, kv_blk: Int32, seq_len: Int32, blk: Int32, q_len: Int32, partial,
+                       mask_tensors: tuple):
+        """exp_under_dp's first half of _softmax_grad (no score program): S^T becomes P^T in place."""
+        q0 = blk * Q_STEP
+        acc_s.store(acc_s.load() * scale_log2)
+        if const_expr(self.mods.mask_fn is not None):
+            if partial:
+                self.mods.mask_transposed(acc_s, tScS, b, head, kv_blk * KV_BLOCK, seq_len, q0, q_len, mask_tensors)
+        for v in cutlass.range(cute.size(acc_s), unroll_full=True):
+            acc_s[v] = cute.math.exp2(acc_s[v] - mLse2[(b, head, q0 + tScS[v][1])], fastmath=True)
+
+    @cute.jit
+    def _score_grads(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, mDelta: cute.Tensor, b: Int32,
+                     head: Int32, blk: Int32):
+        """exp_under_dp's second half: dP^T becomes dS^T = P^T (dP^T - delta[q]) in place."""
+        q0 = blk * Q_STEP
+        for v in cutlass.range(cute.size(acc_s), unroll_full=True):
+            acc_dp[v] = acc_s[v] * (acc_dp[v] - mDelta[(b, head, q0 + tScS[v][1])])
 
 
 @cute.jit
