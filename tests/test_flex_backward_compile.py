@@ -169,6 +169,11 @@ def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(na
     # the consumers' barrier around sdS (id 1) and each warp group's staging barrier (ids 2, 3)
     assert len(re.findall(r"bar\.sync \t1, 256;", ptx)) == 2 and len(re.findall(r"bar\.sync \t%r\d+, 128;", ptx)) == 2
     assert "fence.proxy.async.shared::cta" in ptx
+    # dQ is committed before dV and dK and waited alone (wait_group 1): its staging and reduce
+    # run while dV and dK still accumulate (wait_group 0 after the reduce)
+    waits = [(m.start(), m.group(1)) for m in re.finditer(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
+    assert [n for pos, n in waits if pos < reduces[0]][-1] == "1"
+    assert [n for pos, n in waits if pos > reduces[0]][0] == "0"
 
 
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])

@@ -356,17 +356,22 @@ class FlexBackwardSm90:
                             consumers.arrive_and_wait()  # both warp groups' previous dQ products are done
                             cute.autovec_copy(r_ds, tdSsdS)
                             cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, WGMMA reads
-                        self._issue_dv_dk(acc_dv, acc_dk, operands, read.index)
-                        warpgroup.commit_group()
                         if const_expr(self.config.dq_reduce):
+                            # dQ first, so that its staging and reduce run under dV and dK (groups
+                            # complete in order: waiting for dQ alone needs it committed first)
                             consumers.arrive_and_wait()  # sdS holds both warp groups' keys
                             gemm_ss(self._make_mma_dq(), acc_dq, tQrdS, tQrK)
                             warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        q_pipe.consumer_release(read)
-                        if const_expr(self.config.dq_reduce):
+                            self._issue_dv_dk(acc_dv, acc_dk, operands, read.index)
+                            warpgroup.commit_group()
+                            warpgroup.wait_group(1)  # dQ
                             self._reduce_dq(acc_dq, scale, tQsdQ, stage, tma_dq, tdQs, tdQg, warp_idx, blk, dq_tile,
                                             head, b)
+                        else:
+                            self._issue_dv_dk(acc_dv, acc_dk, operands, read.index)
+                            warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        q_pipe.consumer_release(read)
                         read.advance()
                 else:
                     # block j's S^T and dP^T are issued with block j - 1's dV and dK; j's
