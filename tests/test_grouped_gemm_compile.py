@@ -20,6 +20,7 @@ VARIANTS = {
     "small-groups-64x256-one-warpgroup": (K_MAJOR, default_config(K_MAJOR, 2048, 1536, 2048, groups=128)),
     "cluster-2x1-shares-the-weight": (K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)),
     "cluster-1x2-shares-the-tokens": (N_MAJOR, GroupedConfig(128, 128, 64, 6, 2, cluster_n=2)),
+    "prefetch-8-2x1": (K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, prefetch=8)),
     "gated-silu": (GroupedProblem("bfloat16", "bfloat16", "k", "k", "silu"), GroupedConfig(128, 256, 64, 4, 2)),
     "gated-gelu-n-major-2x1": (GroupedProblem("bfloat16", "bfloat16", "k", "n", "gelu_tanh"),
                                GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)),
@@ -103,6 +104,16 @@ def test_cluster_rules_and_candidates():
     few = candidates(K_MAJOR, 4096, 256, 2048, groups=64, clusters=True)
     assert {(c.cluster_m, c.cluster_n) for c in few if c.tile_n == 256} == {(1, 1)}
     assert {(c.cluster_m, c.cluster_n) for c in few if c.tile_n == 128} == {(1, 1), (1, 2)}
+
+
+def test_prefetch_asks_l2_for_the_weight_ahead():
+    plain = compile_spec(spec(K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)), "sm_90a", keep_ptx=True)
+    ahead = compile_spec(spec(*VARIANTS["prefetch-8-2x1"]), "sm_90a", keep_ptx=True)
+    assert "cp.async.bulk.prefetch.tensor" not in plain.ptx
+    assert re.search(r"cp\.async\.bulk\.prefetch\.tensor\.3d\.L2\.global", ahead.ptx)  # the 3-D weight
+    assert "prefetch" not in GroupedConfig().as_params()  # older specs keep their keys
+    assert GroupedConfig(*GroupedConfig(prefetch=8).as_params().values()).prefetch == 8
+    assert "prefetch" in unsupported_reason(K_MAJOR, GroupedConfig(prefetch=100))
 
 
 def test_gated_rules():

@@ -90,7 +90,8 @@ def test_every_candidate_config(index):
 # three 128-column tiles (the last 1x2 pair has an idle peer past N); odd row-tile counts leave
 # 2x1 pairs with an idle peer past the group's rows
 CLUSTERS = [GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2),
-            GroupedConfig(128, 128, 64, 6, 2, cluster_m=2), GroupedConfig(128, 128, 64, 6, 2, cluster_n=2)]
+            GroupedConfig(128, 128, 64, 6, 2, cluster_m=2), GroupedConfig(128, 128, 64, 6, 2, cluster_n=2),
+            GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, prefetch=8)]  # (the weight prefetched into L2)
 
 
 @pytest.mark.parametrize("layout", ["k", "n"])  # N-major B under 2x1 splits the multicast along K

@@ -55,9 +55,16 @@ class GroupedConfig:
     # between two column tiles
     cluster_m: int = 1
     cluster_n: int = 1
+    # the producer also asks L2 for the weight's k-tile this many k-steps ahead (TMA prefetch), so
+    # HBM latency hides beyond the smem ring's `stages`; 0: off
+    prefetch: int = 0
 
     def as_params(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, prefetch left out when 0 (the specs that predate it keep their keys)."""
+        params = dataclasses.asdict(self)
+        if not self.prefetch:
+            del params["prefetch"]
+        return params
 
     @property
     def cluster_size(self) -> int:
@@ -65,7 +72,9 @@ class GroupedConfig:
 
     def describe(self) -> str:
         cluster = f" cluster {self.cluster_m}x{self.cluster_n}" if self.cluster_size > 1 else ""
-        return f"{self.tile_m}x{self.tile_n}x{self.tile_k} stages {self.stages} wg {self.consumer_warpgroups}{cluster}"
+        prefetch = f" prefetch {self.prefetch}" if self.prefetch else ""
+        return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} stages {self.stages} wg {self.consumer_warpgroups}"
+                f"{cluster}{prefetch}")
 
 
 def table_bytes(max_groups: int = MAX_GROUPS) -> int:
@@ -115,6 +124,8 @@ def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
         # weight's swizzle follows the tile's width: at 32 or 96 columns the halves would not
         # address the stage as the whole tile does)
         return "gated: tile_n must be a multiple of 128"
+    if not 0 <= c.prefetch <= 64:
+        return "prefetch must be in 0..64 k-steps"
     if c.cluster_m not in (1, 2) or c.cluster_n not in (1, 2) or c.cluster_size > 2:
         return "clusters of 1x1, 2x1 or 1x2 CTAs are supported"
     if c.consumer_warpgroups not in (1, 2):

@@ -237,6 +237,12 @@ class GroupedHopperGemm(HopperGemm):
                     tBgB_t = tBgB[(None, tile.n, None, tile.batch)]
                     tBgB_up_t = tBgB_up[(None, tile.n, None, tile.batch)]
                     for kt in range(k_tiles):
+                        if cutlass.const_expr(self.grouped_cfg.prefetch > 0):  # the weight into L2, ahead
+                            ahead = kt + self.grouped_cfg.prefetch
+                            if ahead < k_tiles:
+                                cute.prefetch(tma_b, tBgB_t[(None, ahead)])
+                                if cutlass.const_expr(bool(self.gate)):
+                                    cute.prefetch(tma_b, tBgB_up_t[(None, ahead)])
                         ab_pipe.producer_acquire(ab_state)
                         bar = ab_pipe.producer_get_barrier(ab_state)
                         cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar,
@@ -343,10 +349,10 @@ class GroupedHopperGemm(HopperGemm):
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
-          cluster_m=1, cluster_n=1, gate="", num_sms=SM_COUNT):
+          cluster_m=1, cluster_n=1, gate="", prefetch=0, num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major, gate)
-    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n)
+    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch)
     err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)

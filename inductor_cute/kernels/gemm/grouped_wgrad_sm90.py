@@ -276,10 +276,10 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
-          cluster_m=1, cluster_n=1, num_sms=SM_COUNT):
+          cluster_m=1, cluster_n=1, prefetch=0, num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = WgradProblem(dtype_name, out_dtype_name, a_major, b_major)
-    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n)
+    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch)
     err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)
