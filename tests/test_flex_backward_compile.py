@@ -72,6 +72,11 @@ def test_exp_under_dp_commits_s_and_dp_apart(kernel, name, dq_reduce):
 def test_exp_under_dp_is_refused_where_it_would_serialize():
     problem = FlexBackwardProblem(192, 128, "bfloat16")
     assert "serializes" in config_error(dataclasses.replace(default_config(problem), exp_under_dp=True), problem)
+    softcap = FlexBackwardProblem(128, 128, "bfloat16", score_program=SOFTCAP)
+    assert "score program" in config_error(dataclasses.replace(default_config(softcap), exp_under_dp=True), softcap)
+    plain = PROBLEMS["d64-fp16"]
+    overlapped = dataclasses.replace(default_config(plain), exp_under_dp=True, overlap=True)
+    assert "sequential" in config_error(overlapped, plain)
 
 
 def assert_no_spills(compiled):

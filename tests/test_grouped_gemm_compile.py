@@ -110,10 +110,12 @@ def test_prefetch_asks_l2_for_the_weight_ahead():
     plain = compile_spec(spec(K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)), "sm_90a", keep_ptx=True)
     ahead = compile_spec(spec(*VARIANTS["prefetch-8-2x1"]), "sm_90a", keep_ptx=True)
     assert "cp.async.bulk.prefetch.tensor" not in plain.ptx
-    assert re.search(r"cp\.async\.bulk\.prefetch\.tensor\.3d\.L2\.global", ahead.ptx)  # the 3-D weight
+    first = re.search(r"cp\.async\.bulk\.prefetch\.tensor\.3d\.L2\.global", ahead.ptx)  # the 3-D weight
+    assert first and "elect.sync" in ahead.ptx[max(0, first.start() - 600):first.start()]  # by one lane
     assert "prefetch" not in GroupedConfig().as_params()  # older specs keep their keys
     assert GroupedConfig(*GroupedConfig(prefetch=8).as_params().values()).prefetch == 8
     assert "prefetch" in unsupported_reason(K_MAJOR, GroupedConfig(prefetch=100))
+    assert "prefetch" in unsupported_reason(K_MAJOR, GroupedConfig(stages=4, prefetch=4))  # the ring does that
 
 
 def test_gated_rules():

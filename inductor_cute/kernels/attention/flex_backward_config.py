@@ -206,6 +206,10 @@ def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> st
         return "dq_reduce runs the plain dK/dV schedule only (not overlap)"
     if config.dq_reduce and config.dq_overlap:
         return "dq_reduce runs no dQ kernel: dq_overlap must be off"
+    if config.exp_under_dp and problem.score_program:
+        return "exp_under_dp needs no score program (its derivative needs dP before the exponential)"
+    if config.exp_under_dp and (config.overlap or config.dq_overlap):
+        return "exp_under_dp changes the sequential schedules only: overlap and dq_overlap must be off"
     if config.exp_under_dp and problem.head_dim_qk > 128:
         # dK (96 fp32 registers) beside S^T and dP^T in flight apart: ptxas spills and serializes
         return f"exp_under_dp serializes the dK/dV kernel's WGMMAs at head dims {problem.head_dim_qk}/{problem.head_dim_v}"

@@ -63,7 +63,7 @@ class FlexBackwardDqSm90:
         self.consumer_regs = 240
         self.mods = ScoreMods("", (), problem.mask_program, problem.mask_dtypes, DQ_KV_STEP, PackGQA(1))
         self.score_grad = ScoreGrad(problem.score_program, problem.score_dtypes) if problem.score_program else None
-        self.exp_under_dp = config.exp_under_dp and self.score_grad is None
+        self.exp_under_dp = config.exp_under_dp  # (config_error: no score program, sequential schedule)
         self.blocks = BlockSparse(problem.sparse_block, DQ_KV_STEP)
 
     def _make_mma_s(self):
@@ -240,10 +240,9 @@ class FlexBackwardDqSm90:
                     blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                     kv_pipe.consumer_wait(read)
                     if const_expr(self.exp_under_dp):  # P while dP still computes
-                        tSrQ, tSrK, tPrdO, tPrV = operands[:4]
-                        gemm_ss(self._make_mma_s(), acc_s, tSrQ, tSrK, read.index)
+                        gemm_ss(self._make_mma_s(), acc_s, operands[0], operands[1], read.index)  # Q, K
                         warpgroup.commit_group()
-                        gemm_ss(self._make_mma_s(), acc_dp, tPrdO, tPrV, read.index)
+                        gemm_ss(self._make_mma_s(), acc_dp, operands[2], operands[3], read.index)  # dO, V
                         warpgroup.commit_group()
                         warpgroup.wait_group(1)  # S
                         self._probabilities(acc_s, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,

@@ -92,7 +92,7 @@ class FlexBackwardSm90:
         self.consumer_regs = 240
         self.mods = ScoreMods("", (), problem.mask_program, problem.mask_dtypes, KV_BLOCK, PackGQA(1))
         self.score_grad = ScoreGrad(problem.score_program, problem.score_dtypes) if problem.score_program else None
-        self.exp_under_dp = config.exp_under_dp and self.score_grad is None
+        self.exp_under_dp = config.exp_under_dp  # (config_error: no score program, sequential schedule)
         # the backward lists, in Q_STEP blocks (sparse_block 0: no block mask)
         self.blocks = BlockSparse(problem.sparse_q_block if problem.sparse_block else 0, Q_STEP)
         # dq_reduce: each consumer warp group's dQ product, (Q_STEP x dq_cols) over dq_keys keys
@@ -331,10 +331,9 @@ class FlexBackwardSm90:
                         blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mQIdx, mFullIdx)
                         q_pipe.consumer_wait(read)
                         if const_expr(self.exp_under_dp):  # P^T while dP^T still computes
-                            tSrK, tSrQ, tPrV, tPrdO = operands[:4]
-                            gemm_ss(self._make_mma_t(), acc_s, tSrK, tSrQ, read.index)
+                            gemm_ss(self._make_mma_t(), acc_s, operands[0], operands[1], read.index)  # K, Q
                             warpgroup.commit_group()
-                            gemm_ss(self._make_mma_t(), acc_dp, tPrV, tPrdO, read.index)
+                            gemm_ss(self._make_mma_t(), acc_dp, operands[2], operands[3], read.index)  # V, dO
                             warpgroup.commit_group()
                             warpgroup.wait_group(1)  # S^T
                             self._probabilities(acc_s, tScS, scale_log2, mLse2, b, head, kv_blk, seq_len, blk, q_len,

@@ -56,7 +56,8 @@ class GroupedConfig:
     cluster_m: int = 1
     cluster_n: int = 1
     # the producer also asks L2 for the weight's k-tile this many k-steps ahead (TMA prefetch), so
-    # HBM latency hides beyond the smem ring's `stages`; 0: off
+    # HBM latency hides beyond the smem ring's `stages`; 0: off. Within a tile only: its first
+    # `prefetch` k-steps are not prefetched
     prefetch: int = 0
 
     def as_params(self) -> dict:
@@ -124,8 +125,9 @@ def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
         # weight's swizzle follows the tile's width: at 32 or 96 columns the halves would not
         # address the stage as the whole tile does)
         return "gated: tile_n must be a multiple of 128"
-    if not 0 <= c.prefetch <= 64:
-        return "prefetch must be in 0..64 k-steps"
+    if c.prefetch and not c.stages < c.prefetch <= 64:
+        # within the tile's own k-steps: the ring already loads `stages` ahead
+        return f"prefetch must be 0 or more than the {c.stages} stages (at most 64) k-steps ahead"
     if c.cluster_m not in (1, 2) or c.cluster_n not in (1, 2) or c.cluster_size > 2:
         return "clusters of 1x1, 2x1 or 1x2 CTAs are supported"
     if c.consumer_warpgroups not in (1, 2):

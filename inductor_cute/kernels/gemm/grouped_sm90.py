@@ -240,9 +240,10 @@ class GroupedHopperGemm(HopperGemm):
                         if cutlass.const_expr(self.grouped_cfg.prefetch > 0):  # the weight into L2, ahead
                             ahead = kt + self.grouped_cfg.prefetch
                             if ahead < k_tiles:
-                                cute.prefetch(tma_b, tBgB_t[(None, ahead)])
-                                if cutlass.const_expr(bool(self.gate)):
-                                    cute.prefetch(tma_b, tBgB_up_t[(None, ahead)])
+                                with cute.arch.elect_one():  # one lane (a TMA copy elects its own)
+                                    cute.prefetch(tma_b, tBgB_t[(None, ahead)])
+                                    if cutlass.const_expr(bool(self.gate)):
+                                        cute.prefetch(tma_b, tBgB_up_t[(None, ahead)])
                         ab_pipe.producer_acquire(ab_state)
                         bar = ab_pipe.producer_get_barrier(ab_state)
                         cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar,
