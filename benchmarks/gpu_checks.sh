@@ -73,21 +73,15 @@ for s in $steps; do
             PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
                 .device/pt/test_flex_attention.py --out /tmp/pta --modes "$modes" --prefill -n 14 --where-stock-passed
             cp /tmp/pta/*-summary.md /tmp/pta/*.jsonl "$OUT/" 2>/dev/null ;;
-        # the same file as written (with grad), training graphs through our backward (issue 15);
-        # stock first, then enabled on what stock passed
-        ptt_stock|ptt_enabled)
-            modes=stock; [ "$s" = ptt_enabled ] && modes=enabled
+        # the same file (ptt) and test_flex_decoding.py (ptd) as written (with grad), training graphs
+        # through our backward (issue 15 names both); stock first, then enabled on what stock passed
+        ptt_stock|ptt_enabled|ptd_stock|ptd_enabled)
+            kind=${s%%_*}; modes=${s#*_}
+            file=test_flex_attention.py; [ "$kind" = ptd ] && file=test_flex_decoding.py
             PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
-                .device/pt/test_flex_attention.py --out /tmp/ptt --modes "$modes" --prefill --backward -n 14 \
+                ".device/pt/$file" --out "/tmp/$kind" --modes "$modes" --prefill --backward -n 14 \
                 --where-stock-passed
-            cp /tmp/ptt/*-summary.md /tmp/ptt/*.jsonl "$OUT/" 2>/dev/null ;;
-        # test_flex_decoding.py as written (with grad), the same way (issue 15 names both files)
-        ptd_stock|ptd_enabled)
-            modes=stock; [ "$s" = ptd_enabled ] && modes=enabled
-            PYTHONPATH=$PWD/.device/pt:$PYTHONPATH step "$s" 560 python3 benchmarks/pytorch_flex_tests.py \
-                .device/pt/test_flex_decoding.py --out /tmp/ptd --modes "$modes" --prefill --backward -n 14 \
-                --where-stock-passed
-            cp /tmp/ptd/*-summary.md /tmp/ptd/*.jsonl "$OUT/" 2>/dev/null ;;
+            cp "/tmp/$kind"/*-summary.md "/tmp/$kind"/*.jsonl "$OUT/" 2>/dev/null ;;
         *) echo "unknown step $s" ;;
     esac
 done

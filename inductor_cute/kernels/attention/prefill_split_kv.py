@@ -5,7 +5,9 @@ With one ring a stage holds a block's K and V on one mbarrier and is freed after
 group's P V; at 2 stages (192/128) the next block's K then waits for it and the reload is exposed
 every block. Here K_j's stage is freed once S_j is done and V_{j-1}'s once P_{j-1} V_{j-1} is, and
 the producer loads K_{j+1} before V_j, the order the consumers use them (FlashAttention-3's
-arrangement). The turns, the softmax and the helpers (_qk, _pv, _scores, _pin_p) are the kernel's.
+arrangement). The turns, the softmax and the helpers (_qk, _pv, _scores, _pin_p) are the kernel's;
+the block loop repeats the one-ring loop's shape so that the measured kernel keeps its code until
+this one is measured: then one of the two goes.
 """
 
 import cutlass.cute as cute
