@@ -68,14 +68,13 @@ from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfi
                                   from_params, smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
-from .prefill_split_kv import SplitKvRings
 from .softmax import (add_row_sums, online_softmax_scores, rescale_rows, softmax_finalize, softmax_reset,
                       softmax_state)
 from .tile_order import LongestFirst, section_width
 
 
 
-class FlexPrefillSm90(SplitKvRings):
+class FlexPrefillSm90:
     def __init__(self, problem: FlexPrefillProblem, config: FlexPrefillConfig):
         self.problem, self.config = problem, config
         self.dtype = CUTE_DTYPES[problem.dtype_name]
@@ -355,68 +354,72 @@ class FlexPrefillSm90(SplitKvRings):
         # Turns: n_blocks + 1 per consumer and tile (S_0; S_j with P_{j-1} V_{j-1}; P_last
         # V_last), slot 0 first. Slot 1 opens slot 0's first turn and hands over only turns
         # slot 0 still takes, so no arrive is left pending when the tile ends.
-        if const_expr(self.config.split_kv):
-            kv_states = [read, release]  # K's and V's ring states
-            self._consume_blocks_split(
-                n_blocks, (kv_pipe, v_pipe), kv_states, slot, (tSrQ, tSrK, tOrV, tScS),
-                (acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction), scale_log2, scale, b, head, row0, q_len,
-                seq_len, (n_partial, zm, hm, r, mKvIdx, mFullIdx), score_tensors, mask_tensors)
-            read, release = kv_states
-        else:
-            if n_blocks > 0:
-                if slot == 1:
-                    self._turn(0).arrive()
-                # ---- block 0: S_0 alone
+        # With split_kv `read` walks K's ring and `release` V's (kv_pipe and v_pipe): K_j's stage is
+        # freed once S_j is done and V_{j-1} is waited for before its P V; with one ring v_pipe is
+        # kv_pipe and `read`'s wait covers a block's K and V.
+        split = self.config.split_kv
+        if n_blocks > 0:
+            if slot == 1:
+                self._turn(0).arrive()
+            # ---- block 0: S_0 alone
+            self._turn(slot).arrive_and_wait()
+            kv_pipe.consumer_wait(read)
+            self._qk(acc_s, tSrQ, tSrK, read.index)
+            warpgroup.commit_group()
+            self._turn(1 - slot).arrive()
+            warpgroup.wait_group(0)
+            if const_expr(split):
+                kv_pipe.consumer_release(read)  # K_0
+            blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+            self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
+                         score_tensors, mask_tensors)
+            online_softmax_scores(acc_s, row_max, correction,  # O is still 0: no rescale
+                                  scale_log2 if const_expr(self.fold_scale) else None)
+            self._pin_p(acc_s)
+            add_row_sums(acc_s, row_sum, correction)
+            r_p.store(acc_s.load().to(self.dtype))
+            self._pin_p(r_p)
+            read.advance()
+            # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
+            # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
+            for j in range(1, n_blocks):
                 self._turn(slot).arrive_and_wait()
                 kv_pipe.consumer_wait(read)
                 self._qk(acc_s, tSrQ, tSrK, read.index)
                 warpgroup.commit_group()
+                if const_expr(split):
+                    v_pipe.consumer_wait(release)  # V_{j-1}
+                self._pv(acc_o, tOrP, tOrV, release.index)
+                warpgroup.commit_group()
                 self._turn(1 - slot).arrive()
-                warpgroup.wait_group(0)
-                blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
+                warpgroup.wait_group(1)  # S_j
+                if const_expr(split):
+                    kv_pipe.consumer_release(read)  # K_j
+                blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                 self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                              score_tensors, mask_tensors)
-                online_softmax_scores(acc_s, row_max, correction,  # O is still 0: no rescale
+                online_softmax_scores(acc_s, row_max, correction,
                                       scale_log2 if const_expr(self.fold_scale) else None)
                 self._pin_p(acc_s)
+                warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
+                v_pipe.consumer_release(release)
+                release.advance()
+                rescale_rows(acc_o, correction)
                 add_row_sums(acc_s, row_sum, correction)
                 r_p.store(acc_s.load().to(self.dtype))
                 self._pin_p(r_p)
                 read.advance()
-                # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
-                # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
-                for j in range(1, n_blocks):
-                    self._turn(slot).arrive_and_wait()
-                    kv_pipe.consumer_wait(read)
-                    self._qk(acc_s, tSrQ, tSrK, read.index)
-                    warpgroup.commit_group()
-                    self._pv(acc_o, tOrP, tOrV, release.index)
-                    warpgroup.commit_group()
-                    self._turn(1 - slot).arrive()
-                    warpgroup.wait_group(1)  # S_j
-                    blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
-                    self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
-                                 score_tensors, mask_tensors)
-                    online_softmax_scores(acc_s, row_max, correction,
-                                          scale_log2 if const_expr(self.fold_scale) else None)
-                    self._pin_p(acc_s)
-                    warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
-                    kv_pipe.consumer_release(release)
-                    release.advance()
-                    rescale_rows(acc_o, correction)
-                    add_row_sums(acc_s, row_sum, correction)
-                    r_p.store(acc_s.load().to(self.dtype))
-                    self._pin_p(r_p)
-                    read.advance()
-                # ---- the last block's P V
-                self._turn(slot).arrive_and_wait()
-                self._pv(acc_o, tOrP, tOrV, release.index)
-                warpgroup.commit_group()
-                if slot == 0:
-                    self._turn(1).arrive()
-                warpgroup.wait_group(0)
-                kv_pipe.consumer_release(release)
-                release.advance()
+            # ---- the last block's P V
+            self._turn(slot).arrive_and_wait()
+            if const_expr(split):
+                v_pipe.consumer_wait(release)
+            self._pv(acc_o, tOrP, tOrV, release.index)
+            warpgroup.commit_group()
+            if slot == 0:
+                self._turn(1).arrive()
+            warpgroup.wait_group(0)
+            v_pipe.consumer_release(release)
+            release.advance()
         self._epilogue(acc_o, tOcO, row_max, row_sum, mma_pv, sO, tma_o, gO_full, mLse, ctid, warp_idx,
                        m_block, head, b, q_len)
         # after the store warp saw the TMA unit read O (which, with one Q buffer, was staged in
@@ -448,6 +451,14 @@ class FlexPrefillSm90(SplitKvRings):
         if const_expr(self.config.q_stages > 1):
             tQsQ = tQsQ[(None, q_state.index)]
         cute.copy(tma_q, tQgQ[(None, m_block, 0, head, b)], tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+
+    def _load_v(self, v_pipe, v_state, tma_v: cute.CopyAtom, tVgV: cute.Tensor, tVsV: cute.Tensor, blk: Int32,
+                hkv: Int32, b_kv: Int32):
+        """Block `blk`'s V into V's ring (split_kv; producer warp). The caller advances v_state."""
+        v_pipe.producer_acquire(v_state)
+        cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b_kv)], tVsV[(None, v_state.index)],
+                  tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
+        v_pipe.producer_commit(v_state)
 
     def _pin_p(self, t: cute.Tensor) -> None:
         """Persistent CTAs and split_kv: P's fp32 scores and its bf16 pack are materialised where
