@@ -123,15 +123,14 @@ class GroupedHopperGemm(HopperGemm):
         self._setup()
         tm, tn, tk = self.tile_mnk
         cm, cn = self.cluster_mn
-        g2s = lambda n: cpasync.CopyBulkTensorTileG2SOp() if n == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
-        tma_a, gA = cpasync.make_tiled_tma_atom(g2s(self.mcast_a), mA, cute.slice_(self.sA_layout, (None, None, 0)),
+        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA, cute.slice_(self.sA_layout, (None, None, 0)),
                                                 (tm, tk), num_multicast=self.mcast_a)
         # the weight's TMA boxes: whole stages, or (gated) half stages in a layout of twice the stages
         sB_box_layout = self.sB_layout
         if cutlass.const_expr(bool(self.gate)):
             sB_box_layout = sm90_utils.make_smem_layout_b(self.b_layout, (tm, self.out_tn, tk), self.ab_dtype,
                                                           2 * self.cfg.stages)
-        tma_b, gB = cpasync.make_tiled_tma_atom(g2s(self.mcast_b), mB, cute.slice_(sB_box_layout, (None, None, 0)),
+        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB, cute.slice_(sB_box_layout, (None, None, 0)),
                                                 (self.out_tn, tk), num_multicast=self.mcast_b)
         tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
                                                 cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
@@ -176,13 +175,7 @@ class GroupedHopperGemm(HopperGemm):
 
         ab_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
-        # every warp of the consumer warp groups releases a stage once per CTA that wrote into it
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.cfg.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     (self.mcast_a + self.mcast_b - 1) * 4 * self.tile_wgs),
-            tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)), defer_sync=True)
+        ab_pipe = self._ab_pipeline(storage.ab_bars, ab_bytes)
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster_size > 1):
             cute.arch.cluster_arrive_relaxed()  # peers must not signal our barriers before they exist
@@ -222,8 +215,7 @@ class GroupedHopperGemm(HopperGemm):
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                a_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=1) if self.mcast_a > 1 else 0
-                b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0) if self.mcast_b > 1 else 0
+                a_mask, b_mask = self._mcast_masks(cta_layout, cta_coord)
                 ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
                 work = scheduler.first()
                 while scheduler.valid(work):

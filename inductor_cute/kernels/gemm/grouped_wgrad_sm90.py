@@ -160,11 +160,7 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
 
         ab_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.cfg.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.tile_wgs),
-            tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        ab_pipe = self._ab_pipeline(storage.ab_bars, ab_bytes)
         cute.arch.mbarrier_init_fence()
 
         # the group table; the CTA-wide sync after it also publishes the pipeline barriers' init

@@ -110,6 +110,28 @@ class HopperGemm:
         # A is shared by CTAs of the same cluster row (multicast along N), B along M
         self.mcast_a, self.mcast_b = self.cluster_mn[1], self.cluster_mn[0]
 
+    @staticmethod
+    def _load_op(multicast: int):
+        """The TMA load of an operand that `multicast` CTAs of a cluster share."""
+        return cpasync.CopyBulkTensorTileG2SOp() if multicast == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
+
+    def _ab_pipeline(self, barriers, ab_bytes):
+        """The A/B ring over the mbarriers at `barriers`: every warp of the warp groups that read a
+        stage releases it once per CTA that wrote into it (barrier init is the caller's to fence)."""
+        cm, cn = self.cluster_mn
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers.data_ptr(), num_stages=self.cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     (self.mcast_a + self.mcast_b - 1) * 4 * self.tile_wgs),
+            tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)), defer_sync=True)
+
+    def _mcast_masks(self, cta_layout, cta_coord):
+        """(A's, B's) multicast masks of this CTA: A to its cluster row, B to its column; 0 alone."""
+        a_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=1) if self.mcast_a > 1 else 0
+        b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0) if self.mcast_b > 1 else 0
+        return a_mask, b_mask
+
     def _shared_storage(self):
         st, lay_a, lay_b, lay_d, lay_c = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout, self.sC_layout
         ab_t, d_t = self.ab_dtype, self.d_dtype
@@ -137,10 +159,9 @@ class HopperGemm:
         assert LayoutEnum.from_tensor(mA) == self.a_layout and LayoutEnum.from_tensor(mB) == self.b_layout
         self._setup()
         tm, tn, tk = self.tile_mnk
-        g2s = lambda n: cpasync.CopyBulkTensorTileG2SOp() if n == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
-        tma_a, gA = cpasync.make_tiled_tma_atom(g2s(self.mcast_a), mA, cute.slice_(self.sA_layout, (None, None, 0)),
+        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA, cute.slice_(self.sA_layout, (None, None, 0)),
                                                 (tm, tk), num_multicast=self.mcast_a)
-        tma_b, gB = cpasync.make_tiled_tma_atom(g2s(self.mcast_b), mB, cute.slice_(self.sB_layout, (None, None, 0)),
+        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB, cute.slice_(self.sB_layout, (None, None, 0)),
                                                 (tn, tk), num_multicast=self.mcast_b)
         tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
                                                 cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
@@ -205,13 +226,7 @@ class HopperGemm:
         # --- pipelines (barrier init is fenced and synced once below)
         ab_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
-        # every warp of the warp groups that read a stage releases it once per CTA that wrote into it
-        mcast_peers = self.mcast_a + self.mcast_b - 1
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.cfg.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_peers * 4 * self.tile_wgs),
-            tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)), defer_sync=True)
+        ab_pipe = self._ab_pipeline(storage.ab_bars, ab_bytes)
         c_pipe = None
         sC = None
         if cutlass.const_expr(self.has_c):
@@ -252,8 +267,7 @@ class HopperGemm:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                a_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=1) if self.mcast_a > 1 else 0
-                b_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0) if self.mcast_b > 1 else 0
+                a_mask, b_mask = self._mcast_masks(cta_layout, cta_coord)
                 ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
                 work = scheduler.first()
                 while scheduler.valid(work):
