@@ -61,17 +61,14 @@ def run_case(name, b, hq, hkv, s, dims, causal, score_mod):
     out, lse = flex_prefill(q, k, v, return_lse=True, **fwd)
     problem = FlexBackwardProblem(d, dv, "bfloat16", CAUSAL if causal else "", (), 128 if causal else 0,
                                   score_program=score_program)
-    plain = default_config(problem)
-    configs = {"ours": plain}
-    for label, change in (("ours dq_overlap", dict(dq_overlap=True)),
-                          ("ours overlap", dict(overlap=True, dq_overlap=True)),
-                          ("ours exp_under_dp", dict(exp_under_dp=True)),
-                          ("ours dq_reduce", None), ("ours dq_reduce exp_under_dp", "dq_reduce")):
-        config = dataclasses.replace(plain, **change) if isinstance(change, dict) else default_config(problem, dq_reduce=True)
-        if change == "dq_reduce":
-            config = dataclasses.replace(config, exp_under_dp=True)
-        if config_error(config, problem) is None:
-            configs[label] = config
+    plain, reduce = default_config(problem), default_config(problem, dq_reduce=True)
+    variants = {"ours": plain,
+                "ours dq_overlap": dataclasses.replace(plain, dq_overlap=True),
+                "ours overlap": dataclasses.replace(plain, overlap=True, dq_overlap=True),
+                "ours exp_under_dp": dataclasses.replace(plain, exp_under_dp=True),
+                "ours dq_reduce": reduce,
+                "ours dq_reduce exp_under_dp": dataclasses.replace(reduce, exp_under_dp=True)}
+    configs = {label: c for label, c in variants.items() if config_error(c, problem) is None}
     fns = {label: (lambda c=c: flex_attention_backward(q, k, v, out, lse, grad_out, config=c, **kwargs))
            for label, c in configs.items()}
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

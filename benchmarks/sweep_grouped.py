@@ -14,6 +14,7 @@ runs it: the grouped GEMM (eager torch._grouped_mm, or ours in its default confi
 silu(gate) * up as one compiled pointwise kernel.
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -47,11 +48,9 @@ PREFETCH = 8  # k-steps of the weight the producer asks L2 for ahead (GroupedCon
 def configs_of(case, sizes, problem=PROBLEM):
     """Every candidate (clusters too), and the default and the first 2x1 cluster config again
     with the weight prefetched into L2 PREFETCH k-steps ahead."""
-    import dataclasses
-
     n, k = case.n_k
-    configs = candidates(problem, case.rows, n, k, len(sizes), torch.cuda.get_device_properties(0).multi_processor_count,
-                         clusters=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = candidates(problem, case.rows, n, k, len(sizes), sms, clusters=True)
     pairs = [c for c in configs if c.cluster_m == 2][:1]
     return configs + [dataclasses.replace(c, prefetch=PREFETCH) for c in configs[:1] + pairs]
 

@@ -212,7 +212,8 @@ def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> st
         return "exp_under_dp changes the sequential schedules only: overlap and dq_overlap must be off"
     if config.exp_under_dp and problem.head_dim_qk > 128:
         # dK (96 fp32 registers) beside S^T and dP^T in flight apart: ptxas spills and serializes
-        return f"exp_under_dp serializes the dK/dV kernel's WGMMAs at head dims {problem.head_dim_qk}/{problem.head_dim_v}"
+        return (f"exp_under_dp serializes the dK/dV kernel's WGMMAs at head dims "
+                f"{problem.head_dim_qk}/{problem.head_dim_v}")
     if config.overlap and problem.head_dim_qk + problem.head_dim_v > MAX_OVERLAP_DIMS:
         return (f"overlap (dK/dV) spills registers at head dims {problem.head_dim_qk}/{problem.head_dim_v}: dK, dV, "
                 "S^T, dP^T and both 16-bit operands would be live at once")

@@ -99,9 +99,9 @@ def _align(n: int, a: int) -> int:
 
 
 def smem_bytes(problem: FlexPrefillProblem, config: FlexPrefillConfig) -> int:
-    """Shared memory of one CTA: mbarriers (K/V ring, or K and V rings, and Q), Q (with one Q buffer, it stages O
-    for the TMA store at the end: Dv <= Dqk; with two, O has its own) and the K/V ring, each
-    buffer 1 KB aligned."""
+    """Shared memory of one CTA: mbarriers (K/V ring, or K and V rings, and Q), Q (with one Q
+    buffer, it stages O for the TMA store at the end: Dv <= Dqk; with two, O has its own) and the
+    K/V ring, each buffer 1 KB aligned."""
     q = config.q_stages * M_BLOCK * problem.head_dim_qk * 2
     o = M_BLOCK * problem.head_dim_v * 2 if config.q_stages > 1 else 0
     k = config.stages * config.kv_block * problem.head_dim_qk * 2

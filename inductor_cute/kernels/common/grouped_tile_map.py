@@ -3,8 +3,8 @@ each expert, given as cumulative group ends `offs` on the device).
 
 Work units are the output tiles of all groups (without clusters; with them, blocks of tiles: see
 below), group after group: group g has ceil(M_g / tile_m) * tiles_n of them, M_g = ends[g] -
-ends[g - 1]; empty groups have none. Inside a group tiles go M-fastest, so work units in flight together read the same columns of the
-group's weight. A kernel first writes two tables into shared memory (`write_tables`):
+ends[g - 1]; empty groups have none. Inside a group tiles go M-fastest, so work units in flight
+together read the same columns of the group's weight. A kernel first writes two tables into shared memory (`write_tables`):
 
     ends[0] = 0, ends[g + 1] = offs[g]           row range of group g: [ends[g], ends[g + 1])
     prefix[0] = 0, prefix[g + 1] = tiles of groups 0..g
@@ -82,8 +82,8 @@ def reference_tiles(ends: list[int], n: int, tile_m: int, tile_n: int, max_group
     host-side planning. With clusters, tiles past a group's rows (first row >= row end) or past
     N (n * tile_n >= n) are the CTAs that store nothing."""
     cm, cn = cluster_mn
-    blocks_n = -(-(-(-n // tile_n)) // cn)
-    prefix = prefix_table(ends, blocks_n, tile_m * cm)
+    tiles_n = -(-n // tile_n)
+    prefix = prefix_table(ends, -(-tiles_n // cn), tile_m * cm)  # blocks of cn column tiles
     rows_end = [0] + list(ends)
     out = []
     for work in range(prefix[-1]):

@@ -8,8 +8,9 @@ out (total_tokens, N) row-major. Group sizes are read on the device only: one pe
 no host sync. Gated (problem.gate = an activation name): b has 2F columns, gate then up, and
 
     out[offs[g-1]:offs[g], :] = act(a_g @ b[g][:, :F]) * (a_g @ b[g][:, F:])      out (total_tokens, F)
- Same names as config.py (see there): Problem, Config, unsupported_reason,
-candidates, default_config, spec.
+
+Same names as config.py (see there): Problem, Config, unsupported_reason, candidates,
+default_config, spec.
 """
 
 from __future__ import annotations

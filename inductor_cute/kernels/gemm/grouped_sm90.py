@@ -123,15 +123,17 @@ class GroupedHopperGemm(HopperGemm):
         self._setup()
         tm, tn, tk = self.tile_mnk
         cm, cn = self.cluster_mn
-        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA, cute.slice_(self.sA_layout, (None, None, 0)),
-                                                (tm, tk), num_multicast=self.mcast_a)
+        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA,
+                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk),
+                                                num_multicast=self.mcast_a)
         # the weight's TMA boxes: whole stages, or (gated) half stages in a layout of twice the stages
         sB_box_layout = self.sB_layout
         if cutlass.const_expr(bool(self.gate)):
             sB_box_layout = sm90_utils.make_smem_layout_b(self.b_layout, (tm, self.out_tn, tk), self.ab_dtype,
                                                           2 * self.cfg.stages)
-        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB, cute.slice_(sB_box_layout, (None, None, 0)),
-                                                (self.out_tn, tk), num_multicast=self.mcast_b)
+        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB,
+                                                cute.slice_(sB_box_layout, (None, None, 0)), (self.out_tn, tk),
+                                                num_multicast=self.mcast_b)
         tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
                                                 cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
         # the work units are known only on the device: launch for an upper bound (max_work_units),

@@ -159,10 +159,12 @@ class HopperGemm:
         assert LayoutEnum.from_tensor(mA) == self.a_layout and LayoutEnum.from_tensor(mB) == self.b_layout
         self._setup()
         tm, tn, tk = self.tile_mnk
-        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA, cute.slice_(self.sA_layout, (None, None, 0)),
-                                                (tm, tk), num_multicast=self.mcast_a)
-        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB, cute.slice_(self.sB_layout, (None, None, 0)),
-                                                (tn, tk), num_multicast=self.mcast_b)
+        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA,
+                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk),
+                                                num_multicast=self.mcast_a)
+        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB,
+                                                cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk),
+                                                num_multicast=self.mcast_b)
         tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
                                                 cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
         tma_c, gC = None, None
