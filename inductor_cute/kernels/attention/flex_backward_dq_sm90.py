@@ -245,12 +245,11 @@ class FlexBackwardDqSm90:
                         gemm_ss(self._make_mma_s(), acc_dp, operands[2], operands[3], read.index)  # dO, V
                         warpgroup.commit_group()
                         warpgroup.wait_group(1)  # S
-                        self._probabilities(acc_s, tScS, scale_log2, b, head, row0, q_len, blk, partial, seq_len,
-                                            mask_tensors, lse2, scale)
+                        self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial,
+                                          seq_len, mask_tensors, lse2, delta, scale, score_tensors, "p")
                         warpgroup.wait_group(0)  # dP
-                        for h in cutlass.range_constexpr(2):
-                            for v in row_half(cute.size(acc_s), h):
-                                acc_dp[v] = acc_s[v] * (acc_dp[v] - delta[h])
+                        self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial,
+                                          seq_len, mask_tensors, lse2, delta, scale, score_tensors, "ds")
                     else:
                         self._issue_s_dp(acc_s, acc_dp, operands, read.index)
                         warpgroup.commit_group()
@@ -310,10 +309,18 @@ class FlexBackwardDqSm90:
     @cute.jit
     def _scores_grad(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, b: Int32,
                      head: Int32, row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32, mask_tensors: tuple,
-                     lse2: cute.Tensor, delta: cute.Tensor, scale: Float32, score_tensors: tuple):
+                     lse2: cute.Tensor, delta: cute.Tensor, scale: Float32, score_tensors: tuple,
+                     half: cutlass.Constexpr = ""):
         """S of KV block `blk` masked as in the forward (score program, mask program on partial
         blocks, keys past the end), then dP becomes dS = P (dP - delta) with P = 2^(x - lse2),
-        times the score program's derivative if there is one (0 where P is)."""
+        times the score program's derivative if there is one (0 where P is). exp_under_dp (no
+        score program) takes it in two halves: `half` "p" turns S into P in place, while dP still
+        computes, then "ds" dP into dS from that P."""
+        if const_expr(half == "ds"):
+            for h in cutlass.range_constexpr(2):
+                for v in row_half(cute.size(acc_s), h):
+                    acc_dp[v] = acc_s[v] * (acc_dp[v] - delta[h])
+            return
         if const_expr(self.score_grad is not None):
             tensors = [t for t in score_tensors if t is not None]
             for h in cutlass.range_constexpr(2):
@@ -327,24 +334,12 @@ class FlexBackwardDqSm90:
         for h in cutlass.range_constexpr(2):
             for v in row_half(cute.size(acc_s), h):
                 p = cute.math.exp2(acc_s[v] - lse2[h], fastmath=True)
-                if const_expr(self.score_grad is None):
+                if const_expr(half == "p"):
+                    acc_s[v] = p
+                elif const_expr(self.score_grad is None):
                     acc_dp[v] = p * (acc_dp[v] - delta[h])
                 else:  # a masked element's derivative may be inf or NaN: its dS is 0
                     acc_dp[v] = cutlass.select_(p == Float32(0.0), Float32(0.0), p * acc_dp[v])
-
-
-    @cute.jit
-    def _probabilities(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, b: Int32, head: Int32,
-                       row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32, mask_tensors: tuple,
-                       lse2: cute.Tensor, scale: Float32):
-        """exp_under_dp's first half of _scores_grad (no score program): S masked as in the
-        forward, then P = 2^(x - lse2) in place."""
-        self.mods.apply(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, (None,) * 4,
-                        mask_tensors, scale_later=False)
-        mask_past_end(acc_s, tScS, DQ_KV_STEP, blk, seq_len)
-        for h in cutlass.range_constexpr(2):
-            for v in row_half(cute.size(acc_s), h):
-                acc_s[v] = cute.math.exp2(acc_s[v] - lse2[h], fastmath=True)
 
 
 def build(**params):

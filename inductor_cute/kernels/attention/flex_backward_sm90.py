@@ -336,10 +336,11 @@ class FlexBackwardSm90:
                             gemm_ss(self._make_mma_t(), acc_dp, operands[2], operands[3], read.index)  # V, dO
                             warpgroup.commit_group()
                             warpgroup.wait_group(1)  # S^T
-                            self._probabilities(acc_s, tScS, scale_log2, mLse2, b, head, kv_blk, seq_len, blk, q_len,
-                                                partial, mask_tensors)
+                            self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk,
+                                               seq_len, blk, q_len, partial, mask_tensors, scale, score_tensors, "p")
                             warpgroup.wait_group(0)  # dP^T
-                            self._score_grads(acc_s, acc_dp, tScS, mDelta, b, head, blk)
+                            self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk,
+                                               seq_len, blk, q_len, partial, mask_tensors, scale, score_tensors, "ds")
                         else:
                             self._issue_s_dp(acc_s, acc_dp, operands, read.index)
                             warpgroup.commit_group()
@@ -449,11 +450,18 @@ class FlexBackwardSm90:
     @cute.jit
     def _softmax_grad(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32,
                       mLse2: cute.Tensor, mDelta: cute.Tensor, b: Int32, head: Int32, kv_blk: Int32, seq_len: Int32,
-                      blk: Int32, q_len: Int32, partial, mask_tensors: tuple, scale: Float32, score_tensors: tuple):
+                      blk: Int32, q_len: Int32, partial, mask_tensors: tuple, scale: Float32, score_tensors: tuple,
+                      half: cutlass.Constexpr = ""):
         """S^T becomes P^T = 2^(x - lse2[q]) (0 where masked) and dP^T becomes dS^T = P^T (dP^T -
         delta[q]), in place; x = s scale_log2, or with a score program score_mod(s scale) log2(e),
-        and then dS^T is also multiplied by the score_mod's derivative (0 where P is)."""
+        and then dS^T is also multiplied by the score_mod's derivative (0 where P is). exp_under_dp
+        (no score program) takes it in two halves: `half` "p" only P^T, while dP^T still computes,
+        then "ds" dS^T from that P^T."""
         q0 = blk * Q_STEP
+        if const_expr(half == "ds"):
+            for v in cutlass.range(cute.size(acc_s), unroll_full=True):
+                acc_dp[v] = acc_s[v] * (acc_dp[v] - mDelta[(b, head, q0 + tScS[v][1])])
+            return
         if const_expr(self.score_grad is None):
             acc_s.store(acc_s.load() * scale_log2)
         else:
@@ -473,32 +481,11 @@ class FlexBackwardSm90:
             q = q0 + tScS[v][1]
             p = cute.math.exp2(acc_s[v] - mLse2[(b, head, q)], fastmath=True)
             acc_s[v] = p
-            if const_expr(self.score_grad is None):
-                acc_dp[v] = p * (acc_dp[v] - mDelta[(b, head, q)])
-            else:  # a masked element's derivative may be inf or NaN: its dS is 0
-                acc_dp[v] = cutlass.select_(p == Float32(0.0), Float32(0.0), p * acc_dp[v])
-
-
-    @cute.jit
-    def _probabilities(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, mLse2: cute.Tensor,
-                       b: Int32, head: Int32, kv_blk: Int32, seq_len: Int32, blk: Int32, q_len: Int32, partial,
-                       mask_tensors: tuple):
-        """exp_under_dp's first half of _softmax_grad (no score program): S^T becomes P^T in place."""
-        q0 = blk * Q_STEP
-        acc_s.store(acc_s.load() * scale_log2)
-        if const_expr(self.mods.mask_fn is not None):
-            if partial:
-                self.mods.mask_transposed(acc_s, tScS, b, head, kv_blk * KV_BLOCK, seq_len, q0, q_len, mask_tensors)
-        for v in cutlass.range(cute.size(acc_s), unroll_full=True):
-            acc_s[v] = cute.math.exp2(acc_s[v] - mLse2[(b, head, q0 + tScS[v][1])], fastmath=True)
-
-    @cute.jit
-    def _score_grads(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, tScS: cute.Tensor, mDelta: cute.Tensor, b: Int32,
-                     head: Int32, blk: Int32):
-        """exp_under_dp's second half: dP^T becomes dS^T = P^T (dP^T - delta[q]) in place."""
-        q0 = blk * Q_STEP
-        for v in cutlass.range(cute.size(acc_s), unroll_full=True):
-            acc_dp[v] = acc_s[v] * (acc_dp[v] - mDelta[(b, head, q0 + tScS[v][1])])
+            if const_expr(half != "p"):  # (with "p", dS^T comes later)
+                if const_expr(self.score_grad is None):
+                    acc_dp[v] = p * (acc_dp[v] - mDelta[(b, head, q)])
+                else:  # a masked element's derivative may be inf or NaN: its dS is 0
+                    acc_dp[v] = cutlass.select_(p == Float32(0.0), Float32(0.0), p * acc_dp[v])
 
 
 @cute.jit
