@@ -1,10 +1,10 @@
 """Everything inductor-cute changes in torch, put in and taken out in one place.
 
-`enable()` saves what it is about to replace, sets up to four Inductor config values
+`enable()` saves what it is about to replace, sets the Inductor config values its settings need
 (`inductor_choices_class`: our factory; our token in `max_autotune_gemm_backends`;
-`benchmark_epilogue_fusion` off when fusing; `post_grad_custom_post_pass`: our grouped-GEMV pass
-with `group_gemv`, None in a level without it nested in one with it) and brings each hook in
-HOOKS to the state its settings ask for. `disable()` puts back the last saved state exactly, so
+`benchmark_epilogue_fusion` off when fusing; our graph passes (GRAPH_PASSES) in their
+`post_grad_custom_*_pass` slots, None in a level without one nested in one with it; `triton.enable_pdl`)
+and brings each hook in HOOKS to the state its settings ask for. `disable()` puts back the last saved state exactly, so
 calls nest and `with enable(): ...` undoes itself even when the block raises.
 
 A hook replaces one thing in torch: `install()` is idempotent and `uninstall()` puts back exactly
@@ -148,18 +148,11 @@ def _config_values(settings: Settings) -> dict:
         values["max_autotune_gemm_backends"] = ",".join([*backends, BACKEND_TOKEN])
     if settings.fuse_epilogues:  # otherwise only Triton templates are fused
         values["benchmark_epilogue_fusion"] = False
-    if settings.group_gemv:
-        from .gemm.shared_a import GROUP_GEMV_PASS
-
-        values["post_grad_custom_post_pass"] = GROUP_GEMV_PASS
-    elif _is_group_gemv_pass(config.post_grad_custom_post_pass):  # an outer enable()'s
-        values["post_grad_custom_post_pass"] = None
-    if settings.fuse_moe_gate:
-        from .grouped.gate import GATE_PASS
-
-        values["post_grad_custom_pre_pass"] = GATE_PASS
-    elif _is_gate_pass(config.post_grad_custom_pre_pass):  # an outer enable()'s
-        values["post_grad_custom_pre_pass"] = None
+    for graph_pass in GRAPH_PASSES:
+        if getattr(settings, graph_pass.setting):
+            values[graph_pass.slot] = graph_pass.instance()
+        elif graph_pass.ours(getattr(config, graph_pass.slot)):  # an outer enable()'s
+            values[graph_pass.slot] = None
     if settings.pdl:
         values["triton.enable_pdl"] = True
     else:  # a level without it under an outer enable(pdl=True) gets the value from before that level
@@ -170,20 +163,27 @@ def _config_values(settings: Settings) -> dict:
     return values
 
 
-def _is_group_gemv_pass(value) -> bool:
-    if value is None:
-        return False
-    from .gemm.shared_a import GroupGemvPass
+@dataclasses.dataclass(frozen=True)
+class _GraphPass:
+    """One of our Inductor graph passes: the setting that asks for it, the config slot it takes and
+    where the pass object lives (imported only when needed)."""
 
-    return isinstance(value, GroupGemvPass)
+    setting: str
+    slot: str
+    module: str
+    name: str
+
+    def instance(self):
+        return _attr(self.module, self.name)()
+
+    def ours(self, value) -> bool:
+        """Whether `value` (the slot's content) is this pass, not the user's."""
+        return value is not None and isinstance(value, type(self.instance()))
 
 
-def _is_gate_pass(value) -> bool:
-    if value is None:
-        return False
-    from .grouped.gate import GroupedGatePass
-
-    return isinstance(value, GroupedGatePass)
+GROUP_GEMV, MOE_GATE = GRAPH_PASSES = (
+    _GraphPass("group_gemv", "post_grad_custom_post_pass", ".gemm.shared_a", "GROUP_GEMV_PASS"),
+    _GraphPass("fuse_moe_gate", "post_grad_custom_pre_pass", ".grouped.gate", "GATE_PASS"))
 
 
 class _Enabled:
@@ -257,7 +257,7 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
                            f"({current!r}); inductor-cute needs to install its own")
     user_pass = config.post_grad_custom_post_pass
-    users_own = user_pass is not None and not _is_group_gemv_pass(user_pass)
+    users_own = user_pass is not None and not GROUP_GEMV.ours(user_pass)
     if group_gemv and users_own:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_post_pass is already set "
                            f"({user_pass!r}); group_gemv needs to install its own")
@@ -266,7 +266,7 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         if users_own:
             log.info("inductor-cute: post_grad_custom_post_pass is the user's; decode GEMVs are not grouped")
     pre_pass = config.post_grad_custom_pre_pass
-    if fuse_moe_gate and pre_pass is not None and not _is_gate_pass(pre_pass):
+    if fuse_moe_gate and pre_pass is not None and not MOE_GATE.ours(pre_pass):
         raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_pre_pass is already set "
                            f"({pre_pass!r}); fuse_moe_gate needs to install its own")
     settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm,
