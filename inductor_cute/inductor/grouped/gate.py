@@ -114,8 +114,7 @@ def gate_decline_reason(a, b, offs, activation: str) -> str | None:
 # ---------------------------------------------------------------------------- the patterns
 
 def _chunked(a, b, offs):
-    gate, up = torch._grouped_mm(a, b, offs).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return unfused(a, b, offs, "silu")
 
 
 def _split(a, b, offs):
