@@ -163,12 +163,14 @@ def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(na
     dq = [line for line in lines if re.search(rf"\.m64n64k16\.f32\.{dtype}\.{dtype} .*, p, 1,\s+1, 1, 1;$", line)]
     dq_steps = 128 // 16 if d == 128 else 64 // 16
     assert len(lines) == 2 * d // 16 + 2 * 64 // 16 + dq_steps and len(dq) == dq_steps
-    # one reduce, issued by one elected lane, its tile reused only after the TMA unit read it
-    # (wait_group.read), all reduces complete before the CTA ends (wait_group)
+    # one reduce per 8-column strip of the staging tile, issued by one elected lane, the tile reused
+    # only after the TMA unit read it (wait_group.read), all reduces complete before the CTA ends
     reduces = [m.start() for m in re.finditer(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)]
-    assert len(reduces) == 1
+    assert len(reduces) == 64 // 8
     staged = [m.end() for m in re.finditer(r"bar\.sync \t%r\d+, 128;", ptx)][-1]
     assert staged < reduces[0] and "elect.sync" in ptx[staged:reduces[0]]
+    # the staging: 16 two-word stores per thread (its 32 fp32 accumulators), none scalar
+    assert len(re.findall(r"st\.shared\.v2\.b32", ptx)) == 16
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
     # the consumers' barrier around sdS (id 1) and each warp group's staging barrier (ids 2, 3)
@@ -179,6 +181,40 @@ def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(na
     waits = [(m.start(), m.group(1)) for m in re.finditer(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
     assert [n for pos, n in waits if pos < reduces[0]][-1] == "1"
     assert [n for pos, n in waits if pos > reduces[0]][0] == "0"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_reduce_staging_stores_are_conflict_free(head_dim):
+    # each warp's two-word store of its dQ accumulators (8 rows x 4 column pairs) must cover 64
+    # words on 32 banks in 2 wavefronts; the kernel's staging layout and dQ product are evaluated
+    # here, as the kernel builds them (whole 256-byte rows, its first version, took 8)
+    from inductor_cute.kernels.attention.flex_backward_sm90 import FlexBackwardSm90
+    from inductor_cute.runtime.dsl import import_cute
+
+    cutlass = import_cute("sm_90a")
+    cute = cutlass.cute
+    problem = FlexBackwardProblem(head_dim, head_dim, "bfloat16")
+    words = {}
+
+    @cute.jit
+    def evaluate():
+        kernel = FlexBackwardSm90(problem, default_config(problem, dq_reduce=True))
+        kernel._setup()
+        tv = kernel._make_mma_dq().tv_layout_C  # (thread, value) -> element of the (64, cols) tile
+        tile = cute.slice_(kernel.sdQ_layout, (None, None, 0))
+        for t in cutlass.range_constexpr(128):
+            for v in cutlass.range_constexpr(cute.size(tv, mode=[1])):
+                element = cute.crd2idx((t, v), tv)
+                words[(t, v)] = cute.crd2idx((element % 64, element // 64), tile)
+
+    evaluate()
+    values = 1 + max(v for _, v in words)
+    assert values == 32 and len(set(words.values())) == 128 * 32  # every element once
+    for warp in range(4):
+        for v in range(0, values, 2):  # a pair of consecutive values is one st.shared.v2
+            lanes = [words[(32 * warp + lane, v + i)] for lane in range(32) for i in (0, 1)]
+            per_bank = [{w for w in lanes if w % 32 == bank} for bank in range(32)]
+            assert max(len(b) for b in per_bank) == 2, (warp, v)
 
 
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])

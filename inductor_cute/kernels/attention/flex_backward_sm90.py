@@ -28,8 +28,9 @@ before the dK and dV products are issued, each consumer writes dS^T of its keys 
 memory (sdS, the CTA's 128 keys x Q_STEP queries, queries contiguous); once both halves are
 there, warp group s computes at 128/128 dQ[:, 64 s .. 64 s + 63] = dS K[:, 64 s ..] over all 128
 keys, at 64/64 all of dQ over its own 64 keys (SS WGMMA, both operands MN-major), stages it
-times `scale` in shared memory (fp32) and one of its warps adds it to the fp32 workspace dq_acc
-(B, Hq, Lpad, Dqk) with a TMA reduce. Two consumer barriers per block keep sdS whole: one before
+times `scale` in shared memory (fp32, in strips of 8 columns, so the stores are free of bank
+conflicts) and one of its warps adds it to the fp32 workspace dq_acc (B, Hq, Lpad, Dqk) with one
+TMA reduce per strip. Two consumer barriers per block keep sdS whole: one before
 it is written (both warp groups' previous dQ products are done), one before it is read.
 
 lse2 and delta come from the preprocess kernel, padded (lse2 +inf, delta 0) to at least every
@@ -132,9 +133,14 @@ class FlexBackwardSm90:
             # dS as the A of dQ = dS K: (Q_STEP queries, KV_BLOCK keys), queries contiguous
             self.sdS_layout = cute.slice_(sm90_utils.make_smem_layout_a(
                 LayoutEnum.COL_MAJOR, (Q_STEP, self.dq_cols, KV_BLOCK), dt, 1), (None, None, 0))
-            # each warp group's dQ product, row-major fp32: the TMA reduce's box
-            self.sdQ_layout = cute.make_layout((Q_STEP, self.dq_cols, CONSUMER_WARPGROUPS),
-                                               stride=(self.dq_cols, 1, Q_STEP * self.dq_cols))
+            # each warp group's dQ product, fp32, in column strips of 8 (32-byte rows, the TMA
+            # reduce's box): a warp's accumulator store (8 rows x 8 columns) then covers 64
+            # consecutive words, 2 wavefronts; whole 256-byte rows put those 8 rows on the same
+            # banks (8 wavefronts), and a swizzle costs address registers the kernel lacks
+            strip = 8
+            self.sdQ_layout = cute.make_layout(
+                (Q_STEP, (strip, self.dq_cols // strip), CONSUMER_WARPGROUPS),
+                stride=(strip, (1, Q_STEP * strip), Q_STEP * self.dq_cols))
 
         @cute.struct
         class SharedStorage:
