@@ -152,6 +152,26 @@ def test_consumers_take_turns_on_named_barriers(compiled):
     assert re.search(r"bar\.arrive\s+(%r\d+|[23]), 256", ptx)
 
 
+def test_o_leaves_in_halves_and_own_buffers_need_no_cta_wide_epilogue(request, compiled):
+    # O goes out as 64-row halves (the consumers' own rows). With one Q buffer one warp stores both
+    # halves after a barrier of all 256 consumer threads and waits for their read (Q's buffer is
+    # handed back next); with two each warp group syncs only its own 128 threads and stores its
+    # half, waiting for that half's previous store only before it stages the next one
+    ptx = compiled.ptx
+    stores = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.", ptx)
+    name = request.node.callspec.params["compiled"]
+    two_q = variant_config(name).q_stages == 2
+    boxes = VARIANTS[name].head_dim_v * 2 // 128  # a half is one box per 128 bytes of its rows
+    assert len(stores) == (1 if two_q else 2) * boxes
+    cta_wide = re.findall(r"bar\.sync\s+1, 256", ptx)
+    if two_q:
+        assert not cta_wide and re.search(r"bar\.sync\s+%r\d+, 128", ptx)
+        first_store = ptx.index(stores[0])
+        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0", ptx[:first_store])
+    else:
+        assert len(cta_wide) == 2
+
+
 def test_block_masks_and_programs_reach_the_kernel(compiled_all):
     needed = ("d128", "d128-causal-block128", "d128-softcap")
     if not all(n in compiled_all for n in needed):

@@ -21,10 +21,10 @@ staged in a buffer of its own).
     P_{j-1} V_{j-1}, frees stage j - 1 and rescales O. The two consumers also take turns at
     issuing their WGMMAs (named barriers, ping-pong), so one's softmax runs under the other's
     matmuls.
-  * the epilogue normalises O by the row sums, stages it in Q's shared memory (stmatrix; Dv <= Dqk;
-    its own buffer with two Q buffers) and one thread writes the 128 x Dv tile with a TMA store
-    (rows past the query length are clipped by TMA); the logsumexp goes out per row in natural-log
-    units (m + log2 l) * ln 2, as
+  * the epilogue normalises O by the row sums, stages it in Q's shared memory (stmatrix; Dv <= Dqk)
+    and one thread writes it with two TMA stores of 64 x Dv; with two Q buffers O has a buffer of
+    its own and each consumer stages and stores its 64 rows alone (rows past the query length are
+    clipped by TMA). The logsumexp goes out per row in natural-log units (m + log2 l) * ln 2, as
     flex_attention returns it. Rows with nothing to attend get out 0 and lse -inf.
 
 A block mask (sparse_block > 0; block_sparse.py): the CTA walks kv_indices[z, hm, r,
@@ -100,10 +100,10 @@ class FlexPrefillSm90:
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, k_major, k_major, Float32,
                                                  (CONSUMER_WARPGROUPS, 1, 1), tiler_mn=(64, self.kvb))
 
-    def _make_mma_pv(self):
+    def _make_mma_pv(self, warpgroups: int = CONSUMER_WARPGROUPS):
         # P is the A operand straight from registers; V is MN-major
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-                                                 cute.nvgpu.OperandMajorMode.MN, Float32, (CONSUMER_WARPGROUPS, 1, 1),
+                                                 cute.nvgpu.OperandMajorMode.MN, Float32, (warpgroups, 1, 1),
                                                  tiler_mn=(64, self.dv), a_source=warpgroup.OperandSource.RMEM)
 
     def _setup(self):
@@ -115,8 +115,8 @@ class FlexPrefillSm90:
             self.sQ_layout = cute.slice_(self.sQ_layout, (None, None, 0))
         self.sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (M_BLOCK, self.kvb, self.dqk), dt, st)
         self.sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (M_BLOCK, self.dv, self.kvb), dt, st)
-        self.sO_layout = cute.slice_(sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (M_BLOCK, self.dv), 1),
-                                     (None, None, 0))
+        # O staged as one (64, Dv) half per consumer warp group (the TMA store's box)
+        self.sO_layout = sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (64, self.dv), CONSUMER_WARPGROUPS)
 
         split = self.config.split_kv
 
@@ -160,8 +160,8 @@ class FlexPrefillSm90:
                                                 (self.kvb, self.dqk))
         tma_v, gV = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.slice_(self.sV_layout, (None, None, 0)),
                                                 (self.dv, self.kvb))
-        tma_o, gO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), rows_major(mOut), self.sO_layout,
-                                                (M_BLOCK, self.dv))
+        tma_o, gO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), rows_major(mOut),
+                                                cute.slice_(self.sO_layout, (None, None, 0)), (64, self.dv))
         tiles = LongestFirst(cute.ceil_div(mQ.shape[2], M_BLOCK), mQ.shape[1], mQ.shape[0])
         ctas = tiles.count()
         if const_expr(self.config.persistent_ctas > 0):
@@ -317,7 +317,7 @@ class FlexPrefillSm90:
             tile_args = ((m_blocks, heads, batch, width), (q_len, seq_len), (mKvNum, mKvIdx, mFullNum, mFullIdx),
                          (q_pipe, kv_pipe, v_pipe), slot, (tSrQ, tSrK, tOrV, tScS, tOcO),
                          (acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction), scale_log2, scale,
-                         score_tensors, mask_tensors, (mma_pv, sO, tma_o, gO_full, mLse), ctid, warp_idx)
+                         score_tensors, mask_tensors, (sO, tma_o, gO_full, mLse), ctid, warp_idx)
             if const_expr(self.config.persistent_ctas > 0):
                 for tile in range(first_tile, n_tiles, ctas):
                     # the tile's dynamic ifs and loops rebind its pipeline states to new objects,
@@ -325,6 +325,9 @@ class FlexPrefillSm90:
                     states = [q_state, read, release]
                     self._consume_tile(tile, states, *tile_args)
                     q_state, read, release = states
+                if const_expr(self.config.q_stages > 1):
+                    if warp_idx == 4 + 4 * slot:
+                        cute.arch.cp_async_bulk_wait_group(0)  # the last O store, before the CTA ends
             else:
                 self._consume_tile(first_tile, [q_state, read, release], *tile_args)
 
@@ -341,7 +344,7 @@ class FlexPrefillSm90:
         q_pipe, kv_pipe, v_pipe = pipes
         tSrQ, tSrK, tOrV, tScS, tOcO = frags
         acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction = regs
-        mma_pv, sO, tma_o, gO_full, mLse = out
+        sO, tma_o, gO_full, mLse = out
         q_state, read, release = states
         m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
         n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
@@ -420,7 +423,7 @@ class FlexPrefillSm90:
             warpgroup.wait_group(0)
             v_pipe.consumer_release(release)
             release.advance()
-        self._epilogue(acc_o, tOcO, row_max, row_sum, mma_pv, sO, tma_o, gO_full, mLse, ctid, warp_idx,
+        self._epilogue(acc_o, tOcO, row_max, row_sum, sO, tma_o, gO_full, mLse, ctid, warp_idx, slot,
                        m_block, head, b, q_len)
         # after the store warp saw the TMA unit read O (which, with one Q buffer, was staged in
         # Q's): the producer may load a next Q into this buffer
@@ -500,46 +503,64 @@ class FlexPrefillSm90:
 
     @cute.jit
     def _epilogue(self, acc_o: cute.Tensor, tOcO: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                  mma_pv: cute.TiledMma, sO: cute.Tensor, tma_o: cute.CopyAtom, gO_full: cute.Tensor,
-                  mLse: cute.Tensor, ctid: Int32, warp_idx: Int32, m_block: Int32, head: Int32, b: Int32,
-                  q_len: Int32):
-        """O / l to shared memory and out with one TMA store; lse = (m + log2 l) * ln 2 per real row."""
+                  sO: cute.Tensor, tma_o: cute.CopyAtom, gO_full: cute.Tensor, mLse: cute.Tensor, ctid: Int32,
+                  warp_idx: Int32, slot: Int32, m_block: Int32, head: Int32, b: Int32, q_len: Int32):
+        """O / l into this warp group's half of O's staging buffer and out with a TMA store of its
+        64 rows; lse = (m + log2 l) * ln 2 per real row. With two Q buffers O has a buffer of its
+        own and each warp group stages and stores alone: its first warp issues the store and waits
+        for the TMA unit to have read it only before the next tile's staging, so neither the other
+        warp group nor the next tile waits for it. With one Q buffer O is staged in Q's buffer, once
+        both warp groups are past their last S = Q K^T, and one warp stores both halves and waits
+        for them to be read before Q's buffer is handed back."""
+        lse = cute.make_rmem_tensor((2,), Float32)
         for h in cutlass.range_constexpr(2):
             inv, lse2 = softmax_finalize(row_max, row_sum, h)
             for v in row_half(cute.size(acc_o), h):
                 acc_o[v] = acc_o[v] * inv
-            row = m_block * M_BLOCK + tOcO[0][0] + 8 * h
-            if row < q_len and tOcO[0][1] == 0:  # one thread of the row's quad
-                mLse[(b, head, row)] = lse2 * LN2
-        # Every consumer past its last S = Q K^T (with one Q buffer, Q's becomes O's) and the
-        # store warp past its wait on the last tile's O store (O's buffer is written next)
-        consumers = pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS, num_threads=self.consumer_threads)
-        consumers.arrive_and_wait()
+            lse[h] = lse2 * LN2
+        own = self.config.q_stages > 1
+        store_warp = 4 + 4 * slot if const_expr(own) else 4
+        if const_expr(own):
+            if warp_idx == store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # this half's last store has read it
+            staged = pipeline.NamedBarrier(barrier_id=barriers.attention_epilogue(slot), num_threads=128)
+        else:
+            staged = pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS, num_threads=self.consumer_threads)
+        staged.arrive_and_wait()
         # the accumulator in stmatrix-shaped pieces (a layout-only atom), stored with the store op
         # the row-major staging layout wants
         atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
         r2s = cute.make_tiled_copy_S(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
-                                     cute.make_tiled_copy_C_atom(atom, mma_pv))
-        thr_r2s = r2s.get_slice(ctid)
+                                     cute.make_tiled_copy_C_atom(atom, self._make_mma_pv(warpgroups=1)))
+        thr_r2s = r2s.get_slice(ctid % 128)
         tRS_acc = r2s.retile(acc_o)
-        r_o = cute.make_rmem_tensor(thr_r2s.partition_S(cute.make_identity_tensor((M_BLOCK, self.dv))).shape, Float32)
+        r_o = cute.make_rmem_tensor(thr_r2s.partition_S(cute.make_identity_tensor((64, self.dv))).shape, Float32)
         for v in cutlass.range(cute.size(r_o), unroll_full=True):
             r_o[v] = tRS_acc[v]
         r_out = cute.make_rmem_tensor(r_o.shape, self.dtype)
         r_out.store(r_o.load().to(self.dtype))
-        cute.copy(r2s, r_out, thr_r2s.partition_D(sO))
+        cute.copy(r2s, r_out, thr_r2s.partition_D(sO[(None, None, slot)]))
         # generic-proxy smem writes, read next by the TMA unit
         cute.arch.fence_proxy("async.shared", space="cta")
-        consumers.arrive_and_wait()
-        if warp_idx == 4:
-            gO = cute.local_tile(gO_full, (M_BLOCK, self.dv), (None, None, None, None))
-            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
-            cute.copy(tma_o, tOsO, tOgO[(None, m_block, 0, head, b)])
+        staged.arrive_and_wait()
+        # the lse after the fence, which would otherwise wait for these global stores
+        for h in cutlass.range_constexpr(2):
+            row = m_block * M_BLOCK + tOcO[0][0] + 8 * h
+            if row < q_len and tOcO[0][1] == 0:  # one thread of the row's quad
+                mLse[(b, head, row)] = lse[h]
+        if warp_idx == store_warp:
+            gO = cute.local_tile(gO_full, (64, self.dv), (None, None, None, None))
+            for half in cutlass.range_constexpr(1 if own else CONSUMER_WARPGROUPS):
+                rows = slot if const_expr(own) else half
+                tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
+                                                   cute.group_modes(sO[(None, None, rows)], 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                cute.copy(tma_o, tOsO, tOgO[(None, 2 * m_block + rows, 0, head, b)])
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the TMA unit read it
-            # the store's lane waited; lane 0 hands the Q buffer back (q_pipe.consumer_release) after it
-            cute.arch.sync_warp()
+            if const_expr(not own):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # Q's buffer stays valid until read
+                # the store's lane waited; lane 0 hands the Q buffer back (q_pipe.consumer_release) after it
+                cute.arch.sync_warp()
 
 
 def build(**params):

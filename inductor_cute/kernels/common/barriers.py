@@ -16,6 +16,9 @@ ATTENTION_CONSUMERS = 1
 # Attention prefill: two consumer warp groups take turns at the tensor cores (ping-pong): warp
 # group `slot` syncs on id ATTENTION_TURN + slot, the other arrives when it hands the turn over.
 ATTENTION_TURN = 2  # .. 3
+# Attention prefill with O in a buffer of its own: the threads of consumer warp group `slot`
+# around the staging of its half of O.
+ATTENTION_EPILOGUE = 4  # .. 5
 # Attention backward (dq_reduce): the threads of consumer warp group `slot` around the staging of
 # its dQ product for the TMA reduce.
 BACKWARD_DQ_STAGE = 2  # .. 3
@@ -32,6 +35,10 @@ def gemm_turn(phase, slot):
 
 def attention_turn(slot):
     return ATTENTION_TURN + slot
+
+
+def attention_epilogue(slot):
+    return ATTENTION_EPILOGUE + slot
 
 
 def backward_dq_stage(slot):
