@@ -183,31 +183,49 @@ def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(na
     assert [n for pos, n in waits if pos > reduces[0]][0] == "0"
 
 
+# (thread, value) of dq_reduce's dQ accumulator -> its word in the kernel's staging tile, evaluated
+# with the DSL's layout algebra from the kernel's own layouts, in a process of its own (the DSL
+# keeps the first target it was set up for)
+STAGING_WORDS = """
+import json, sys
+import cutlass, cutlass.cute as cute
+from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardProblem, default_config
+from inductor_cute.kernels.attention.flex_backward_sm90 import FlexBackwardSm90
+problem = FlexBackwardProblem(int(sys.argv[1]), int(sys.argv[1]), "bfloat16")
+words = []
+
+@cute.jit
+def evaluate():
+    kernel = FlexBackwardSm90(problem, default_config(problem, dq_reduce=True))
+    kernel._setup()
+    tv = kernel._make_mma_dq().tv_layout_C  # (thread, value) -> element of the (64, cols) tile
+    tile = cute.slice_(kernel.sdQ_layout, (None, None, 0))
+    for t in cutlass.range_constexpr(128):
+        for v in cutlass.range_constexpr(cute.size(tv, mode=[1])):
+            element = cute.crd2idx((t, v), tv)
+            words.append((t, v, int(cute.crd2idx((element % 64, element // 64), tile))))
+
+evaluate()
+print(json.dumps(words))
+"""
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_reduce_staging_stores_are_conflict_free(head_dim):
+def test_dq_reduce_staging_stores_are_conflict_free(head_dim, tmp_path):
     # each warp's two-word store of its dQ accumulators (8 rows x 4 column pairs) must cover 64
-    # words on 32 banks in 2 wavefronts; the kernel's staging layout and dQ product are evaluated
-    # here, as the kernel builds them (whole 256-byte rows, its first version, took 8)
-    from inductor_cute.kernels.attention.flex_backward_sm90 import FlexBackwardSm90
-    from inductor_cute.runtime.dsl import import_cute
+    # words on 32 banks in 2 wavefronts (whole 256-byte rows, the first version, took 8)
+    import json
+    import os
+    import subprocess
+    import sys
 
-    cutlass = import_cute("sm_90a")
-    cute = cutlass.cute
-    problem = FlexBackwardProblem(head_dim, head_dim, "bfloat16")
-    words = {}
-
-    @cute.jit
-    def evaluate():
-        kernel = FlexBackwardSm90(problem, default_config(problem, dq_reduce=True))
-        kernel._setup()
-        tv = kernel._make_mma_dq().tv_layout_C  # (thread, value) -> element of the (64, cols) tile
-        tile = cute.slice_(kernel.sdQ_layout, (None, None, 0))
-        for t in cutlass.range_constexpr(128):
-            for v in cutlass.range_constexpr(cute.size(tv, mode=[1])):
-                element = cute.crd2idx((t, v), tv)
-                words[(t, v)] = cute.crd2idx((element % 64, element // 64), tile)
-
-    evaluate()
+    script = tmp_path / "staging_words.py"  # the DSL reads a jit function's source from its file
+    script.write_text(STAGING_WORDS)
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
+    done = subprocess.run([sys.executable, str(script), str(head_dim)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    words = {(t, v): w for t, v, w in json.loads(done.stdout.splitlines()[-1])}
     values = 1 + max(v for _, v in words)
     assert values == 32 and len(set(words.values())) == 128 * 32  # every element once
     for warp in range(4):
