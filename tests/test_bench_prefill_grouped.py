@@ -308,3 +308,19 @@ def test_persistent_runner_takes_two_q_buffers_where_they_fit(monkeypatch):
         # the default ring stays as it is: a second Q buffer only where it fits beside it
         assert config.persistent_ctas == 132 and config.q_stages == q_stages
         assert config.stages == default_config(FlexPrefillProblem(p.dqk, p.dv, "bfloat16")).stages
+
+
+def test_early_exps_runners_are_what_the_host_picks_with_early_exponentials(monkeypatch):
+    import inductor_cute.host.common as common
+    from inductor_cute.kernels.attention.flex_prefill_config import FlexPrefillProblem, config_error, default_config
+
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    for p in fp.CASES:
+        problem = FlexPrefillProblem(p.dqk, p.dv, "bfloat16")
+        host_picks = default_config(problem, 132)
+        for split_kv in (False, True):
+            config = fp.early_exps_config(p, split_kv)
+            assert config_error(config, problem) is None
+            assert (config.early_exps, config.split_kv) == (config.kv_block // 4 * 5 // 8, split_kv)
+            assert (config.kv_block, config.stages, config.persistent_ctas, config.q_stages) == \
+                (host_picks.kv_block, host_picks.stages, host_picks.persistent_ctas, host_picks.q_stages)

@@ -15,6 +15,7 @@ from inductor_cute.kernels.attention.tile_order import L2_KV_BYTES, LongestFirst
 from inductor_cute.kernels.common.programs.score import dumps
 from inductor_cute.host.flex_prefill import _flex_prefill_kernel as REAL_KERNEL_FACTORY
 from inductor_cute.runtime.compiler import compile_spec
+from sass import sass
 
 SOFTCAP = dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
 CAUSAL = dumps([["o", "ge", "q", "kv"]])
@@ -49,14 +50,23 @@ SPLIT_KV = {
     "d128-causal-block128-split-kv-persistent": VARIANTS["d128-causal-block128"],
 }
 VARIANTS.update(SPLIT_KV)
+# the first exponentials of each row before the wait for P V (config.early_exps)
+EARLY_EXPS = {
+    "d64-causal-persistent-2q-early": VARIANTS["d64-causal-persistent-2q"],
+    "d128-causal-block128-early": VARIANTS["d128-causal-block128"],
+    "mla-192-128-causal-block128-split-kv-early": VARIANTS["mla-192-128-causal-block128"],
+}
+VARIANTS.update(EARLY_EXPS)
 
 
 def variant_config(name):
     config = default_config(VARIANTS[name])
-    if name in PERSISTENT or name.endswith("-persistent"):
-        config = dataclasses.replace(config, persistent_ctas=132, q_stages=2 if name.endswith("-2q") else 1)
-    if name in SPLIT_KV:
+    if "persistent" in name:
+        config = dataclasses.replace(config, persistent_ctas=132, q_stages=2 if "-2q" in name else 1)
+    if "split-kv" in name:
         config = dataclasses.replace(config, split_kv=True)
+    if name in EARLY_EXPS:
+        config = dataclasses.replace(config, early_exps=20)
     return config
 
 
@@ -170,6 +180,21 @@ def test_o_leaves_in_halves_and_own_buffers_need_no_cta_wide_epilogue(request, c
         assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0", ptx[:first_store])
     else:
         assert len(cta_wide) == 2
+
+
+def test_early_exponentials_run_before_the_wait_for_pv(request, compiled, tmp_path):
+    # ptxas issues `wgmma.wait_group 0` (P_{j-1} V_{j-1}) at the first stall it finds, before every
+    # exponential of block j, wherever the PTX puts it; early_exps holds it behind the first ones:
+    # in SASS, each row's early_exps exponentials (two rows per thread) and the two row corrections
+    # come between the wait for S_j (DEPBAR <= 1) and the wait for P V (DEPBAR 0)
+    name = request.node.callspec.params["compiled"]
+    if name not in EARLY_EXPS:
+        pytest.skip("early_exps off")
+    code = sass(compiled, tmp_path)
+    marks = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[01]|MUFU\.EX2", code)
+    loops = re.findall(r"0x1((?:MUFU\.EX2)*)WARPGROUP\.DEPBAR\.LE gsb0, 0x0",
+                       "".join(m.replace("WARPGROUP.DEPBAR.LE gsb0, 0x1", "0x1") for m in marks))
+    assert loops and all(len(run) // len("MUFU.EX2") >= 2 * 20 + 2 for run in loops)
 
 
 def test_block_masks_and_programs_reach_the_kernel(compiled_all):

@@ -291,3 +291,27 @@ def test_split_kv_rings_with_causal_blocks_and_empty_tiles(dqk, dv):
 def test_split_kv_rings_on_persistent_ctas_with_two_q_buffers():
     check(rand(2, 4, 1000, 64), rand(2, 2, 1000, 64), rand(2, 2, 1000, 64),
           config=split_kv(64, 64, persistent_ctas=3, q_stages=2))
+
+
+# ------------------------------------------------------------- early exponentials (early_exps)
+def early_exps(dqk, dv, **changes):
+    """The default config with 5/8 of each row's exponentials made before the wait for P V."""
+    from inductor_cute.kernels.attention import flex_prefill_config as fpc
+
+    base = fpc.default_config(fpc.FlexPrefillProblem(dqk, dv, "bfloat16"))
+    return dataclasses.replace(base, early_exps=base.kv_block // 4 * 5 // 8, **changes)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (100, 77), (129, 300), (255, 2049)])
+def test_early_exps(dqk, dv, q_len, kv_len):
+    q, k, v = rand(2, 4, q_len, dqk), rand(2, 2, kv_len, dqk), rand(2, 2, kv_len, dv)
+    check(q, k, v, config=early_exps(dqk, dv))
+
+
+def test_early_exps_with_a_score_program_causal_blocks_split_kv_and_persistent_ctas():
+    q, k, v = rand(2, 4, 700, 128), rand(2, 2, 700, 128), rand(2, 2, 700, 128)
+    check(q, k, v, score_mod=SOFTCAP, config=early_exps(128, 128, split_kv=True, persistent_ctas=5))
+    mask = sp.dumps([["o", "ge", "q", "kv"]])
+    check_block_mask(rand(2, 4, 1500, 64), rand(2, 2, 1500, 64), rand(2, 2, 1500, 64), lambda b, h, m, n: m >= n,
+                     mask, config=early_exps(64, 64, persistent_ctas=3, q_stages=2))

@@ -6,7 +6,7 @@ row half (v // 2) % 2 and column v % 2 + 8 * (v // 4). `check_acc_layout` assert
 """
 
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -50,3 +50,15 @@ def fence_operand(t: cute.Tensor) -> None:
     words = cute.recast_tensor(t, Int32)
     for i in range(cute.size(words)):
         words[i] = _pinned(words[i])
+
+
+@dsl_user_op
+def wait_after(a, b, *, loc=None, ip=None) -> None:
+    """ptxas issues the next `wgmma.wait_group` only after a and b are computed. It treats the
+    wait as a free instruction and issues it at the first stall it finds, so in the prefill loop
+    it waited for P V before every exponential of the block, however the PTX ordered them. A
+    never-taken branch on a and b (a NaN test around a nanosleep, a block ptxas cannot delete)
+    ends its scheduling region there."""
+    llvm.inline_asm(None, [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                    "{\n\t.reg .pred nan;\n\tsetp.nan.f32 nan, $0, $1;\n\t@nan nanosleep.u32 0;\n\t}", "f,f",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)

@@ -81,16 +81,23 @@ class FlexPrefillConfig:
     # block's K and V and is freed after P V, so at 2 stages (192/128) the next block's K waits
     # for the other warp group's P V and its 80 KB reload is exposed every block
     split_kv: bool = False
+    # n > 0: per KV block, each row's first n exponentials (of kv_block / 4 per thread) are made
+    # before the wait for P_{j-1} V_{j-1} and ptxas is held to that order (accumulator.wait_after;
+    # it otherwise waits before every exponential, so a warp group's softmax never overlapped its
+    # own P V), the rest after it with O's rescale and P's pack; 0: the order ptxas picks
+    early_exps: int = 0
 
     @property
     def threads(self) -> int:
         return 128 * (1 + CONSUMER_WARPGROUPS)  # one producer warp group + consumers
 
     def as_params(self) -> dict:
-        """The fields, split_kv left out when False (the specs that predate it keep their keys)."""
+        """The fields, split_kv and early_exps left out when unset (the specs that predate them keep
+        their keys)."""
         params = dataclasses.asdict(self)
-        if not self.split_kv:
-            del params["split_kv"]
+        for field in ("split_kv", "early_exps"):
+            if not params[field]:
+                del params[field]
         return params
 
 
@@ -159,6 +166,9 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
         return "stages must be at least 2"
     if config.q_stages not in (1, 2):
         return f"q_stages {config.q_stages} must be 1 or 2"
+    if not 0 <= config.early_exps <= config.kv_block // 4:
+        return (f"early_exps {config.early_exps} must be in 0..{config.kv_block // 4} (a thread's values per row "
+                f"of a {config.kv_block}-key block)")
     if config.q_stages == 2 and config.persistent_ctas == 0:
         return "q_stages 2 needs persistent_ctas: with one tile per CTA there is no next Q to load early"
     if smem_bytes(problem, config) > SMEM_BUDGET:

@@ -59,7 +59,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import barriers
 from ..common.units import LN2
-from .accumulator import acc_as_operand_a, check_acc_layout, fence_operand, row_half
+from .accumulator import acc_as_operand_a, check_acc_layout, fence_operand, row_half, wait_after
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
@@ -68,8 +68,8 @@ from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfi
                                   from_params, smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
-from .softmax import (add_row_sums, online_softmax_scores, rescale_rows, softmax_finalize, softmax_reset,
-                      softmax_state)
+from .softmax import (add_row_sums, exponentiate_rest, online_softmax_scores, rescale_rows, softmax_finalize,
+                      softmax_reset, softmax_state)
 from .tile_order import LongestFirst, section_width
 
 
@@ -401,14 +401,27 @@ class FlexPrefillSm90:
                 blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
                 self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                              score_tensors, mask_tensors)
-                online_softmax_scores(acc_s, row_max, correction,
-                                      scale_log2 if const_expr(self.fold_scale) else None)
-                self._pin_p(acc_s)
+                fold = scale_log2 if const_expr(self.fold_scale) else None
+                early = self.config.early_exps
+                if const_expr(early > 0):
+                    # the first exponentials of each row and their partial sums, then a hold that
+                    # keeps ptxas's wait for P_{j-1} V_{j-1} behind them (accumulator.wait_after)
+                    online_softmax_scores(acc_s, row_max, correction, fold, count=early)
+                    fence_operand(acc_s)
+                    add_row_sums(acc_s, row_sum, correction, count=early)
+                    wait_after(row_sum[0], row_sum[1])
+                else:
+                    online_softmax_scores(acc_s, row_max, correction, fold)
+                    self._pin_p(acc_s)
                 warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
                 v_pipe.consumer_release(release)
                 release.advance()
                 rescale_rows(acc_o, correction)
-                add_row_sums(acc_s, row_sum, correction)
+                if const_expr(early > 0):
+                    exponentiate_rest(acc_s, row_max, early, fold)
+                    add_row_sums(acc_s, row_sum, first=early)
+                else:
+                    add_row_sums(acc_s, row_sum, correction)
                 r_p.store(acc_s.load().to(self.dtype))
                 self._pin_p(r_p)
                 read.advance()

@@ -78,12 +78,15 @@ def softmax_finalize(row_max: cute.Tensor, row_sum: cute.Tensor, h):
 
 
 @cute.jit
-def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, correction: cute.Tensor, scale_log2=None):
+def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, correction: cute.Tensor, scale_log2=None,
+                          count: cutlass.Constexpr = None):
     """`online_softmax` without touching O, for a kernel whose P V WGMMA still accumulates into O:
     acc_s becomes P and correction[h] = 2^(m_old - m) is left for `rescale_rows` once that WGMMA
     is done; `add_row_sums` then updates the row sums. With `scale_log2` (> 0), acc_s holds raw
     scores s (masked ones -inf) and x = s * scale_log2 is formed inside the exponent, one FFMA per
-    element: max(x) = scale_log2 * max(s) for a positive scale. row_max is in x units either way."""
+    element: max(x) = scale_log2 * max(s) for a positive scale. row_max is in x units either way.
+    With `count`, only the first `count` values of each row become P; `exponentiate_rest` does the
+    others."""
     n_s = cute.size(acc_s)
     for h in cutlass.range_constexpr(2):
         m = Float32(NEG_INF)
@@ -99,22 +102,43 @@ def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, correction: 
             base = Float32(0.0)
         correction[h] = cute.math.exp2(row_max[h] - base, fastmath=True)
         row_max[h] = m
-        for v in row_half(n_s, h):
-            if const_expr(scale_log2 is None):
-                acc_s[v] = cute.math.exp2(acc_s[v] - base, fastmath=True)
-            else:
-                acc_s[v] = cute.math.exp2(acc_s[v] * scale_log2 - base, fastmath=True)
+        _exponentiate(acc_s, row_half(n_s, h)[:count], base, scale_log2)
 
 
 @cute.jit
-def add_row_sums(acc_s: cute.Tensor, row_sum: cute.Tensor, correction: cute.Tensor):
-    """row_sum[h] = row_sum[h] * correction[h] + the row's P (acc_s). Apart from the exponentials
+def exponentiate_rest(acc_s: cute.Tensor, row_max: cute.Tensor, count: cutlass.Constexpr, scale_log2=None):
+    """The values of each row past the first `count` become P, as `online_softmax_scores` (with
+    `count`) made the others: against the row max it left in row_max."""
+    n_s = cute.size(acc_s)
+    for h in cutlass.range_constexpr(2):
+        base = row_max[h]
+        if base == NEG_INF:
+            base = Float32(0.0)
+        _exponentiate(acc_s, row_half(n_s, h)[count:], base, scale_log2)
+
+
+def _exponentiate(acc_s: cute.Tensor, values: list, base, scale_log2):
+    for v in values:
+        if const_expr(scale_log2 is None):
+            acc_s[v] = cute.math.exp2(acc_s[v] - base, fastmath=True)
+        else:
+            acc_s[v] = cute.math.exp2(acc_s[v] * scale_log2 - base, fastmath=True)
+
+
+@cute.jit
+def add_row_sums(acc_s: cute.Tensor, row_sum: cute.Tensor, correction=None, first: cutlass.Constexpr = 0,
+                 count: cutlass.Constexpr = None):
+    """row_sum[h] = row_sum[h] * correction[h] (without `correction`: row_sum[h]) + the row's P
+    (acc_s; with `first` / `count`, only those of each row's values). Apart from the exponentials
     and called after the WGMMA wait: summed as they were made, the compiler computed each P twice
     in a tile loop or at d256 (once for the sum, again for the registers P V reads later)."""
     n_s = cute.size(acc_s)
     for h in cutlass.range_constexpr(2):
-        part = row_sum[h] * correction[h]
-        for v in row_half(n_s, h):
+        part = row_sum[h]
+        if const_expr(correction is not None):
+            part = part * correction[h]
+        values = row_half(n_s, h)[first:]
+        for v in values[:count]:
             part += acc_s[v]
         row_sum[h] = part
 
