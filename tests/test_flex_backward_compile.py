@@ -16,6 +16,7 @@ from inductor_cute.kernels.attention.flex_backward_config import (HEAD_DIMS, KER
 from inductor_cute.kernels.attention.flex_prefill_config import attention_flops
 from inductor_cute.kernels.common.programs.score import dumps
 from inductor_cute.runtime.compiler import compile_spec
+from sass import sass
 
 CAUSAL = dumps([["o", "ge", "q", "kv"]])
 DOCUMENT = dumps([["qd", "load", "t0", "q"], ["kd", "load", "t0", "kv"], ["o", "eq", "qd", "kd"]])
@@ -55,7 +56,7 @@ def compiled(request, compiled_all):
 @pytest.mark.parametrize("kernel,name,dq_reduce", [
     (kernel, name, False) for kernel in ("dkdv", "dq") for name in ("d128", "d64-fp16", "d128-causal-block128")
 ] + [("dkdv", "d128", True)])  # (dq_reduce runs no dQ kernel)
-def test_exp_under_dp_commits_s_and_dp_apart(kernel, name, dq_reduce):
+def test_exp_under_dp_commits_s_and_dp_apart(kernel, name, dq_reduce, tmp_path):
     problem = PROBLEMS[name]
     config = dataclasses.replace(default_config(problem, dq_reduce=dq_reduce), exp_under_dp=True)
     obj = compile_spec(specs(problem, config)[kernel], "sm_90a", keep_ptx=True)
@@ -67,6 +68,12 @@ def test_exp_under_dp_commits_s_and_dp_apart(kernel, name, dq_reduce):
         specs(problem, dataclasses.replace(config, exp_under_dp=False))[kernel], "sm_90a", keep_ptx=True).ptx)
     assert len(waits) == len(plain) + 1 and waits.count("1") == plain.count("1") + 1
     assert "exp_under_dp" in config.as_params() and "exp_under_dp" not in default_config(problem).as_params()
+    # and ptxas keeps the exponentials between the two waits (without the hold it waited for dP
+    # first in the dQ kernel and with dq_reduce): a thread's 32 values of the 64 x 64 block, after
+    # one wait_group 1 (with dq_reduce the other is dQ's)
+    marks = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[01]|MUFU\.EX2", sass(obj, tmp_path))
+    between = re.findall(r"1(E*)0", "".join("E" if m == "MUFU.EX2" else m[-1] for m in marks))
+    assert sorted(len(run) for run in between)[-1:] == [32]
 
 
 def test_exp_under_dp_is_refused_where_it_would_serialize():

@@ -62,3 +62,12 @@ def wait_after(a, b, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
                     "{\n\t.reg .pred nan;\n\tsetp.nan.f32 nan, $0, $1;\n\t@nan nanosleep.u32 0;\n\t}", "f,f",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def wait_after_all(t: cute.Tensor) -> None:
+    """`wait_after` every value of register tensor `t` (fp32): their sum, a tree of adds, is what
+    the hold tests."""
+    values = [t[i] for i in range(cute.size(t))]
+    while len(values) > 2:
+        values = [values[i] + values[i + 1] for i in range(0, len(values) - 1, 2)] + values[len(values) // 2 * 2:]
+    wait_after(values[0], values[-1])

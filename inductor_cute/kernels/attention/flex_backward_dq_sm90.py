@@ -40,7 +40,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .accumulator import acc_as_operand_a, check_acc_layout, row_half
+from .accumulator import acc_as_operand_a, check_acc_layout, row_half, wait_after_all
 from .backward_tiles import gemm_rs, gemm_ss, store_rows, transpose_view
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
@@ -247,6 +247,7 @@ class FlexBackwardDqSm90:
                         warpgroup.wait_group(1)  # S
                         self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial,
                                           seq_len, mask_tensors, lse2, delta, scale, score_tensors, "p")
+                        wait_after_all(acc_s)  # ptxas would wait for dP before the exponentials
                         warpgroup.wait_group(0)  # dP
                         self._scores_grad(acc_s, acc_dp, tScS, scale_log2, b, head, row0, q_len, blk, partial,
                                           seq_len, mask_tensors, lse2, delta, scale, score_tensors, "ds")

@@ -67,7 +67,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .accumulator import acc_as_operand_a, check_acc_layout
+from .accumulator import acc_as_operand_a, check_acc_layout, wait_after_all
 from .backward_tiles import gemm_rs, gemm_ss, store_rows, transpose_view
 from ..common import barriers
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
@@ -344,6 +344,7 @@ class FlexBackwardSm90:
                             warpgroup.wait_group(1)  # S^T
                             self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk,
                                                seq_len, blk, q_len, partial, mask_tensors, scale, score_tensors, "p")
+                            wait_after_all(acc_s)  # ptxas would wait for dP before the exponentials
                             warpgroup.wait_group(0)  # dP^T
                             self._softmax_grad(acc_s, acc_dp, tScS, scale_log2, mLse2, mDelta, b, head, kv_blk,
                                                seq_len, blk, q_len, partial, mask_tensors, scale, score_tensors, "ds")
