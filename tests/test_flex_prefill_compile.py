@@ -178,6 +178,8 @@ def test_o_leaves_in_halves_and_own_buffers_need_no_cta_wide_epilogue(request, c
         assert not cta_wide and re.search(r"bar\.sync\s+%r\d+, 128", ptx)
         first_store = ptx.index(stores[0])
         assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0", ptx[:first_store])
+        # and each store warp waits for its last store before the CTA ends
+        assert re.search(r"cp\.async\.bulk\.wait_group\s+0", ptx[first_store:])
     else:
         assert len(cta_wide) == 2
 

@@ -18,14 +18,16 @@ staged in a buffer of its own).
     straight from registers, accumulator.py) back to back, waits for S_j only and turns it into
     P_j while P_{j-1} V_{j-1} runs: score_mod / mask_mod on partial blocks (mask.py), keys past
     the end masked, the online softmax in fp32 registers with exp2 (softmax.py); then it waits for
-    P_{j-1} V_{j-1}, frees stage j - 1 and rescales O. The two consumers also take turns at
-    issuing their WGMMAs (named barriers, ping-pong), so one's softmax runs under the other's
-    matmuls.
-  * the epilogue normalises O by the row sums, stages it in Q's shared memory (stmatrix; Dv <= Dqk)
-    and one thread writes it with two TMA stores of 64 x Dv; with two Q buffers O has a buffer of
-    its own and each consumer stages and stores its 64 rows alone (rows past the query length are
-    clipped by TMA). The logsumexp goes out per row in natural-log units (m + log2 l) * ln 2, as
-    flex_attention returns it. Rows with nothing to attend get out 0 and lse -inf.
+    P_{j-1} V_{j-1}, frees stage j - 1 and rescales O (ptxas issues that wait before the
+    exponentials unless config.early_exps holds it behind the first ones). The two consumers also
+    take turns at issuing their WGMMAs (named barriers, ping-pong), so one's softmax runs under the
+    other's matmuls.
+  * the epilogue normalises O by the row sums and stages it in two halves of 64 x Dv (stmatrix): in
+    Q's shared memory (Dv <= Dqk), one warp then storing both with TMA; with two Q buffers in a
+    buffer of its own, each consumer staging and storing its own half alone (rows past the query
+    length are clipped by TMA). The logsumexp goes out per row in natural-log units
+    (m + log2 l) * ln 2, as flex_attention returns it. Rows with nothing to attend get out 0 and
+    lse -inf.
 
 A block mask (sparse_block > 0; block_sparse.py): the CTA walks kv_indices[z, hm, r,
 :kv_num_blocks] then full_kv_indices[z, hm, r, :full_kv_num_blocks] (z = b % Z, hm = h % H, r the
@@ -438,8 +440,8 @@ class FlexPrefillSm90:
             release.advance()
         self._epilogue(acc_o, tOcO, row_max, row_sum, sO, tma_o, gO_full, mLse, ctid, warp_idx, slot,
                        m_block, head, b, q_len)
-        # after the store warp saw the TMA unit read O (which, with one Q buffer, was staged in
-        # Q's): the producer may load a next Q into this buffer
+        # with one Q buffer, after the store warp saw the TMA unit read O (staged in Q's buffer);
+        # with two, Q's buffer is free already: the producer may load a next Q into it
         q_pipe.consumer_release(q_state)
         q_state.advance()
         states[:] = [q_state, read, release]
