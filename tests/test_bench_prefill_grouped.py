@@ -324,3 +324,6 @@ def test_early_exps_runners_are_what_the_host_picks_with_early_exponentials(monk
             assert (config.early_exps, config.split_kv) == (config.kv_block // 4 * 5 // 8, split_kv)
             assert (config.kv_block, config.stages, config.persistent_ctas, config.q_stages) == \
                 (host_picks.kv_block, host_picks.stages, host_picks.persistent_ctas, host_picks.q_stages)
+        persistent = fp.early_exps_config(p, persistent=True)
+        assert config_error(persistent, problem) is None
+        assert dataclasses.replace(persistent, early_exps=0) == fp.persistent_config(p)

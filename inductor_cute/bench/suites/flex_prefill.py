@@ -20,8 +20,9 @@ Runners of a case (all on the same q, k, v and mods):
   split_kv       ours, one CTA per tile, with K and V in rings of their own (FlexPrefillConfig.split_kv:
                  each stage freed once its product is done), beside the default until measured
   early_exps     ours, the default config with each row's first 5/8 exponentials of a block
-                 made before the wait for the previous P V (FlexPrefillConfig.early_exps), and
-  split_kv_early the same with split_kv: beside the default until measured
+                 made before the wait for the previous P V (FlexPrefillConfig.early_exps);
+  split_kv_early the same with split_kv, and
+  persistent_early the persistent runner's config with early_exps: beside the default until measured
 Correctness: the harness checks every runner's output against an fp32 reference (untimed; the
 same score_mod and mask_mod applied to dense scores, chunked over queries). q is scaled so softmax
 puts its weight on a few dozen keys (flex_decode.peaked_query_scale), as trained attention does,
@@ -290,14 +291,16 @@ def split_kv_config(p: Prefill):
 EARLY_EXPS = (5, 8)  # the fraction of a thread's values per row (kv_block / 4) made early: 20 of 32
 
 
-def early_exps_config(p: Prefill, split_kv: bool = False):
-    """The config the host picks for the case (default_config with the SM count) with early_exps."""
+def early_exps_config(p: Prefill, split_kv: bool = False, persistent: bool = False):
+    """The config the host picks for the case (default_config with the SM count), or the persistent
+    runner's, with early_exps."""
     import dataclasses
 
     from ...host.common import sm_count
     from ...kernels.attention import flex_prefill_config as fpc
 
-    config = fpc.default_config(fpc.FlexPrefillProblem(p.dqk, p.dv, "bfloat16"), sm_count(0))
+    config = persistent_config(p) if persistent else \
+        fpc.default_config(fpc.FlexPrefillProblem(p.dqk, p.dv, "bfloat16"), sm_count(0))
     early = config.kv_block // 4 * EARLY_EXPS[0] // EARLY_EXPS[1]
     return dataclasses.replace(config, early_exps=early, split_kv=split_kv)
 
@@ -334,7 +337,9 @@ def _case(p: Prefill) -> Case:
                  "split_kv": lambda: flex_prefill(q, k, v, scale=scale, config=split_kv_config(p), **ours_kw),
                  "early_exps": lambda: flex_prefill(q, k, v, scale=scale, config=early_exps_config(p), **ours_kw),
                  "split_kv_early": lambda: flex_prefill(q, k, v, scale=scale, config=early_exps_config(p, True),
-                                                        **ours_kw)},
+                                                        **ours_kw),
+                 "persistent_early": lambda: flex_prefill(q, k, v, scale=scale,
+                                                          config=early_exps_config(p, persistent=True), **ours_kw)},
         reference=lambda: reference(q, k, v, scale, mods),
     )
 
