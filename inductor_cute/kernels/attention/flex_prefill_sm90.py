@@ -22,12 +22,10 @@ staged in a buffer of its own).
     exponentials unless config.early_exps holds it behind the first ones). The two consumers also
     take turns at issuing their WGMMAs (named barriers, ping-pong), so one's softmax runs under the
     other's matmuls.
-  * the epilogue normalises O by the row sums and stages it in two halves of 64 x Dv (stmatrix): in
-    Q's shared memory (Dv <= Dqk), one warp then storing both with TMA; with two Q buffers in a
-    buffer of its own, each consumer staging and storing its own half alone (rows past the query
-    length are clipped by TMA). The logsumexp goes out per row in natural-log units
-    (m + log2 l) * ln 2, as flex_attention returns it. Rows with nothing to attend get out 0 and
-    lse -inf.
+  * the epilogue (prefill_epilogue.py) normalises O by the row sums and stores it with TMA, in two
+    halves of 64 rows (each consumer's own with two Q buffers), and the logsumexp per row in
+    natural-log units, (m + log2 l) * ln 2, as flex_attention returns it. Rows with nothing to
+    attend get out 0 and lse -inf.
 
 A block mask (sparse_block > 0; block_sparse.py): the CTA walks kv_indices[z, hm, r,
 :kv_num_blocks] then full_kv_indices[z, hm, r, :full_kv_num_blocks] (z = b % Z, hm = h % H, r the
@@ -56,12 +54,11 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import barriers
-from ..common.units import LN2
-from .accumulator import acc_as_operand_a, check_acc_layout, fence_operand, row_half, wait_after
+from .accumulator import acc_as_operand_a, check_acc_layout, fence_operand, wait_after
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
@@ -70,8 +67,9 @@ from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfi
                                   from_params, smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
-from .softmax import (add_row_sums, exponentiate_rest, online_softmax_scores, rescale_rows, softmax_finalize,
-                      softmax_reset, softmax_state)
+from .prefill_epilogue import PrefillEpilogue
+from .softmax import (add_row_sums, exponentiate_rest, online_softmax_scores, rescale_rows, softmax_reset,
+                      softmax_state)
 from .tile_order import LongestFirst, section_width
 
 
@@ -93,6 +91,8 @@ class FlexPrefillSm90:
         self.blocks = BlockSparse(problem.sparse_block, self.kvb)
         # S stays raw until the softmax's exponent (softmax.online_softmax_scores)
         self.fold_scale = not problem.score_program and problem.positive_scale
+        self.epilogue = PrefillEpilogue(self.dtype, self.dv, config.q_stages > 1,
+                                        lambda: self._make_mma_pv(warpgroups=1))
 
     # Each consumer warp group owns 64 of the 128 rows. _qk and _pv make their own MMA objects:
     # setting the accumulate flag on one the kernel holds would make it a value carried through
@@ -438,8 +438,8 @@ class FlexPrefillSm90:
             warpgroup.wait_group(0)
             v_pipe.consumer_release(release)
             release.advance()
-        self._epilogue(acc_o, tOcO, row_max, row_sum, sO, tma_o, gO_full, mLse, ctid, warp_idx, slot,
-                       m_block, head, b, q_len)
+        self.epilogue.run(acc_o, tOcO, row_max, row_sum, sO, tma_o, gO_full, mLse, ctid, warp_idx, slot, m_block,
+                          head, b, q_len)
         # with one Q buffer, after the store warp saw the TMA unit read O (staged in Q's buffer);
         # with two, Q's buffer is free already: the producer may load a next Q into it
         q_pipe.consumer_release(q_state)
@@ -515,68 +515,6 @@ class FlexPrefillSm90:
         self.mods.apply(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, score_tensors,
                         mask_tensors, scale_later=self.fold_scale)
         mask_past_end(acc_s, tScS, self.kvb, blk, seq_len)
-
-    @cute.jit
-    def _epilogue(self, acc_o: cute.Tensor, tOcO: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                  sO: cute.Tensor, tma_o: cute.CopyAtom, gO_full: cute.Tensor, mLse: cute.Tensor, ctid: Int32,
-                  warp_idx: Int32, slot: Int32, m_block: Int32, head: Int32, b: Int32, q_len: Int32):
-        """O / l into this warp group's half of O's staging buffer and out with a TMA store of its
-        64 rows; lse = (m + log2 l) * ln 2 per real row. With two Q buffers O has a buffer of its
-        own and each warp group stages and stores alone: its first warp issues the store and waits
-        for the TMA unit to have read it only before the next tile's staging, so neither the other
-        warp group nor the next tile waits for it. With one Q buffer O is staged in Q's buffer, once
-        both warp groups are past their last S = Q K^T, and one warp stores both halves and waits
-        for them to be read before Q's buffer is handed back."""
-        lse = cute.make_rmem_tensor((2,), Float32)
-        for h in cutlass.range_constexpr(2):
-            inv, lse2 = softmax_finalize(row_max, row_sum, h)
-            for v in row_half(cute.size(acc_o), h):
-                acc_o[v] = acc_o[v] * inv
-            lse[h] = lse2 * LN2
-        own = self.config.q_stages > 1
-        store_warp = 4 + 4 * slot if const_expr(own) else 4
-        if const_expr(own):
-            if warp_idx == store_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # this half's last store has read it
-            staged = pipeline.NamedBarrier(barrier_id=barriers.attention_epilogue(slot), num_threads=128)
-        else:
-            staged = pipeline.NamedBarrier(barrier_id=barriers.ATTENTION_CONSUMERS, num_threads=self.consumer_threads)
-        staged.arrive_and_wait()
-        # the accumulator in stmatrix-shaped pieces (a layout-only atom), stored with the store op
-        # the row-major staging layout wants
-        atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
-        r2s = cute.make_tiled_copy_S(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
-                                     cute.make_tiled_copy_C_atom(atom, self._make_mma_pv(warpgroups=1)))
-        thr_r2s = r2s.get_slice(ctid % 128)
-        tRS_acc = r2s.retile(acc_o)
-        r_o = cute.make_rmem_tensor(thr_r2s.partition_S(cute.make_identity_tensor((64, self.dv))).shape, Float32)
-        for v in cutlass.range(cute.size(r_o), unroll_full=True):
-            r_o[v] = tRS_acc[v]
-        r_out = cute.make_rmem_tensor(r_o.shape, self.dtype)
-        r_out.store(r_o.load().to(self.dtype))
-        cute.copy(r2s, r_out, thr_r2s.partition_D(sO[(None, None, slot)]))
-        # generic-proxy smem writes, read next by the TMA unit
-        cute.arch.fence_proxy("async.shared", space="cta")
-        staged.arrive_and_wait()
-        # the lse after the fence, which would otherwise wait for these global stores
-        for h in cutlass.range_constexpr(2):
-            row = m_block * M_BLOCK + tOcO[0][0] + 8 * h
-            if row < q_len and tOcO[0][1] == 0:  # one thread of the row's quad
-                mLse[(b, head, row)] = lse[h]
-        if warp_idx == store_warp:
-            gO = cute.local_tile(gO_full, (64, self.dv), (None, None, None, None))
-            for half in cutlass.range_constexpr(1 if own else CONSUMER_WARPGROUPS):
-                rows = slot if const_expr(own) else half
-                tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
-                                                   cute.group_modes(sO[(None, None, rows)], 0, 2),
-                                                   cute.group_modes(gO, 0, 2))
-                cute.copy(tma_o, tOsO, tOgO[(None, 2 * m_block + rows, 0, head, b)])
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(not own):
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # Q's buffer stays valid until read
-                # the store's lane waited; lane 0 hands the Q buffer back (q_pipe.consumer_release) after it
-                cute.arch.sync_warp()
-
 
 def build(**params):
     """(jit function, fake arguments) for cute.compile from a spec's parameters (flex_prefill_config.spec);
