@@ -55,8 +55,9 @@ def _backward_stand_in(q, k, v, out, lse, grad_out, scale, mask_mod, mask_tensor
     do = grad_out.float()
     ds = p * (do @ vf.transpose(-1, -2) - (do * out.float()).sum(-1, keepdim=True))
 
-    def per_kv_head(x):
-        return x.view(batch, kv_heads, g, *x.shape[2:]).sum(2)
+    def per_kv_head(x):  # and, for k and v of batch 1 shared by the query batches, over those
+        x = x.view(batch, kv_heads, g, *x.shape[2:]).sum(2)
+        return x.sum(0, keepdim=True) if k.shape[0] == 1 < batch else x
 
     dq = ds @ kf * scale
     dk = per_kv_head(ds.transpose(-1, -2) @ q.float() * scale)
@@ -251,12 +252,27 @@ def training_problem() -> flex.FlexProblem:
     (dict(head_dim_qk=256, head_dim_v=256), "backward: head dims 256/256"),
     (dict(block_sizes=(128, 64)), "backward block mask"),
     (dict(backward_lists_ok=False), "backward lists"),
-    (dict(kv_batch_broadcast=True), "batch 1 shared"),
     (dict(flex_prefill=False), "prefill kernel is opt-in"),  # the forward's kernel is on offer for training too
 ])
 def test_training_calls_are_declined_with_the_reason(training_problem, hopper, change, reason):
     assert decline_reason(training_problem) is None
     assert reason in decline_reason(dataclasses.replace(training_problem, **change))
+
+
+def test_a_training_step_with_k_and_v_shared_by_the_query_batches_runs_our_kernels(cpu_training, decisions):
+    # one K/V of batch 1 for every query batch (PyTorch's tests make such calls): dk and dv of
+    # batch 1 sum over the query batches, as autograd of the broadcast does
+    q, k, v = qkv(batch=3, q_len=256, kv_len=256)
+    k, v = k[:1], v[:1]
+    # (flex_attention wants a block mask of the query batch when k and v have another)
+    mask = create_block_mask(causal, 3, None, 256, 256, device="cpu")
+    out, grads, weights, code = training_step(q, k, v, block_mask=mask)
+    assert OUR_PREFILL_CALL in code and OUR_BACKWARD_CALL in code
+    assert decisions and all(reason is None for _, reason in decisions)
+    assert all(p.kv_batch_broadcast for p, _ in decisions)
+    ref_out, ref = reference_grads(q, k, v, weights, causal)
+    assert grads[1].shape == k.shape and grads[2].shape == v.shape
+    assert_grads_match(grads, ref)
 
 
 def test_inference_calls_ignore_the_backward_limits(training_problem, hopper):

@@ -79,7 +79,9 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
 
     Shapes and dtypes as flex_prefill: q (B, Hq, Lq, Dqk), k (B, Hkv, Lkv, Dqk), v (B, Hkv, Lkv, Dv),
     out and grad_out (B, Hq, Lq, Dv), bf16 or fp16, Hq a multiple of Hkv (dk and dv sum over the
-    query heads of a KV head); head dims 64/64, 128/128 and 192/128. `scale` defaults to 1/sqrt(Dqk).
+    query heads of a KV head); head dims 64/64, 128/128 and 192/128. k and v may have batch 1,
+    shared by every query batch: dk and dv (batch 1) then also sum over the query batches (the
+    kernels run on a copy of k and v per query batch, and the sum is taken in fp32). `scale` defaults to 1/sqrt(Dqk).
     `mask_mod` is a mask program's text reading `mask_tensors`; `score_mod` a score program's
     reading `score_tensors`, recomputed and differentiated with respect to the score (its captured
     tensors get no gradient: a learnable bias is the caller's to refuse). A BlockMask comes as both
@@ -93,7 +95,7 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     from ..kernels.attention import flex_backward_config as fbc
 
     check_cuda(NAME, q, k, v, out, lse, grad_out)
-    batch, heads, q_len, dqk, kv_heads, kv_len, dv, _ = attention_shapes(NAME, q, k, v)
+    batch, heads, q_len, dqk, kv_heads, kv_len, dv, shared_kv = attention_shapes(NAME, q, k, v, shared_kv_ok=True)
     problem = fbc.unsupported_reason(dqk, dv, DTYPE_NAMES[q.dtype])
     if problem:
         raise UnsupportedError(f"{NAME}: {problem}")
@@ -137,11 +139,13 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
         if error:
             raise UnsupportedError(f"{NAME}: {config}: {error}")
 
+    if q_len == 0 or kv_len == 0 or batch == 0 or heads == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dq = torch.empty(batch, heads, q_len, dqk, device=q.device, dtype=q.dtype)
     dk = torch.empty(batch, kv_heads, kv_len, dqk, device=q.device, dtype=q.dtype)
     dv_ = torch.empty(batch, kv_heads, kv_len, dv, device=q.device, dtype=q.dtype)
-    if q_len == 0 or kv_len == 0 or batch == 0 or heads == 0:
-        return dq.zero_(), dk.zero_(), dv_.zero_()
+    if shared_kv:  # per query batch (_operand copies the expanded views), summed below
+        k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
     kernels = _flex_backward_kernels(dqk, dv, DTYPE_NAMES[q.dtype], mask_program, mask_dtypes, sparse_block,
                                      sparse_q_block, config, score_program, score_dtypes)
     scale = 1.0 / dqk ** 0.5 if scale is None else float(scale)
@@ -153,8 +157,11 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
         dq_acc = torch.zeros(batch, heads, padded, dqk, device=q.device, dtype=torch.float32)
         kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots,
                         *score_slots, dq_acc)
-        return dq.copy_(dq_acc[:, :, :q_len]), dk, dv_
-    kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots,
-                    *score_slots, None)
-    kernels["dq"](q_, k_, v_, do_, lse2, delta, dq, scale * LOG2E, scale, *fwd_slots, *mask_slots, *score_slots)
+        dq.copy_(dq_acc[:, :, :q_len])
+    else:
+        kernels["dkdv"](q_, k_, v_, do_, lse2, delta, dk, dv_, scale * LOG2E, scale, *bwd_slots, *mask_slots,
+                        *score_slots, None)
+        kernels["dq"](q_, k_, v_, do_, lse2, delta, dq, scale * LOG2E, scale, *fwd_slots, *mask_slots, *score_slots)
+    if shared_kv:
+        dk, dv_ = (t.sum(0, keepdim=True, dtype=torch.float32).to(q.dtype) for t in (dk, dv_))
     return dq, dk, dv_

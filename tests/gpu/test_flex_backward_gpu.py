@@ -195,6 +195,18 @@ def test_matches_torch_flex_attention_backward(causal):
         assert err < 2e-2 * max(1.0, ref.abs().max().item()), f"{name}: max difference {err:.3e} from torch"
 
 
+@pytest.mark.parametrize("dq_reduce", [False, True])
+def test_k_and_v_shared_by_the_query_batches(dq_reduce):
+    # one K/V of batch 1 for three query batches: dk and dv (batch 1) sum over them; lse from the
+    # reference, then from our forward kernel taking the shared cache itself
+    from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardConfig
+
+    config = FlexBackwardConfig(**DQ_REDUCE) if dq_reduce else None
+    q, k, v = rand(3, 8, 300, 128), rand(1, 2, 500, 128), rand(1, 2, 500, 128)
+    check(q, k, v, config=config)
+    check(q, k, v, lse_from="kernel", config=config)
+
+
 def test_empty_inputs():
     q = rand(1, 2, 5, 128)
     empty = rand(1, 2, 0, 128)

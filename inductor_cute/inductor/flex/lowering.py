@@ -198,9 +198,6 @@ def _training_reason(p: FlexProblem) -> str | None:
 
     if not p.flex_backward:
         return "a training graph (our backward is opt-in: enable(flex_backward=True))"
-    if p.kv_batch_broadcast:
-        return "k and v of batch 1 shared by the query batches in a training graph (our backward sums no dk/dv " \
-               "over the batch)"
     problem = fbc.unsupported_reason(p.head_dim_qk, p.head_dim_v, DTYPE_NAMES.get(p.dtypes[0], str(p.dtypes[0])))
     if problem:
         return f"backward: {problem}"
