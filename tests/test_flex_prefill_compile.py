@@ -294,12 +294,28 @@ def test_tiles_in_l2_sections_run_longest_first_within_each_and_cover_the_grid(m
     assert sorted(coords) == sorted((m, h, b) for m in range(m_blocks) for h in range(heads) for b in range(batch))
     pairs = [h + heads * b for _, h, b in coords]
     width = min(width, heads * batch)
-    for start in range(0, heads * batch, width):  # each section: its pairs' tiles in one run, longest first
-        run = [i for i, p in enumerate(pairs) if start <= p < start + width]
-        assert run == list(range(run[0], run[0] + len(run)))
-        assert [coords[i][0] for i in run] == sorted((coords[i][0] for i in run), reverse=True)
-        assert [pairs[i] for i in run[:min(width, heads * batch - start)]] == list(range(start, start + len(
-            run) // m_blocks))
+    narrow = heads * batch % width  # the narrower section, if any, comes first
+    starts = ([0] if narrow else []) + list(range(narrow, heads * batch, width))
+    for i, start in enumerate(starts):  # each section: its pairs' tiles in one run, longest first
+        end = starts[i + 1] if i + 1 < len(starts) else heads * batch
+        run = [k for k, p in enumerate(pairs) if start <= p < end]
+        assert run == list(range(start * m_blocks, end * m_blocks))
+        assert [coords[k][0] for k in run] == sorted((coords[k][0] for k in run), reverse=True)
+        assert [pairs[k] for k in run[:end - start]] == list(range(start, end))
+
+
+def test_a_narrower_section_runs_first_so_the_tail_is_short():
+    # DeepSeek-V3 MLA causal (32 query blocks, 128 heads, sections of 9: 14 and one of 2): CTAs
+    # taking tiles in order as SMs free up (one CTA per SM), a tile costing its KV blocks plus 1.5
+    # of fixed cost. With the 2-pair section last its longest tiles ended the kernel alone
+    # (581.5 blocks); first, the makespan is that of equal sections (560 = 512 of work + 48)
+    import heapq
+
+    tiles = LongestFirst(32, 128, 1, section_width(4096, 640, 1))
+    free = [0.0] * 132
+    for t in range(tiles.count()):
+        heapq.heappush(free, heapq.heappop(free) + tiles.coord(t)[0] + 1 + 1.5)
+    assert max(free) <= 1.01 * (32 * 33 / 2 * 128 / 132 + 32 * 1.5)
 
 
 def test_l2_sections_hold_whole_kv_heads_that_fit():
