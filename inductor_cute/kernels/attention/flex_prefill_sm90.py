@@ -254,7 +254,6 @@ class FlexPrefillSm90:
                     m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
                     hkv = head // q_per_kv
                     b_kv = Int32(0) if const_expr(self.problem.kv_batch_broadcast) else b  # one shared cache
-                    n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
                     # A CTA's first Q goes first. Later, with one Q buffer, the ring's first
                     # `stages` blocks of a tile load as the last tile's blocks are freed, under its
                     # epilogue; Q then waits for that epilogue (O leaves through Q's buffer), and
@@ -263,9 +262,10 @@ class FlexPrefillSm90:
                     later = tile != first_tile
                     if const_expr(self.config.q_stages > 1):
                         later = cutlass.Boolean(False)
-                    if not later:
+                    if not later:  # (before the block mask's counts: Q's load need not wait for them)
                         self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
                         q_state.advance()
+                    n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
                     prev_blk = Int32(0)  # split_kv: the block whose V follows the next K
                     for j in range(n_blocks):
                         if later and j == self.config.stages:
