@@ -82,7 +82,8 @@ class PrefillEpilogue:
                 tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
                                                    cute.group_modes(sO[(None, None, rows)], 0, 2),
                                                    cute.group_modes(gO, 0, 2))
-                cute.copy(tma_o, tOsO, tOgO[(None, 2 * m_block + rows, 0, head, b)])
+                if (2 * m_block + rows) * 64 < q_len:  # a half wholly past the last query stores nothing
+                    cute.copy(tma_o, tOsO, tOgO[(None, 2 * m_block + rows, 0, head, b)])
             cute.arch.cp_async_bulk_commit_group()
             if const_expr(not own):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # Q's buffer stays valid until read
