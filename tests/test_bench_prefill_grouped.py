@@ -326,4 +326,4 @@ def test_early_exps_runners_are_what_the_host_picks_with_early_exponentials(monk
                 (host_picks.kv_block, host_picks.stages, host_picks.persistent_ctas, host_picks.q_stages)
         persistent = fp.early_exps_config(p, persistent=True)
         assert config_error(persistent, problem) is None
-        assert dataclasses.replace(persistent, early_exps=0) == fp.persistent_config(p)
+        assert persistent.persistent_ctas == 132 and persistent.early_exps == config.early_exps

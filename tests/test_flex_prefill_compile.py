@@ -241,7 +241,13 @@ def test_shared_memory_fits_and_matches_the_kernel_layout():
         assert config_error(cfg, problem) is None
         assert smem_bytes(problem, cfg) <= SMEM_BUDGET
         assert cfg.stages >= 2
-    assert default_config(FlexPrefillProblem(128, 128, "bfloat16")) == FlexPrefillConfig(128, 3)
+    # the measured winners (sixteenth session): early exponentials at 128/128 (and persistent CTAs
+    # given the SM count), split_kv with them at 192/128
+    assert default_config(FlexPrefillProblem(128, 128, "bfloat16")) == FlexPrefillConfig(128, 3, early_exps=20)
+    assert default_config(FlexPrefillProblem(128, 128, "bfloat16"), 132) == \
+        FlexPrefillConfig(128, 3, persistent_ctas=132, early_exps=20)
+    assert default_config(FlexPrefillProblem(192, 128, "bfloat16"), 132) == \
+        FlexPrefillConfig(128, 2, split_kv=True, early_exps=20)
     assert default_config(FlexPrefillProblem(256, 256, "bfloat16")) == FlexPrefillConfig(64, 2)
     assert default_config(FlexPrefillProblem(64, 64, "bfloat16")).stages == 4
 
@@ -272,7 +278,8 @@ def test_unsupported_problems_and_configs_are_named():
 def test_spec_spells_problem_and_config_and_reads_back():
     problem = FlexPrefillProblem(128, 128, "bfloat16", SOFTCAP, (), DOCUMENT, ("int32",), 256, 128)
     s = spec(problem)
-    assert set(s.kwargs) == set(problem.as_params()) | {"kv_block", "stages", "persistent_ctas", "q_stages"}
+    assert set(s.kwargs) == set(problem.as_params()) | {"kv_block", "stages", "persistent_ctas", "q_stages",
+                                                         "early_exps"}
     assert from_params(s.kwargs) == (problem, default_config(problem))
 
 
@@ -434,7 +441,7 @@ def test_host_runs_head_dim_64_on_persistent_ctas_with_two_q_buffers(host_on_cpu
     assert config == default_config(FlexPrefillProblem(64, 64, "bfloat16"), num_sms=132)
     # without an SM count, and at the other head dims, one CTA per tile
     assert default_config(FlexPrefillProblem(64, 64, "bfloat16")).persistent_ctas == 0
-    assert default_config(FlexPrefillProblem(128, 128, "bfloat16"), num_sms=132).persistent_ctas == 0
+    assert default_config(FlexPrefillProblem(128, 128, "bfloat16"), num_sms=132).q_stages == 1
 
 
 def test_host_refuses_what_the_kernel_cannot_take(host_on_cpu):

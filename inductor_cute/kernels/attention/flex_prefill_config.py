@@ -180,26 +180,33 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
 
 
 # head dims whose default is persistent CTAs with two Q buffers, on a device whose SM count is
-# given: at 64/64 they ran the vit case (B32 H16 S1024) in 348 us against 403 with a CTA per tile
-# (benchmarks/results/flex_prefill-quick-h200-20261204-s10.md); the causal 128/128 and 192/128
-# cases ran ~1.4x slower persistent, so those keep a CTA per tile
+# given: at 64/64 they ran the vit case (B32 H16 S1024) in 338.6 us against 403 with a CTA per tile
 PERSISTENT_HEAD_DIMS = {(64, 64)}
+# what the sixteenth session measured fastest per head dims (flex_prefill-quick-h200-20261205-s16):
+# 128/128 persistent CTAs (one Q buffer) with early_exps, Llama causal 874.2 us against 946.0;
+# 192/128 split_kv with early_exps, DeepSeek-V3 MLA causal 1050.2 against 1431.0 (split_kv alone
+# 1054.3). early_exps at 64/64 was slower (351.1 against 338.6)
+TUNED = {(128, 128): dict(persistent=True, early_exps=20), (192, 128): dict(split_kv=True, early_exps=20)}
 
 
 def default_config(problem: FlexPrefillProblem, num_sms: int = 0) -> FlexPrefillConfig:
     """The head dims' KV block and as many stages as shared memory holds, up to MAX_STAGES (a
     prefill is compute bound: two or three stages cover the TMA latency; 128/128 gets 3). With
     `num_sms`, head dims in PERSISTENT_HEAD_DIMS get that many persistent CTAs and two Q buffers
-    where both fit."""
-    config = FlexPrefillConfig(HEAD_DIMS[(problem.head_dim_qk, problem.head_dim_v)], 2)
+    where both fit; TUNED head dims get what measured fastest (persistent CTAs only with num_sms)."""
+    dims = (problem.head_dim_qk, problem.head_dim_v)
+    config = FlexPrefillConfig(HEAD_DIMS[dims], 2)
     while config.stages < MAX_STAGES and smem_bytes(problem, dataclasses.replace(config, stages=config.stages + 1)) \
             <= SMEM_BUDGET:
         config = dataclasses.replace(config, stages=config.stages + 1)
-    if num_sms > 0 and (problem.head_dim_qk, problem.head_dim_v) in PERSISTENT_HEAD_DIMS:
+    if num_sms > 0 and dims in PERSISTENT_HEAD_DIMS:
         persistent = persistent_config(config, problem, num_sms)
         if persistent.q_stages == 2:
             return persistent
-    return config
+    tuned = dict(TUNED.get(dims, {}))
+    if tuned.pop("persistent", False) and num_sms > 0:
+        config = dataclasses.replace(config, persistent_ctas=num_sms)
+    return dataclasses.replace(config, **tuned)
 
 
 def persistent_config(config: FlexPrefillConfig, problem: FlexPrefillProblem, num_sms: int) -> FlexPrefillConfig:
