@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 
 from inductor_cute.bench.timing import time_side_by_side
@@ -86,6 +87,9 @@ def run_case(name, b, hq, hkv, s, dims, causal, score_mod):
 
 
 def main():
+    # the Triton backward is replayed with retain_graph, which a backward compiled with donated
+    # buffers refuses (they are freed by its first run)
+    torch._functorch.config.donated_buffer = False
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first two cases only")
     args = parser.parse_args()

@@ -45,6 +45,8 @@ for s in $steps; do
         prefill_new) step prefill_new 300 python3 -m pytest -m gpu tests/gpu/test_flex_prefill_gpu.py -q -rf -n 8 \
                    -p no:cacheprovider ;;
         prefill_quick) step prefill_quick 560 python3 -m inductor_cute bench flex_prefill --quick --out "$OUT/flex_prefill" ;;
+        # stock flex_attention with a BlockMask traced into the graph (trace_block_masks), against eager
+        traced_mask) step traced_mask 400 python3 benchmarks/traced_mask_check.py ;;
         rmsnorm) step rmsnorm 200 python3 -m pytest -m gpu tests/gpu/test_rmsnorm_gpu.py -q -p no:cacheprovider ;;
         sweep_gemv) step sweep_gemv 400 python3 benchmarks/sweep_gemv.py quick ;;
         flex_splits) step flex_splits 300 python3 benchmarks/sweep_flex_splits.py ;;

@@ -327,3 +327,17 @@ def test_early_exps_runners_are_what_the_host_picks_with_early_exponentials(monk
         persistent = fp.early_exps_config(p, persistent=True)
         assert config_error(persistent, problem) is None
         assert persistent.persistent_ctas == 132 and persistent.early_exps == config.early_exps
+
+
+def test_unchecked_cases_accept_exact_zeros_and_reject_only_non_finite_outputs():
+    # a whole-model case (atol = rtol = inf) reports its own agreement: allclose would make
+    # inf * |0| a NaN and reject every output whose reference holds an exact zero (logits do)
+    import dataclasses
+
+    ref = torch.tensor([[0.0, 1.0], [-2.0, 0.0]])
+    case = dataclasses.replace(_case(), atol=float("inf"), rtol=float("inf"))
+    assert harness._check(case, {"aten": ref, "inductor_cute": ref + 5.0}) == []
+    poisoned = ref.clone()
+    poisoned[0, 1] = float("nan")
+    bad = dict(harness._check(case, {"aten": ref, "inductor_cute": poisoned}))
+    assert set(bad) == {"inductor_cute"} and "non-finite" in bad["inductor_cute"]

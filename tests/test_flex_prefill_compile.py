@@ -369,6 +369,8 @@ def host_on_cpu(monkeypatch):
     kernel = KernelStandIn()
     specs = []
     monkeypatch.setattr(fp, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(fp, "sm_count", lambda index: 132)
+    fp._device_default_config.cache_clear()
     monkeypatch.setattr(fp, "_flex_prefill_kernel", lambda *params: specs.append(params) or kernel)
     return fp.flex_prefill, kernel, specs
 
@@ -393,7 +395,14 @@ def test_host_passes_the_kernel_its_arguments(host_on_cpu):
     bm = args[11:15]
     assert all(t.dtype == torch.int32 and t.is_contiguous() for t in bm)
     assert torch.equal(bm[2], torch.zeros(1, 1, 3, dtype=torch.int32))  # no full blocks: zero counts
-    assert specs == [(128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128, True, None, False)]
+    # the device's default: at 128/128 persistent CTAs, one per SM (the host once passed None there,
+    # and the kernel's SM-less default ran one CTA per tile)
+    from inductor_cute.kernels.attention.flex_prefill_config import FlexPrefillProblem, default_config
+
+    (spec,) = specs
+    assert spec[:10] + spec[11:] == (128, 128, "bfloat16", "", (), CAUSAL, (), 128, 128, True, False)
+    assert spec[10] == default_config(FlexPrefillProblem(128, 128, "bfloat16"), 132)
+    assert spec[10].persistent_ctas == 132
     # strided (B, L, H, D) views go through as they are
     qt = torch.randn(2, 300, 8, 128).bfloat16().transpose(1, 2)
     flex_prefill(qt, k, v)

@@ -156,6 +156,34 @@ def test_no_table_when_one_of_its_configs_fails_to_compile(offered, monkeypatch)
     assert got == []  # the stock choices serve it
 
 
+
+@pytest.mark.parametrize("m, backends, triton_kept", [
+    (sympy.Symbol("s0"), "ATEN,TRITON,ICUTE", False),  # dynamic M: cuBLAS and our table only
+    (4096, "ATEN,TRITON,ICUTE", True),  # static M: every choice is timed at the M it serves
+    (sympy.Symbol("s0"), "TRITON,ICUTE", True),  # no cuBLAS to fall back on: Triton stays
+])
+def test_a_dynamic_m_keeps_only_the_choices_that_adapt_to_each_calls_m(monkeypatch, m, backends, triton_kept):
+    from types import SimpleNamespace
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.choices import InductorChoices
+
+    def stock(uid):
+        return SimpleNamespace(template=SimpleNamespace(uid=uid))
+
+    stock_choices = [stock("aten::mm"), stock("triton::mm"), stock("triton::mm_persistent_tma")]
+    monkeypatch.setattr(InductorChoices, "get_template_configs", lambda *a, **k: list(stock_choices))
+    monkeypatch.setattr(choices_mod, "backend_requested", lambda: True)
+    monkeypatch.setattr(choices_mod, "unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(choices_mod, "gemm_choices", lambda inputs, op: ["ours"])
+    monkeypatch.setattr(choices_mod.CuteChoices, "_first_ask", lambda self, *a: True)
+    with inductor_config.patch(max_autotune_gemm_backends=backends):
+        got = choices_mod.CuteChoices().get_template_configs(_Inputs(m, 11008, 4096, hint=17), [], "mm")
+    uids = [choices_mod._template_uid(c) for c in got]
+    assert uids[0] == "aten::mm" and got[-1] == "ours"
+    assert any(u.startswith("triton") for u in uids) == triton_kept
+
+
 # ---- the launcher: the bucket of each call's M, remembered per layout
 
 N, K = 256, 512

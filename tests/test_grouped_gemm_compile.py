@@ -92,12 +92,14 @@ def test_cluster_rules_and_candidates():
     assert unsupported_reason(K_MAJOR, GroupedConfig(cluster_m=2, cluster_n=2)) is not None
     assert unsupported_reason(K_MAJOR, GroupedConfig(cluster_m=4)) is not None
     assert "cluster 2x1" in GroupedConfig(cluster_m=2).describe()
-    # offered only on request until their GPU tests have run (CLUSTERS_GPU_CHECKED)
-    plain = candidates(K_MAJOR, 131072, 4096, 7168, groups=256)
-    assert all(c.cluster_size == 1 for c in plain)
-    both = candidates(K_MAJOR, 131072, 4096, 7168, groups=256, clusters=True)
+    # offered by default since their GPU tests passed (CLUSTERS_GPU_CHECKED); clusters=False leaves them out
+    plain = candidates(K_MAJOR, 131072, 4096, 7168, groups=256, clusters=False)
+    assert all(c.cluster_size == 1 for c in plain[1:])
+    both = candidates(K_MAJOR, 131072, 4096, 7168, groups=256)
     clustered = [(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n) for c in both if c.cluster_size > 1]
+    # the default (first) is 128x256 in 2x1 clusters; no config twice
     assert clustered == [(128, 256, 2, 1), (128, 256, 1, 2), (128, 128, 2, 1), (128, 128, 1, 2)]
+    assert both[0].cluster_m == 2 and len(set(both)) == len(both)
     assert all(unsupported_reason(K_MAJOR, c) is None for c in both)
     # groups of one row tile on average: no 2x1 (its second CTA would mostly idle); one column
     # tile: no 1x2
@@ -132,7 +134,10 @@ def test_gated_rules():
 
 
 def test_default_config_follows_group_sizes():
-    assert default_config(K_MAJOR, 8192, 4096, 7168, groups=32).tile_m == 128
+    big = default_config(K_MAJOR, 8192, 4096, 7168, groups=32)
+    assert (big.tile_m, big.cluster_m, big.cluster_n) == (128, 2, 1)  # 256 rows per group: two row tiles
+    one_tile = default_config(K_MAJOR, 4096, 4096, 7168, groups=32)  # 128 rows per group: no 2x1
+    assert (one_tile.tile_m, one_tile.cluster_size) == (128, 1)
     small = default_config(K_MAJOR, 2048, 1536, 2048, groups=128)
     assert (small.tile_m, small.consumer_warpgroups) == (64, 1)
     cands = candidates(K_MAJOR, 16384, 1536, 2048, groups=128)

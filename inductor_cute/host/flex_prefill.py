@@ -138,7 +138,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     # a score program scales the scores itself: one kernel whatever the scale's sign. The kernel's
     # scale_log2 is fp32: one below its smallest normal is zero there (and -inf * 0 a NaN)
     positive_scale = scale * LOG2E >= torch.finfo(torch.float32).tiny or bool(program)
-    if config is None and (dqk, dv) in fpc.PERSISTENT_HEAD_DIMS:  # their default needs this device's SM count
+    if config is None:  # the default of persistent CTAs (64/64, 128/128) needs this device's SM count
         config = _device_default_config(dqk, dv, DTYPE_NAMES[q.dtype], q.device.index)
     try:
         kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program,

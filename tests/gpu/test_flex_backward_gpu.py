@@ -39,7 +39,7 @@ def reference(q, k, v, grad_out, scale=None, keep=None, dtype=torch.float64, sco
     if score is not None:
         idx = [torch.arange(n, device=q.device).view([-1 if i == d else 1 for i in range(4)])
                for d, n in enumerate(s.shape)]
-        s = score(s, *idx)
+        s = score(s, *idx).to(dtype)  # a captured fp32 tensor promotes a bf16 reference's scores
     any_key = torch.ones(s.shape[:-1] + (1,), dtype=torch.bool, device=q.device)
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))

@@ -47,6 +47,8 @@ class CuteChoices(InductorChoices):
 
     def get_template_configs(self, kernel_inputs, templates, op_name, kwarg_overrides=None):
         choices = super().get_template_configs(kernel_inputs, templates, op_name, kwarg_overrides)
+        if op_name in GEMM_OPS and backend_requested() and m_robust_only(kernel_inputs, op_name):
+            choices = [c for c in choices if not _template_uid(c).startswith("triton")]
         if op_name in GEMM_OPS and backend_requested() and self._first_ask(kernel_inputs, templates, op_name):
             try:
                 choices.extend(gemm_choices(kernel_inputs, op_name))
@@ -80,6 +82,20 @@ class CuteChoices(InductorChoices):
             return False
         seen.add(key)
         return True
+
+
+def _template_uid(choice) -> str:
+    return getattr(getattr(choice, "template", None), "uid", "") or ""
+
+
+def m_robust_only(kernel_inputs, op_name) -> bool:
+    """Whether only choices that adapt to each call's M may compete: for a dynamic M that our
+    M-bucket table serves, beside cuBLAS (the ATen choices, which pick their kernel per call).
+    Inductor times every choice at the hint M and the winner serves every M; a Triton template
+    is one tile for all of them, and one tuned at 17 rows ran 4096 rows at half cuBLAS's speed
+    (gemm_dynamic-h200-20261205-s17: the enabled dynamic MLP 2096 us against 1012 us static)."""
+    backends = [b.strip().upper() for b in inductor_config.max_autotune_gemm_backends.split(",")]
+    return "ATEN" in backends and _dynamic_m(kernel_inputs) and unsupported_reason(kernel_inputs, op_name) is None
 
 
 def _static(expr) -> int | None:

@@ -177,7 +177,11 @@ _SHAPES = ((128, 256, 2), (128, 128, 2), (64, 256, 1), (64, 128, 1))
 def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None = None, groups: int = 1,
                    num_sms: int = SM_COUNT) -> GroupedConfig:
     """Untuned heuristic from the mean group size (the offsets are on the device): 64-row tiles
-    when groups average at most 64 tokens, else the largest tile that still gives a wave."""
+    when groups average at most 64 tokens, else the largest tile that still gives a wave, in
+    clusters of two row tiles sharing the weight tile where groups average two row tiles or more
+    (H200, sweep_grouped of the seventeenth session, 128x256 tiles, TFLOP/s plain -> 2x1:
+    DeepSeek-V3 up 16384 tokens 638 -> 761, Mixtral up 755 -> 787, Qwen3-30B-A3B down 649 -> 666;
+    Qwen3-30B-A3B up with skewed routing 603 -> 582, where 1x2 gave 642: autotuning tries both)."""
     mean_rows = tokens / max(groups, 1)
     shapes = [s for s in _SHAPES if s[0] == 64] if mean_rows <= 64 else [s for s in _SHAPES if s[0] == 128]
     chosen = shapes[-1]
@@ -186,12 +190,16 @@ def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None =
         if tiles >= num_sms:
             chosen = shape
             break
-    return _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2]), problem)
+    plain = _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2]), problem)
+    if CLUSTERS_GPU_CHECKED and chosen[0] == 128 and (2, 1) in cluster_shapes(tokens, n, groups, *chosen[:2]):
+        return _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2], 2, 1), problem) or plain
+    return plain
 
 
-# Cluster configs join the candidates once their GPU tests have passed (they are compiled and
-# CPU-checked, not yet run): autotuning checks no results, so an unproven kernel must not compete.
-CLUSTERS_GPU_CHECKED = False
+# Cluster configs join the candidates (and the default) once their GPU tests have passed:
+# autotuning checks no results, so an unproven kernel must not compete. They passed on the H200 in
+# the seventeenth session (test_grouped_gemm_gpu.py -k "cluster or gated": 120 passed).
+CLUSTERS_GPU_CHECKED = True
 
 
 def cluster_shapes(tokens: int, n: int, groups: int, tile_m: int, tile_n: int) -> list[tuple[int, int]]:
@@ -222,7 +230,7 @@ def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = Non
         for tm, tn, wg in _SHAPES[:2]:
             for cm, cn in cluster_shapes(tokens, n, groups, tm, tn):
                 cfg = _deepest(GroupedConfig(tm, tn, 64, MAX_STAGES, wg, cm, cn), problem)
-                if cfg is not None:
+                if cfg is not None and cfg not in out:
                     out.append(cfg)
     return out
 
