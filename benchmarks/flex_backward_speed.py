@@ -67,7 +67,8 @@ def run_case(name, b, hq, hkv, s, dims, causal, score_mod):
                 "ours dq_overlap": dataclasses.replace(plain, dq_overlap=True),
                 "ours overlap": dataclasses.replace(plain, overlap=True, dq_overlap=True),
                 "ours exp_under_dp": dataclasses.replace(plain, exp_under_dp=True),
-                "ours dq_reduce": reduce,
+                "ours dq_reduce": reduce,  # two dS buffers where they fit
+                "ours dq_reduce one dS buffer": dataclasses.replace(reduce, ds_buffers=1),
                 "ours dq_reduce exp_under_dp": dataclasses.replace(reduce, exp_under_dp=True)}
     configs = {label: c for label, c in variants.items() if config_error(c, problem) is None}
     fns = {label: (lambda c=c: flex_attention_backward(q, k, v, out, lse, grad_out, config=c, **kwargs))

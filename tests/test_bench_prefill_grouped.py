@@ -295,39 +295,29 @@ def test_runners_are_checked_against_the_reference_when_a_case_has_one():
     assert harness._check(_case(), {"inductor_cute": ref}) == []
 
 
-def test_persistent_runner_takes_two_q_buffers_where_they_fit(monkeypatch):
+def test_variant_runners_are_one_fixed_config_each(monkeypatch):
+    # each runner's name means the same config whatever the host's defaults are
     import inductor_cute.host.common as common
-    from inductor_cute.kernels.attention.flex_prefill_config import FlexPrefillProblem, default_config
+    from inductor_cute.kernels.attention.flex_prefill_config import FlexPrefillProblem, config_error, plain_config
 
     monkeypatch.setattr(common, "sm_count", lambda device: 132)
     by_name = {p.name: p for p in fp.CASES}
     for name, q_stages in [("vit B32 H16 S1024 noncausal", 2), ("llama B4 H32/8 S4096 causal", 1),
                            ("dsv3-mla B1 H128 S4096 causal", 1)]:
         p = by_name[name]
-        config = fp.persistent_config(p)
-        # the default ring stays as it is: a second Q buffer only where it fits beside it
-        assert config.persistent_ctas == 132 and config.q_stages == q_stages
-        assert config.stages == default_config(FlexPrefillProblem(p.dqk, p.dv, "bfloat16")).stages
-
-
-def test_early_exps_runners_are_what_the_host_picks_with_early_exponentials(monkeypatch):
-    import inductor_cute.host.common as common
-    from inductor_cute.kernels.attention.flex_prefill_config import FlexPrefillProblem, config_error, default_config
-
-    monkeypatch.setattr(common, "sm_count", lambda device: 132)
-    for p in fp.CASES:
         problem = FlexPrefillProblem(p.dqk, p.dv, "bfloat16")
-        host_picks = default_config(problem, 132)
-        for split_kv in (False, True):
-            config = fp.early_exps_config(p, split_kv)
-            assert config_error(config, problem) is None
-            assert (config.early_exps, config.split_kv) == (config.kv_block // 4 * 5 // 8, split_kv)
-            assert (config.kv_block, config.stages, config.persistent_ctas, config.q_stages) == \
-                (host_picks.kv_block, host_picks.stages, host_picks.persistent_ctas, host_picks.q_stages)
-        persistent = fp.early_exps_config(p, persistent=True)
-        assert config_error(persistent, problem) is None
-        assert persistent.persistent_ctas == 132 and persistent.early_exps == config.early_exps
-
+        plain = fp.variant_config(p, **fp.VARIANT_KNOBS["plain"])
+        assert plain == plain_config(problem) and plain.persistent_ctas == 0 and plain.early_exps == 0
+        dynamic = fp.variant_config(p, **fp.VARIANT_KNOBS["dynamic_split_early"])
+        assert config_error(dynamic, problem) is None
+        assert (dynamic.persistent_ctas, dynamic.dynamic_tiles, dynamic.split_kv) == (132, True, True)
+        assert dynamic.early_exps == dynamic.kv_block // 4 * 5 // 8 and dynamic.stages == plain.stages
+        # a second Q buffer only where it fits beside the ring
+        assert fp.variant_config(p, persistent=True).q_stages == q_stages
+    for p in fp.CASES:
+        for knobs in fp.VARIANT_KNOBS.values():
+            config = fp.variant_config(p, **knobs)
+            assert config is None or config_error(config, FlexPrefillProblem(p.dqk, p.dv, "bfloat16")) is None
 
 def test_unchecked_cases_accept_exact_zeros_and_reject_only_non_finite_outputs():
     # a whole-model case (atol = rtol = inf) reports its own agreement: allclose would make

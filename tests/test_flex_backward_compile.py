@@ -152,16 +152,17 @@ def test_masks_reach_the_main_kernels(compiled_all):
         assert compares(causal) >= compares(plain) + 32
 
 
-@pytest.mark.parametrize("name", ["d128", "d128-causal-block128", "d128-fp16", "d64-fp16"])
-def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(name):
+@pytest.mark.parametrize("name,ds_buffers", [("d128", 1), ("d128", 2), ("d128-causal-block128", 2), ("d128-fp16", 2),
+                                             ("d64-fp16", 1), ("d64-fp16", 2)])
+def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(name, ds_buffers):
     # dq_reduce: the dK/dV kernel also issues dQ = dS K (SS, both operands MN-major: transpose
     # flags 1, 1; N = 64 per warp group: at d128 half the columns over 128 keys, 8 k16 steps; at
     # d64 all columns over the warp group's 64 keys, 4), stores dS^T and its dQ product to shared
     # memory and adds the product to the workspace with one TMA reduce per block
     problem = PROBLEMS[name] if name in PROBLEMS else FlexBackwardProblem(128, 128, "float16")
     d = problem.head_dim_qk
-    compiled = compile_spec(specs(problem, default_config(problem, dq_reduce=True))["dkdv"], "sm_90a",
-                            keep_ptx=True)
+    config = dataclasses.replace(default_config(problem, dq_reduce=True), ds_buffers=ds_buffers)
+    compiled = compile_spec(specs(problem, config)["dkdv"], "sm_90a", keep_ptx=True)
     dtype = "f16" if "fp16" in name else "bf16"
     assert_no_spills(compiled)
     assert "Used 168 registers" in compiled.ptxas_report
@@ -180,14 +181,25 @@ def test_dq_reduce_adds_a_third_product_from_shared_memory_and_one_tma_reduce(na
     assert len(re.findall(r"st\.shared\.v2\.b32", ptx)) == 16
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
-    # the consumers' barrier around sdS (id 1) and each warp group's staging barrier (ids 2, 3)
-    assert len(re.findall(r"bar\.sync \t1, 256;", ptx)) == 2 and len(re.findall(r"bar\.sync \t%r\d+, 128;", ptx)) == 2
     assert "fence.proxy.async.shared::cta" in ptx
-    # dQ is committed before dV and dK and waited alone (wait_group 1): its staging and reduce
-    # run while dV and dK still accumulate (wait_group 0 after the reduce)
+    # each warp group's staging barrier (ids 2, 3) twice; the consumers' meetings (id 1)
+    meetings = [m.start() for m in re.finditer(r"bar\.sync \t1, 256;", ptx)]
+    assert len(re.findall(r"bar\.sync \t%r\d+, 128;", ptx)) == 2
     waits = [(m.start(), m.group(1)) for m in re.finditer(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
-    assert [n for pos, n in waits if pos < reduces[0]][-1] == "1"
-    assert [n for pos, n in waits if pos > reduces[0]][0] == "0"
+    first_dq = ptx.index(dq[0])
+    if ds_buffers == 1:
+        # around sdS, twice; dQ committed before dV and dK and waited alone (wait_group 1): its
+        # staging and reduce run while dV and dK still accumulate (wait_group 0 after the reduce)
+        assert len(meetings) == 2
+        assert [n for pos, n in waits if pos < reduces[0]][-1] == "1"
+        assert [n for pos, n in waits if pos > reduces[0]][0] == "0"
+    else:
+        # once, after the warp group issued dV and dK (RS: P^T and dS^T from registers) and before
+        # dQ; the dS buffer of the block's parity (two sdS buffers)
+        (meeting,) = meetings
+        grads = [ptx.index(line) for line in lines if line not in dq][-(d // 16 + 64 // 16):]
+        assert max(grads) < meeting < first_dq
+        assert [n for pos, n in waits if pos < reduces[0]][-1] == "0"
 
 
 # (thread, value) of dq_reduce's dQ accumulator -> its word in the kernel's staging tile, evaluated
@@ -320,9 +332,13 @@ def test_unsupported_problems_and_configs_are_named():
     assert "dkdv: 246784 bytes" in config_error(FlexBackwardConfig(4, 4, dq_reduce=True), p)
     assert "built for head dims 64/64 and 128/128, not 192/128" in config_error(
         FlexBackwardConfig(2, 2, dq_reduce=True), dataclasses.replace(p, head_dim_qk=192))
-    assert default_config(p, dq_reduce=True) == FlexBackwardConfig(3, 4, dq_reduce=True)
+    assert default_config(p, dq_reduce=True) == FlexBackwardConfig(3, 4, dq_reduce=True, ds_buffers=2)
     assert default_config(dataclasses.replace(p, head_dim_qk=64, head_dim_v=64), dq_reduce=True) == \
-        FlexBackwardConfig(4, 4, dq_reduce=True)
+        FlexBackwardConfig(4, 4, dq_reduce=True, ds_buffers=2)
+    assert smem_bytes(p, FlexBackwardConfig(3, 4, dq_reduce=True, ds_buffers=2)) - \
+        smem_bytes(p, FlexBackwardConfig(3, 4, dq_reduce=True)) == 128 * 64 * 2  # a second dS block
+    assert "ds_buffers 2 must be 1, or 2 with dq_reduce" in config_error(FlexBackwardConfig(2, 2, ds_buffers=2), p)
+    assert "ds_buffers" not in FlexBackwardConfig(2, 2).as_params()  # older specs keep their keys
     assert "not overlap" in config_error(FlexBackwardConfig(2, 2, overlap=True, dq_reduce=True), p)
     assert "dq_overlap must be off" in config_error(FlexBackwardConfig(2, 2, dq_overlap=True, dq_reduce=True), p)
     assert "KV block size 64" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))

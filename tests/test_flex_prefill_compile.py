@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from inductor_cute.kernels.attention.flex_prefill_config import (HEAD_DIMS, M_BLOCK, SMEM_BUDGET, FlexPrefillConfig,
+from inductor_cute.kernels.attention.flex_prefill_config import (HEAD_DIMS, M_BLOCK, SMEM_BUDGET, TILE_CLAIM_STAGES,
+                                                                 FlexPrefillConfig,
                                                                  FlexPrefillProblem, attention_flops, config_error,
                                                                  default_config, from_params, smem_bytes, spec,
                                                                  sparse_block_reason, unsupported_reason)
@@ -57,6 +58,13 @@ EARLY_EXPS = {
     "mla-192-128-causal-block128-split-kv-early": VARIANTS["mla-192-128-causal-block128"],
 }
 VARIANTS.update(EARLY_EXPS)
+# persistent CTAs claiming their tiles from a global counter (config.dynamic_tiles)
+DYNAMIC = {
+    "d128-causal-block128-persistent-dynamic-early": VARIANTS["d128-causal-block128"],
+    "mla-192-128-causal-block128-split-kv-persistent-dynamic-early": VARIANTS["mla-192-128-causal-block128"],
+    "d64-causal-persistent-2q-dynamic": VARIANTS["d64-causal-persistent-2q"],
+}
+VARIANTS.update(DYNAMIC)
 
 
 def variant_config(name):
@@ -65,8 +73,10 @@ def variant_config(name):
         config = dataclasses.replace(config, persistent_ctas=132, q_stages=2 if "-2q" in name else 1)
     if "split-kv" in name:
         config = dataclasses.replace(config, split_kv=True)
-    if name in EARLY_EXPS:
+    if name in EARLY_EXPS or name.endswith("-early"):
         config = dataclasses.replace(config, early_exps=20)
+    if name in DYNAMIC:
+        config = dataclasses.replace(config, dynamic_tiles=True)
     return config
 
 
@@ -123,8 +133,20 @@ def test_ptxas_reports_no_spills_and_no_stack(compiled):
 def test_split_kv_rings_have_barriers_of_their_own(request, compiled):
     name = request.node.callspec.params["compiled"]
     config = variant_config(name)
-    rings = 2 if config.split_kv else 1  # full and empty mbarriers per stage and ring, and Q's
-    assert compiled.ptx.count("mbarrier.init") == 2 * (rings * config.stages + config.q_stages)
+    rings = 2 if config.split_kv else 1  # full and empty mbarriers per stage and ring, Q's and the claims'
+    claims = TILE_CLAIM_STAGES if config.dynamic_tiles else 0
+    assert compiled.ptx.count("mbarrier.init") == 2 * (rings * config.stages + config.q_stages + claims)
+
+
+def test_only_dynamic_tiles_claim_from_the_counter(request, compiled):
+    # one relaxed add per claim, one acq_rel add to retire; a fixed tile walk touches no counter
+    name = request.node.callspec.params["compiled"]
+    atoms = re.findall(r"^\s*(?:@%p\d+ )?atom\S*", compiled.ptx, re.M)
+    if name not in DYNAMIC:
+        assert not atoms
+        return
+    assert len(atoms) == 2 and all(".add" in a for a in atoms), atoms
+    assert sum(".acq_rel" in a for a in atoms) == 1
 
 
 def test_ptxas_keeps_every_wgmma_asynchronous(compiled):
@@ -231,6 +253,11 @@ def test_two_q_buffers_give_o_its_own_buffer():
                         d128) is None
     # one tile per CTA has no next Q to load early
     assert "needs persistent_ctas" in config_error(dataclasses.replace(one, q_stages=2, persistent_ctas=0), problem)
+    # nor tiles to claim; claiming costs no buffer beside its mbarriers (the barriers' 1 KB holds them)
+    assert "needs persistent_ctas" in config_error(dataclasses.replace(one, dynamic_tiles=True, persistent_ctas=0),
+                                                   problem)
+    assert smem_bytes(problem, dataclasses.replace(one, dynamic_tiles=True)) == smem_bytes(problem, one)
+    assert "dynamic_tiles" not in one.as_params()  # the specs that predate it keep their keys
 
 
 def test_shared_memory_fits_and_matches_the_kernel_layout():
@@ -388,7 +415,8 @@ def test_host_passes_the_kernel_its_arguments(host_on_cpu):
     out, lse = flex_prefill(q, k, v, scale=0.5, mask_mod=CAUSAL, kv_num_blocks=num, kv_indices=idx,
                             return_lse=True)
     (args,) = kernel.calls
-    assert len(args) == 19 and out.shape == (2, 8, 300, 128) and lse.shape == (2, 8, 300)
+    assert len(args) == 20 and out.shape == (2, 8, 300, 128) and lse.shape == (2, 8, 300)
+    assert args[19] is None  # the tile counter: only for dynamic_tiles
     assert args[3] is out and args[4] is lse
     assert math.isclose(args[5], 0.5 / math.log(2)) and args[6] == 0.5
     assert args[7:11] == (None,) * 4 and all(t is None for t in args[15:19])
@@ -407,6 +435,19 @@ def test_host_passes_the_kernel_its_arguments(host_on_cpu):
     qt = torch.randn(2, 300, 8, 128).bfloat16().transpose(1, 2)
     flex_prefill(qt, k, v)
     assert kernel.calls[-1][0].data_ptr() == qt.data_ptr() and kernel.calls[-1][0].stride() == qt.stride()
+
+
+def test_host_passes_dynamic_tiles_a_zeroed_counter(host_on_cpu):
+    import torch
+
+    from inductor_cute.kernels.attention.flex_prefill_config import FlexPrefillProblem, default_config
+
+    flex_prefill, kernel, _ = host_on_cpu
+    config = dataclasses.replace(default_config(FlexPrefillProblem(128, 128, "bfloat16"), 132), dynamic_tiles=True)
+    q = torch.randn(1, 4, 300, 128).bfloat16()
+    flex_prefill(q, q, q, config=config)
+    counter = kernel.calls[-1][19]
+    assert counter.dtype == torch.int32 and counter.shape == (2,) and not counter.any()
 
 
 def test_host_passes_one_kv_cache_shared_by_the_batch(host_on_cpu):

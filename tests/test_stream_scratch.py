@@ -48,6 +48,7 @@ def cuda_stand_ins(monkeypatch, stream):
         real = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, _real=real, device=None, **k: _real(*a, **k))
     monkeypatch.setattr(common, "_SCRATCH", {})
+    monkeypatch.setattr(common, "_VIEWS", {})
 
 
 BUFFERS = (((4, 8), torch.float32, False), ((3,), torch.int32, True))
@@ -72,3 +73,23 @@ def test_a_tree_warm_up_gets_fresh_buffers_and_keeps_none(monkeypatch):
         assert [t.shape for t in first] == [(4, 8), (3,)] and (first[1] == 0).all()
         assert first[0].data_ptr() != again[0].data_ptr()  # both alive: two allocations
     assert common._SCRATCH == {}
+
+
+def test_views_are_remembered_until_a_buffer_is_replaced(monkeypatch):
+    # the second call with the same buffers returns the first call's views (no view is made);
+    # a larger request replaces a flat buffer, and no earlier view of the old one is handed out
+    cuda_stand_ins(monkeypatch, stream=11)
+    monkeypatch.setattr(cudagraph_trees, "get_manager", lambda index, create_if_none_exists=True: None)
+    device = torch.device("cuda", 0)
+    first = common.stream_scratch(device, BUFFERS)
+    made = []
+    monkeypatch.setattr(common, "alias", lambda *a: made.append(a) or torch.empty(0))
+    assert common.stream_scratch(device, BUFFERS) is first and made == []
+    monkeypatch.undo()
+    cuda_stand_ins(monkeypatch, stream=11)
+    bigger = (((64, 8), torch.float32, False), ((3,), torch.int32, True))
+    common.stream_scratch(device, BUFFERS)  # fresh state: allocates
+    grown = common.stream_scratch(device, bigger)
+    again = common.stream_scratch(device, BUFFERS)
+    assert again is not first and again[0].data_ptr() == grown[0].data_ptr()
+    assert again[0].shape == (4, 8) and grown[0].shape == (64, 8)

@@ -13,7 +13,7 @@ import torch
 from ..errors import UnsupportedError
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
-from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, check_cuda, sm_count
+from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, check_cuda, sm_count, stream_scratch
 from .flex import _score_mod_operands
 
 NAME = "flex_prefill"
@@ -145,6 +145,10 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
                                       mask_dtypes, sparse_block, sparse_q_block, positive_scale, config, shared_kv)
     except ValueError as e:  # spec's refusal of the config
         raise UnsupportedError(f"{NAME}: {e}") from None
+    counter = None
+    if config.dynamic_tiles:
+        # zeroed once, left zero by every launch (kernels/attention/tile_claims.py)
+        (counter,) = stream_scratch(q.device, (((2,), torch.int32, True),))
     kernel(_operand(q), _operand(k), _operand(v), out, lse, scale * LOG2E, scale, *score_slots, *block_slots,
-           *mask_slots)
+           *mask_slots, counter)
     return (out, lse) if return_lse else out

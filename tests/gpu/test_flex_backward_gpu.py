@@ -255,23 +255,25 @@ def test_exp_under_dp(d):
 DQ_REDUCE = dict(stages=3, dq_stages=4, dq_reduce=True)
 
 
+@pytest.mark.parametrize("ds_buffers", [1, 2])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("group, q_len, kv_len", [(1, 128, 128), (4, 1000, 1000), (2, 300, 1111)])
-def test_dq_reduce_five_products(group, q_len, kv_len, d):
+def test_dq_reduce_five_products(group, q_len, kv_len, d, ds_buffers):
     # dq from the dK/dV kernel (TMA reduce into an fp32 workspace): lengths off the blocks (keys
     # past the end in the last KV block), GQA (dq per query head, dk/dv summed over them); at d64
-    # each warp group adds all columns over its own keys
+    # each warp group adds all columns over its own keys; one dS buffer or one per block parity
     from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardConfig
 
-    config = FlexBackwardConfig(**DQ_REDUCE)
+    config = FlexBackwardConfig(**DQ_REDUCE, ds_buffers=ds_buffers)
     check(rand(2, 2 * group, q_len, d), rand(2, 2, kv_len, d), rand(2, 2, kv_len, d), config=config)
     check(rand(1, 8, q_len, d), rand(1, 2, kv_len, d), rand(1, 2, kv_len, d), lse_from="kernel", config=config)
 
 
-def test_dq_reduce_with_block_masks():
+@pytest.mark.parametrize("ds_buffers", [1, 2])
+def test_dq_reduce_with_block_masks(ds_buffers):
     from inductor_cute.kernels.attention.flex_backward_config import FlexBackwardConfig
 
-    config = FlexBackwardConfig(**DQ_REDUCE)
+    config = FlexBackwardConfig(**DQ_REDUCE, ds_buffers=ds_buffers)
     check_block_mask(rand(2, 8, 1000, 128), rand(2, 2, 1000, 128), rand(2, 2, 1000, 128), lambda b, h, m, n: m >= n,
                      CAUSAL, config=config)
     doc = (torch.arange(1500, device="cuda") // 300).to(torch.int32)

@@ -293,6 +293,60 @@ def test_split_kv_rings_on_persistent_ctas_with_two_q_buffers():
           config=split_kv(64, 64, persistent_ctas=3, q_stages=2))
 
 
+
+# ------------------------------------------------------- tiles claimed from a counter (dynamic_tiles)
+def dynamic(dqk, dv, ctas=3, **changes):
+    """The default config on `ctas` persistent CTAs that claim their tiles from a global counter."""
+    from inductor_cute.kernels.attention import flex_prefill_config as fpc
+
+    base = fpc.default_config(fpc.FlexPrefillProblem(dqk, dv, "bfloat16"))
+    return dataclasses.replace(base, persistent_ctas=ctas, dynamic_tiles=True, **changes)
+
+
+def claim_counter():
+    from inductor_cute.host.common import stream_scratch
+
+    return stream_scratch(torch.device("cuda", torch.cuda.current_device()), (((2,), torch.int32, True),))[0]
+
+
+@pytest.mark.parametrize("dqk,dv,changes", [(64, 64, dict(q_stages=2)), (128, 128, {}), (192, 128, {}),
+                                            (128, 128, dict(split_kv=True, early_exps=20))])
+def test_dynamic_tiles_walk_every_tile_once_and_leave_the_counter_zero(dqk, dv, changes):
+    # 64 tiles on 3 CTAs, twice: a counter left non-zero would skip tiles of the second call
+    # (their rows stay poisoned)
+    for _ in range(2):
+        q, k, v = rand(2, 4, 1000, dqk), rand(2, 2, 1000, dqk), rand(2, 2, 1000, dv)
+        check(q, k, v, config=dynamic(dqk, dv, **changes))
+        assert torch.equal(claim_counter(), torch.zeros(2, dtype=torch.int32, device="cuda"))
+
+
+def test_dynamic_tiles_with_causal_blocks_empty_tiles_and_more_ctas_than_tiles():
+    mask = sp.dumps([["c", "ge", "q", "kv"], ["z", "eq", "b", 0], ["o", "and", "c", "z"]])
+    for ctas in (5, 132):  # 96 tiles of different lengths (batch 1's empty) on 5 CTAs; 132 cut to 96
+        check_block_mask(rand(2, 4, 1500, 128), rand(2, 2, 1500, 128), rand(2, 2, 1500, 128),
+                         lambda b, h, m, n: (m >= n) & (b == 0), mask, config=dynamic(128, 128, ctas))
+    q, k, v = rand(1, 2, 200, 128), rand(1, 2, 700, 128), rand(1, 2, 700, 128)
+    check(q, k, v, config=dynamic(128, 128, 132))  # 4 tiles: every CTA's first tile is its last
+
+
+def test_dynamic_tiles_replay_in_a_cuda_graph():
+    # capture gets a fresh zeroed counter; each replay must leave it zero for the next
+    config = dynamic(128, 128, 7)
+    q, k, v = rand(1, 8, 900, 128), rand(1, 2, 900, 128), rand(1, 2, 900, 128)
+    flex_prefill(q, k, v, config=config)  # compiled and loaded outside the capture
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = flex_prefill(q, k, v, config=config)
+    for _ in range(3):
+        q.copy_(rand(*q.shape))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference(q, k, v, None, None, (), None)
+        assert not out.isnan().any(), "a tile left unwritten"
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 # ------------------------------------------------------------- early exponentials (early_exps)
 def early_exps(dqk, dv, **changes):
     """The default config with 5/8 of each row's exponentials made before the wait for P V."""

@@ -14,15 +14,12 @@ Runners of a case (all on the same q, k, v and mods):
   flash          flex_attention compiled with kernel_options={"BACKEND": "FLASH"} (the CuTe kernels
                  of the flash-attn-4 package), same mods and BlockMask; left out, with the reason in
                  notes, where it does not run (package missing, mod unsupported)
-  persistent     ours with persistent CTAs (FlexPrefillConfig.persistent_ctas = the SM count) and two
-                 Q buffers where shared memory holds them beside the default ring (head dim 64),
-                 beside the default one CTA per tile until it is measured and made the default
-  split_kv       ours, one CTA per tile, with K and V in rings of their own (FlexPrefillConfig.split_kv:
-                 each stage freed once its product is done), beside the default until measured
-  early_exps     ours, the default config with each row's first 5/8 exponentials of a block
-                 made before the wait for the previous P V (FlexPrefillConfig.early_exps);
-  split_kv_early the same with split_kv, and
-  persistent_early the persistent runner's config with early_exps: beside the default until measured
+  plain, split_kv_early, persistent_early, persistent_split_early, dynamic_early, dynamic_split_early
+                 ours with one fixed config each (VARIANT_KNOBS): a plain config (one CTA per tile)
+                 with K and V in rings of their own (split_kv), persistent CTAs (one per SM, two Q
+                 buffers where they fit), each row's first 5/8 exponentials of a block before the
+                 wait for the previous P V (early_exps), persistent CTAs claiming their tiles from a
+                 counter (dynamic_tiles); where a config does not fit, its runner is left out
 Correctness: the harness checks every runner's output against an fp32 reference (untimed; the
 same score_mod and mask_mod applied to dense scores, chunked over queries). q is scaled so softmax
 puts its weight on a few dozen keys (flex_decode.peaked_query_scale), as trained attention does,
@@ -269,40 +266,35 @@ def sdpa_runner(p: Prefill, q, k, v, scale: float) -> Callable | None:
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
-def persistent_config(p: Prefill):
-    """The default config of the case's head dims with one persistent CTA per SM, and two Q
-    buffers where they fit beside its K/V ring."""
+# The runners beside `inductor_cute` (the config the host picks): each a plain config (plain_config:
+# one CTA per tile, the deepest ring) with these knobs, so that each name means one config whatever
+# the defaults are. persistent: one CTA per SM, two Q buffers where they fit; early: early_exps
+# at EARLY_EXPS of a thread's values per row; dynamic: persistent CTAs claiming their tiles
+VARIANT_KNOBS = {
+    "plain": {},
+    "split_kv_early": dict(split_kv=True, early=True),
+    "persistent_early": dict(persistent=True, early=True),
+    "persistent_split_early": dict(persistent=True, split_kv=True, early=True),
+    "dynamic_early": dict(persistent=True, dynamic=True, early=True),
+    "dynamic_split_early": dict(persistent=True, dynamic=True, split_kv=True, early=True),
+}
+EARLY_EXPS = (5, 8)  # the fraction of a thread's values per row (kv_block / 4) made early: 20 of 32
+
+
+def variant_config(p: Prefill, persistent=False, split_kv=False, early=False, dynamic=False):
+    """The case's plain config with the knobs VARIANT_KNOBS names, or None where it does not fit."""
+    import dataclasses
+
     from ...host.common import sm_count
     from ...kernels.attention import flex_prefill_config as fpc
 
     problem = fpc.FlexPrefillProblem(p.dqk, p.dv, "bfloat16")
-    return fpc.persistent_config(fpc.default_config(problem), problem, sm_count(0))
-
-
-def split_kv_config(p: Prefill):
-    """The default config of the case's head dims with K and V in rings of their own."""
-    import dataclasses
-
-    from ...kernels.attention import flex_prefill_config as fpc
-
-    return dataclasses.replace(fpc.default_config(fpc.FlexPrefillProblem(p.dqk, p.dv, "bfloat16")), split_kv=True)
-
-
-EARLY_EXPS = (5, 8)  # the fraction of a thread's values per row (kv_block / 4) made early: 20 of 32
-
-
-def early_exps_config(p: Prefill, split_kv: bool = False, persistent: bool = False):
-    """The config the host picks for the case (default_config with the SM count), or the persistent
-    runner's, with early_exps."""
-    import dataclasses
-
-    from ...host.common import sm_count
-    from ...kernels.attention import flex_prefill_config as fpc
-
-    config = persistent_config(p) if persistent else \
-        fpc.default_config(fpc.FlexPrefillProblem(p.dqk, p.dv, "bfloat16"), sm_count(0))
-    early = config.kv_block // 4 * EARLY_EXPS[0] // EARLY_EXPS[1]
-    return dataclasses.replace(config, early_exps=early, split_kv=split_kv)
+    config = fpc.plain_config(problem, split_kv)
+    if persistent:
+        config = dataclasses.replace(fpc.persistent_config(config, problem, sm_count(0)), dynamic_tiles=dynamic)
+    if early:
+        config = dataclasses.replace(config, early_exps=config.kv_block // 4 * EARLY_EXPS[0] // EARLY_EXPS[1])
+    return config if fpc.config_error(config, problem) is None else None
 
 
 def _case(p: Prefill) -> Case:
@@ -324,6 +316,9 @@ def _case(p: Prefill) -> Case:
     if p.variant not in ("causal", "noncausal"):
         notes.append("aten left out: SDPA would need a dense attn_mask" if p.variant != "softcap"
                      else "aten left out: SDPA cannot softcap")
+    variants = {name: functools.partial(flex_prefill, q, k, v, scale=scale, config=config, **ours_kw)
+                for name, config in ((n, variant_config(p, **knobs)) for n, knobs in VARIANT_KNOBS.items())
+                if config is not None}
     return Case(
         name=p.name,
         params={"B": p.b, "Hq": p.hq, "Hkv": p.hkv, "S": p.s, "Dqk": p.dqk, "Dv": p.dv, "variant": p.variant,
@@ -332,14 +327,7 @@ def _case(p: Prefill) -> Case:
                 "documents": document_lengths(p.s) if p.variant == "document" else None, "dtype": "bfloat16"},
         flops=flops, bytes=n_bytes, matmul=True, notes=notes, atol=2e-2, rtol=2e-2,
         runners={"inductor_cute": lambda: flex_prefill(q, k, v, scale=scale, **ours_kw), **stock,
-                 "aten": sdpa_runner(p, q, k, v, scale), "flash": flash,
-                 "persistent": lambda: flex_prefill(q, k, v, scale=scale, config=persistent_config(p), **ours_kw),
-                 "split_kv": lambda: flex_prefill(q, k, v, scale=scale, config=split_kv_config(p), **ours_kw),
-                 "early_exps": lambda: flex_prefill(q, k, v, scale=scale, config=early_exps_config(p), **ours_kw),
-                 "split_kv_early": lambda: flex_prefill(q, k, v, scale=scale, config=early_exps_config(p, True),
-                                                        **ours_kw),
-                 "persistent_early": lambda: flex_prefill(q, k, v, scale=scale,
-                                                          config=early_exps_config(p, persistent=True), **ours_kw)},
+                 "aten": sdpa_runner(p, q, k, v, scale), "flash": flash, **variants},
         reference=lambda: reference(q, k, v, scale, mods),
     )
 

@@ -20,14 +20,15 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
 
 # Traced inline (not @cute.jit), each call on an MMA object made for it: the accumulate flag it
 # sets must stay a value of the caller's loop body (see flex_prefill_sm90._qk).
-def gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, stage=None):
-    """Issue acc = A B^T over every k-block, A resident in shared memory, B in ring stage
-    `stage` (None: B resident too) (not committed)."""
+def gemm_ss(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, stage=None, a_stage=None):
+    """Issue acc = A B^T over every k-block, A resident in shared memory (or in buffer `a_stage`),
+    B in ring stage `stage` (None: B resident too) (not committed)."""
     warpgroup.fence()
     for kb in range(cute.size(tA, mode=[2])):  # unrolled at trace time
         mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+        a = tA[(None, None, kb)] if a_stage is None else tA[(None, None, kb, a_stage)]
         b = tB[(None, None, kb)] if stage is None else tB[(None, None, kb, stage)]
-        cute.gemm(mma, acc, tA[(None, None, kb)], b, acc)
+        cute.gemm(mma, acc, a, b, acc)
 
 
 def gemm_rs(mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, stage):

@@ -105,6 +105,12 @@ class FlexBackwardConfig:
     # exponentiate S while dP still computes; off: one group, the math after both. Without a
     # score program only (its derivative needs dP before the exponential).
     exp_under_dp: bool = False
+    # dq_reduce: dS blocks in shared memory. 1: the consumers meet twice per block (before one
+    # writes dS, so that the other's last dQ product has read it; before dQ reads it), and both do
+    # their softmax-gradient math at once, under no product (measured 10% slower than the plain
+    # schedule). 2: one buffer per block parity, one meeting per block, after each has issued its
+    # dV and dK (their products run while the later warp group's math finishes).
+    ds_buffers: int = 1
 
     @property
     def threads(self) -> int:
@@ -115,6 +121,8 @@ class FlexBackwardConfig:
         for flag in ("dq_reduce", "exp_under_dp"):
             if not params[flag]:  # specs without it keep their keys
                 del params[flag]
+        if params["ds_buffers"] == 1:
+            del params["ds_buffers"]
         return params
 
 
@@ -144,7 +152,8 @@ def smem_bytes(problem: FlexBackwardProblem, config: FlexBackwardConfig, kernel:
              stages * ring_rows * dv * 2)
     if kernel == "dkdv" and config.dq_reduce:  # a block's dS (16-bit) and its dQ products (fp32)
         cols, _ = dq_reduce_split(dqk)
-        total = _align(total, 1024) + _align(KV_BLOCK * Q_STEP * 2, 1024) + CONSUMER_WARPGROUPS * Q_STEP * cols * 4
+        total = (_align(total, 1024) + _align(config.ds_buffers * KV_BLOCK * Q_STEP * 2, 1024) +
+                 CONSUMER_WARPGROUPS * Q_STEP * cols * 4)
     return total
 
 
@@ -202,6 +211,8 @@ def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> st
             return f"{name} needs at least 2 stages (block j - 1's stays in use while j is read)"
     if config.dq_reduce and (problem.head_dim_qk, problem.head_dim_v) not in DQ_REDUCE_HEAD_DIMS:
         return f"dq_reduce is built for head dims 64/64 and 128/128, not {problem.head_dim_qk}/{problem.head_dim_v}"
+    if config.ds_buffers not in (1, 2) or (config.ds_buffers == 2 and not config.dq_reduce):
+        return f"ds_buffers {config.ds_buffers} must be 1, or 2 with dq_reduce (the dS blocks it stages)"
     if config.dq_reduce and config.overlap:
         return "dq_reduce runs the plain dK/dV schedule only (not overlap)"
     if config.dq_reduce and config.dq_overlap:
@@ -226,7 +237,7 @@ def config_error(config: FlexBackwardConfig, problem: FlexBackwardProblem) -> st
 
 def default_config(problem: FlexBackwardProblem, dq_reduce: bool = False) -> FlexBackwardConfig:
     """As many stages (from 2, up to MAX_STAGES) as each kernel's shared memory holds, with or
-    without the five-product dq_reduce."""
+    without the five-product dq_reduce (and its two dS buffers where they fit beside that ring)."""
     config = FlexBackwardConfig(2, 2, dq_reduce=dq_reduce)
     for field, kernel in (("stages", "dkdv"), ("dq_stages", "dq")):
         while getattr(config, field) < MAX_STAGES:
@@ -234,6 +245,9 @@ def default_config(problem: FlexBackwardProblem, dq_reduce: bool = False) -> Fle
             if smem_bytes(problem, bigger, kernel) > SMEM_BUDGET:
                 break
             config = bigger
+    two = dataclasses.replace(config, ds_buffers=2)
+    if dq_reduce and smem_bytes(problem, two) <= SMEM_BUDGET:
+        config = two
     return config
 
 

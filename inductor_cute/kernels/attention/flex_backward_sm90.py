@@ -30,8 +30,11 @@ there, warp group s computes at 128/128 dQ[:, 64 s .. 64 s + 63] = dS K[:, 64 s 
 keys, at 64/64 all of dQ over its own 64 keys (SS WGMMA, both operands MN-major), stages it
 times `scale` in shared memory (fp32, in strips of 8 columns, so the stores are free of bank
 conflicts) and one of its warps adds it to the fp32 workspace dq_acc (B, Hq, Lpad, Dqk) with one
-TMA reduce per strip. Two consumer barriers per block keep sdS whole: one before
-it is written (both warp groups' previous dQ products are done), one before it is read.
+TMA reduce per strip. With one sdS (config.ds_buffers 1) two consumer barriers per block keep it
+whole: one before it is written (both warp groups' previous dQ products are done), one before it
+is read. With two (one per block parity) a warp group writes its half, issues its dV and dK
+products and only then meets the other (the buffer is whole), issues dQ and reduces it: the
+earlier warp group's products run while the later one's math finishes.
 
 lse2 and delta come from the preprocess kernel, padded (lse2 +inf, delta 0) to at least every
 query block the CTA walks, so padding rows give P = 0 without bounds checks; Q and dO rows past
@@ -131,8 +134,11 @@ class FlexBackwardSm90:
         dq_reduce = self.config.dq_reduce
         if dq_reduce:
             # dS as the A of dQ = dS K: (Q_STEP queries, KV_BLOCK keys), queries contiguous
-            self.sdS_layout = cute.slice_(sm90_utils.make_smem_layout_a(
-                LayoutEnum.COL_MAJOR, (Q_STEP, self.dq_cols, KV_BLOCK), dt, 1), (None, None, 0))
+            # (config.ds_buffers of them: a third mode when two)
+            self.sdS_layout = sm90_utils.make_smem_layout_a(
+                LayoutEnum.COL_MAJOR, (Q_STEP, self.dq_cols, KV_BLOCK), dt, self.config.ds_buffers)
+            if self.config.ds_buffers == 1:
+                self.sdS_layout = cute.slice_(self.sdS_layout, (None, None, 0))
             # each warp group's dQ product, fp32, in column strips of 8 (32-byte rows, the TMA
             # reduce's box): a warp's accumulator store (8 rows x 8 columns) then covers 64
             # consecutive words, 2 wavefronts; whole 256-byte rows put those 8 rows on the same
@@ -312,8 +318,8 @@ class FlexBackwardSm90:
                 split_keys = self.dq_keys < KV_BLOCK
                 dq_tile = 0 if split_keys else wg  # the column tile of dq_acc it adds to
                 key_tile = wg if split_keys else 0
-                tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(
-                    cute.local_tile(sdS, (Q_STEP, self.dq_keys), (0, key_tile))))
+                ds_tile = (0, key_tile) if const_expr(self.config.ds_buffers == 1) else (0, key_tile, None)
+                tQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(cute.local_tile(sdS, (Q_STEP, self.dq_keys), ds_tile)))
                 k_cols = cute.local_tile(transpose_view(sK), (self.dq_cols, self.dq_keys), (dq_tile, key_tile))
                 tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(k_cols))
                 tQsdQ = thr_dq.partition_C(sdQ_mine)
@@ -358,12 +364,25 @@ class FlexBackwardSm90:
                             zero_past_end(acc_dp, tScS, kv_blk * KV_BLOCK, seq_len)
                         r_p.store(acc_s.load().to(self.dtype))
                         r_ds.store(acc_dp.load().to(self.dtype))
-                        if const_expr(self.config.dq_reduce):
+                        if const_expr(self.config.dq_reduce and self.config.ds_buffers == 2):
+                            # dS^T into this block parity's buffer: both warp groups' dQ products of
+                            # two blocks ago read it before either passed the last block's meeting
+                            buf = read.count % 2
+                            cute.autovec_copy(r_ds, tdSsdS[(None, None, None, buf)])
+                            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, WGMMA reads
+                            self._issue_dv_dk(acc_dv, acc_dk, operands, read.index)
+                            warpgroup.commit_group()
+                            consumers.arrive_and_wait()  # the buffer holds both warp groups' keys
+                            gemm_ss(self._make_mma_dq(), acc_dq, tQrdS, tQrK, a_stage=buf)
+                            warpgroup.commit_group()
+                            warpgroup.wait_group(0)
+                            self._reduce_dq(acc_dq, scale, tQsdQ, stage, tma_dq, tdQs, tdQg, warp_idx, blk, dq_tile,
+                                            head, b)
+                        elif const_expr(self.config.dq_reduce):
                             # dS^T into shared memory for this block's dQ (scaled at its staging)
                             consumers.arrive_and_wait()  # both warp groups' previous dQ products are done
                             cute.autovec_copy(r_ds, tdSsdS)
                             cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, WGMMA reads
-                        if const_expr(self.config.dq_reduce):
                             # dQ first, so that its staging and reduce run under dV and dK (groups
                             # complete in order: waiting for dQ alone needs it committed first)
                             consumers.arrive_and_wait()  # sdS holds both warp groups' keys

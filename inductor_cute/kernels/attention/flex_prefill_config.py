@@ -24,6 +24,7 @@ M_BLOCK = 128  # query rows per CTA: two consumer warp groups of one m64 WGMMA e
 CONSUMER_WARPGROUPS = 2
 SMEM_BUDGET = SUPPORTED[(9, 0)].smem_per_block
 MAX_STAGES = 4
+TILE_CLAIM_STAGES = 2  # claimed tile indices the producer may publish ahead of the consumers
 
 # (head_dim_qk, head_dim_v) -> kv_block. Per consumer thread S takes kv_block / 2 fp32 registers,
 # P a quarter (bf16 pairs), O head_dim_v / 2: 160 at 128/128, 176 at 256/256 with 64-key blocks.
@@ -86,16 +87,22 @@ class FlexPrefillConfig:
     # it otherwise waits before every exponential, so a warp group's softmax never overlapped its
     # own P V), the rest after it with O's rescale and P's pack; 0: the order ptxas picks
     early_exps: int = 0
+    # with persistent CTAs: each CTA's next tile comes from a global counter (one atomic add per
+    # tile, tile_claims.py) instead of every persistent_ctas-th one. Causal tiles differ in length,
+    # and a fixed stride leaves CTAs idle at the end: in a greedy-dispatch simulation (1.5 blocks of
+    # fixed cost per tile, 132 CTAs) a fixed stride takes 602.5 blocks per SM for DeepSeek-V3 MLA
+    # and 582 for the Llama causal case, claiming 560.5 and 560 (512 of work)
+    dynamic_tiles: bool = False
 
     @property
     def threads(self) -> int:
         return 128 * (1 + CONSUMER_WARPGROUPS)  # one producer warp group + consumers
 
     def as_params(self) -> dict:
-        """The fields, split_kv and early_exps left out when unset (the specs that predate them keep
-        their keys)."""
+        """The fields, split_kv, early_exps and dynamic_tiles left out when unset (the specs that
+        predate them keep their keys)."""
         params = dataclasses.asdict(self)
-        for field in ("split_kv", "early_exps"):
+        for field in ("split_kv", "early_exps", "dynamic_tiles"):
             if not params[field]:
                 del params[field]
         return params
@@ -114,6 +121,8 @@ def smem_bytes(problem: FlexPrefillProblem, config: FlexPrefillConfig) -> int:
     k = config.stages * config.kv_block * problem.head_dim_qk * 2
     v = config.stages * config.kv_block * problem.head_dim_v * 2
     bars = 16 * config.stages * (2 if config.split_kv else 1) + 16 * config.q_stages
+    if config.dynamic_tiles:  # the claimed tiles' ring: its mbarriers and tile indices
+        bars += TILE_CLAIM_STAGES * (16 + 4)
     return _align(bars, 1024) + _align(q, 1024) + _align(o, 1024) + _align(k, 1024) + v
 
 
@@ -169,6 +178,8 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
     if not 0 <= config.early_exps <= config.kv_block // 4:
         return (f"early_exps {config.early_exps} must be in 0..{config.kv_block // 4} (a thread's values per row "
                 f"of a {config.kv_block}-key block)")
+    if config.dynamic_tiles and config.persistent_ctas == 0:
+        return "dynamic_tiles needs persistent_ctas: with one CTA per tile the hardware deals the tiles"
     if config.q_stages == 2 and config.persistent_ctas == 0:
         return "q_stages 2 needs persistent_ctas: with one tile per CTA there is no next Q to load early"
     if smem_bytes(problem, config) > SMEM_BUDGET:
@@ -189,16 +200,23 @@ PERSISTENT_HEAD_DIMS = {(64, 64)}
 TUNED = {(128, 128): dict(persistent=True, early_exps=20), (192, 128): dict(split_kv=True, early_exps=20)}
 
 
+def plain_config(problem: FlexPrefillProblem, split_kv: bool = False) -> FlexPrefillConfig:
+    """The head dims' KV block, one CTA per tile and as many stages as shared memory holds (with
+    `split_kv`, in K's and V's rings), up to MAX_STAGES: what every tuned config builds on."""
+    config = FlexPrefillConfig(HEAD_DIMS[(problem.head_dim_qk, problem.head_dim_v)], 2, split_kv=split_kv)
+    while config.stages < MAX_STAGES and smem_bytes(problem, dataclasses.replace(config, stages=config.stages + 1)) \
+            <= SMEM_BUDGET:
+        config = dataclasses.replace(config, stages=config.stages + 1)
+    return config
+
+
 def default_config(problem: FlexPrefillProblem, num_sms: int = 0) -> FlexPrefillConfig:
     """The head dims' KV block and as many stages as shared memory holds, up to MAX_STAGES (a
     prefill is compute bound: two or three stages cover the TMA latency; 128/128 gets 3). With
     `num_sms`, head dims in PERSISTENT_HEAD_DIMS get that many persistent CTAs and two Q buffers
     where both fit; TUNED head dims get what measured fastest (persistent CTAs only with num_sms)."""
     dims = (problem.head_dim_qk, problem.head_dim_v)
-    config = FlexPrefillConfig(HEAD_DIMS[dims], 2)
-    while config.stages < MAX_STAGES and smem_bytes(problem, dataclasses.replace(config, stages=config.stages + 1)) \
-            <= SMEM_BUDGET:
-        config = dataclasses.replace(config, stages=config.stages + 1)
+    config = plain_config(problem)
     if num_sms > 0 and dims in PERSISTENT_HEAD_DIMS:
         persistent = persistent_config(config, problem, num_sms)
         if persistent.q_stages == 2:

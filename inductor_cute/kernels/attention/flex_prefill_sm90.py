@@ -4,7 +4,8 @@
 
 Tiles of (128 query rows, query head, batch), numbered longest-first within sections of (head,
 batch) pairs whose K/V fits in L2 (tile_order.py): one CTA per tile, or (config.persistent_ctas)
-that many CTAs each taking every persistent_ctas-th tile, so that a CTA's producer loads the next
+that many CTAs each taking every persistent_ctas-th tile (or, config.dynamic_tiles, claiming its
+next one from a global counter: tile_claims.py), so that a CTA's producer loads the next
 tile's first K/V blocks while its consumers finish the last one (Q follows once O has left Q's
 buffer; with config.q_stages = 2 the next Q loads first, into the other of two Q buffers, and O is
 staged in a buffer of its own).
@@ -41,9 +42,11 @@ of 8 elements):
     t0..t3, m0..m3: the score and mask programs' captured tensors (contiguous 1-D), None past
     their count; kv_num_blocks, full_kv_num_blocks (Z, H, Qb) and kv_indices, full_kv_indices
     (Z, H, Qb, C), int32: the block mask (None without one)
+    tile_counter: int32 (2,), zero before the launch and left zero (config.dynamic_tiles; None
+    without: tile_claims.py)
 Exported entry: kernel(q, k, v, out, lse, scale_log2, scale, t0, t1, t2, t3, kv_num_blocks,
-kv_indices, full_kv_num_blocks, full_kv_indices, m0, m1, m2, m3); scale_log2 = scale * log2(e) is
-used without a score program, scale with one.
+kv_indices, full_kv_num_blocks, full_kv_indices, m0, m1, m2, m3, tile_counter); scale_log2 =
+scale * log2(e) is used without a score program, scale with one.
 """
 
 from typing import Optional
@@ -63,13 +66,14 @@ from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
 from .fake_operands import CUTE_DTYPES
-from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, FlexPrefillConfig, FlexPrefillProblem, config_error,
-                                  from_params, smem_bytes)
+from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, TILE_CLAIM_STAGES, FlexPrefillConfig,
+                                  FlexPrefillProblem, config_error, from_params, smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
 from .prefill_epilogue import PrefillEpilogue
 from .softmax import (add_row_sums, exponentiate_rest, online_softmax_scores, rescale_rows, softmax_reset,
                       softmax_state)
+from .tile_claims import claim_next, claim_ring, publish, receive, retire
 from .tile_order import LongestFirst, section_width
 
 
@@ -120,7 +124,7 @@ class FlexPrefillSm90:
         # O staged as one (64, Dv) half per consumer warp group (the TMA store's box)
         self.sO_layout = sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (64, self.dv), CONSUMER_WARPGROUPS)
 
-        split = self.config.split_kv
+        split, dynamic = self.config.split_kv, self.config.dynamic_tiles
 
         @cute.struct
         class SharedStorage:
@@ -128,6 +132,9 @@ class FlexPrefillSm90:
             if split:
                 v_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * qs]
+            if dynamic:  # the claimed tiles' ring (tile_claims.py)
+                tile_bars: cute.struct.MemRange[cutlass.Int64, 2 * TILE_CLAIM_STAGES]
+                tile_ids: cute.struct.MemRange[Int32, TILE_CLAIM_STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sQ_layout)], 1024]
             if qs > 1:  # two Q buffers: O staged in a buffer of its own
                 sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sO_layout)], 1024]
@@ -142,7 +149,7 @@ class FlexPrefillSm90:
                  mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor], mKvNum: Optional[cute.Tensor],
                  mKvIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor], mFullIdx: Optional[cute.Tensor],
                  mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor], mM2: Optional[cute.Tensor],
-                 mM3: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mM3: Optional[cute.Tensor], mTileCounter: Optional[cute.Tensor], stream: cuda.CUstream):
         self._setup()
         # config_error budgets with smem_bytes
         assert self.shared_storage.size_in_bytes() == smem_bytes(self.problem, self.config)
@@ -169,7 +176,7 @@ class FlexPrefillSm90:
         if const_expr(self.config.persistent_ctas > 0):
             ctas = cutlass.min(ctas, self.config.persistent_ctas)
         self.kernel(tma_q, gQ, tma_k, gK, tma_v, gV, tma_o, gO, mLse, scale_log2, scale, mT0, mT1, mT2, mT3,
-                    mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, self.mma_qk, self.mma_pv,
+                    mKvNum, mKvIdx, mFullNum, mFullIdx, mM0, mM1, mM2, mM3, mTileCounter, self.mma_qk, self.mma_pv,
                     self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout
                     ).launch(grid=[ctas, 1, 1], block=[self.config.threads, 1, 1], min_blocks_per_mp=1,
                              stream=stream)
@@ -192,7 +199,8 @@ class FlexPrefillSm90:
                mT1: Optional[cute.Tensor], mT2: Optional[cute.Tensor], mT3: Optional[cute.Tensor],
                mKvNum: Optional[cute.Tensor], mKvIdx: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor],
                mFullIdx: Optional[cute.Tensor], mM0: Optional[cute.Tensor], mM1: Optional[cute.Tensor],
-               mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+               mM2: Optional[cute.Tensor], mM3: Optional[cute.Tensor], mTileCounter: Optional[cute.Tensor],
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -230,6 +238,10 @@ class FlexPrefillSm90:
             v_pipe = kv_pipe
         q_bytes = cute.size_in_bytes(self.dtype, self._one_q_layout(sQ_layout))
         q_pipe = tma_pipeline(storage.q_bars, self.config.q_stages, q_bytes, consumer_warps)
+        ring, tile_ids = None, None
+        if const_expr(self.config.dynamic_tiles):
+            ring = claim_ring(storage.tile_bars, self.consumer_threads)
+            tile_ids = storage.tile_ids.get_tensor(cute.make_layout(TILE_CLAIM_STAGES))
         cute.arch.mbarrier_init_fence()
 
         cute.arch.sync_threads()
@@ -250,7 +262,9 @@ class FlexPrefillSm90:
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.q_stages)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.stages)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.config.stages)
-                for tile in range(first_tile, n_tiles, ctas):
+                claims = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_CLAIM_STAGES)
+                tile = first_tile
+                while tile < n_tiles:
                     m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
                     hkv = head // q_per_kv
                     b_kv = Int32(0) if const_expr(self.problem.kv_batch_broadcast) else b  # one shared cache
@@ -292,6 +306,14 @@ class FlexPrefillSm90:
                     if later and n_blocks <= self.config.stages:
                         self._load_q(q_pipe, q_state, tma_q, tQgQ, tQsQ, m_block, head, b)
                         q_state.advance()
+                    if const_expr(self.config.dynamic_tiles):  # the next tile, for the consumers too
+                        tile = claim_next(mTileCounter, ctas)
+                        publish(ring, claims, tile_ids, tile)
+                        claims.advance()
+                    else:
+                        tile += ctas
+                if const_expr(self.config.dynamic_tiles):
+                    retire(mTileCounter, ctas)
 
         # ================================================================ consumers
         if wg_idx > 0:
@@ -320,17 +342,26 @@ class FlexPrefillSm90:
                          (q_pipe, kv_pipe, v_pipe), slot, (tSrQ, tSrK, tOrV, tScS, tOcO),
                          (acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction), scale_log2, scale,
                          score_tensors, mask_tensors, (sO, tma_o, gO_full, mLse), ctid, warp_idx)
-            if const_expr(self.config.persistent_ctas > 0):
+            if const_expr(self.config.dynamic_tiles):
+                claims = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_CLAIM_STAGES)
+                tile = first_tile
+                while tile < n_tiles:
+                    states = [q_state, read, release]
+                    self._consume_tile(tile, states, *tile_args)
+                    q_state, read, release = states
+                    tile = receive(ring, claims, tile_ids)
+                    claims.advance()
+            elif const_expr(self.config.persistent_ctas > 0):
                 for tile in range(first_tile, n_tiles, ctas):
                     # the tile's dynamic ifs and loops rebind its pipeline states to new objects,
                     # so they come back through `states`; assigned here, the loop carries them
                     states = [q_state, read, release]
                     self._consume_tile(tile, states, *tile_args)
                     q_state, read, release = states
-                if const_expr(self.config.q_stages > 1):
-                    if warp_idx == 4 + 4 * slot:
-                        cute.arch.cp_async_bulk_wait_group(0)  # the last O store, before the CTA ends
-            else:
+            if const_expr(self.config.persistent_ctas > 0 and self.config.q_stages > 1):
+                if warp_idx == 4 + 4 * slot:
+                    cute.arch.cp_async_bulk_wait_group(0)  # the last O store, before the CTA ends
+            if const_expr(self.config.persistent_ctas == 0):
                 self._consume_tile(first_tile, [q_state, read, release], *tile_args)
 
     @cute.jit
@@ -538,4 +569,5 @@ def build(**params):
     return FlexPrefillSm90(problem, config), (q, k, v, out, lse, Float32(1.0), Float32(1.0),
                                               *fake.captured(problem.score_dtypes),
                                               *fake.block_mask(problem.sparse_block > 0),
-                                              *fake.captured(problem.mask_dtypes), stream)
+                                              *fake.captured(problem.mask_dtypes),
+                                              fake.compact(Int32, (2,)) if config.dynamic_tiles else None, stream)
