@@ -57,6 +57,8 @@ for s in $steps; do
                    --match "${CASE:-llama3-8b decode B32 KV4096 cg}" --out "$OUT/models" ;;
         # issue 11's per-call host cost and dynamic-M suites (whole suites, records to $OUT/<suite>)
         host|gemm_dynamic) step "$s" 500 python3 -m inductor_cute bench "$s" --out "$OUT/$s" ;;
+        # where the host time of the host suite's GEMV case goes (cProfile of ours and stock)
+        host_profile) step host_profile 300 python3 benchmarks/host_profile.py ;;
         # cold and warm compile of one model case, stock and enabled, each in fresh processes
         compile_cost) step compile_cost 560 python3 benchmarks/model_compile_cost.py \
                    --case "${CASE:-llama3-8b decode B8 KV8192 cg}" --json "$OUT/compile_cost.json" ;;
