@@ -9,8 +9,7 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 from inductor_cute.bench import harness
 from inductor_cute.bench.case import Case
