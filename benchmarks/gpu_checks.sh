@@ -31,7 +31,8 @@ for s in $steps; do
         gemm) step gemm 300 python3 -m pytest -m gpu tests/gpu/test_gemm_gpu.py -q -p no:cacheprovider ;;
         inductor) step inductor 400 python3 -m pytest -m gpu tests/gpu/test_inductor_gpu.py -q -p no:cacheprovider ;;
         # the backward's tests (dq_reduce's first run among them), then its speeds per schedule
-        flex_backward) step flex_backward 300 python3 -m pytest -m gpu tests/gpu/test_flex_backward_gpu.py -q -rf -n 8 -p no:cacheprovider ;;
+        flex_backward) step flex_backward 300 python3 -m pytest -m gpu tests/gpu/test_flex_backward_gpu.py \
+                   tests/gpu/test_flex_backward_lowering_gpu.py -q -rf -n 8 -p no:cacheprovider ;;
         flex_backward_speed) step flex_backward_speed 400 python3 benchmarks/flex_backward_speed.py ;;
         # the grouped GEMM's first cluster and gated runs alone, serially, stopping at the first failure (a hang
         # then names its test in the log: -v), then the rest of its tests, then every config's speed

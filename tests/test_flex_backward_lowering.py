@@ -1,9 +1,11 @@
 """Training graphs through our flex kernels on the CPU (enable(flex_backward=True)): a compiled
 training step runs our forward op and our backward op (both call sites in the output code) and
 its gradients match an fp32 reference; the forward's and the backward's lowerings see the same
-problem and reach the same decision, declines included (a score_mod, head dims only the forward
-has); the setting is opt-in. CPU stand-ins (tests/flex_support.py) run the ops' contracts in fp32:
-the backward's from the forward's out and natural-log lse, so the lse's units are checked too.
+problem and reach the same decision, declines included (a block mask only the forward takes);
+score_mods (softcap, ALiBi's captured slopes) and MLA's head dims run our backward; a captured
+tensor that needs a gradient takes the stock backward; the setting is opt-in. CPU stand-ins
+(tests/flex_support.py) run the ops' contracts in fp32: the backward's from the forward's out and
+natural-log lse, so the lse's units are checked too.
 GPU twin: tests/gpu/test_flex_backward_lowering_gpu.py."""
 
 import dataclasses
@@ -30,13 +32,16 @@ from flex_support import OUR_CALL, OUR_PREFILL_CALL, accept_cpu, decline_reason,
 OUR_BACKWARD_CALL = "inductor_cute.inductor.flex.runtime.FlexBackwardLauncher("
 
 
-def _backward_stand_in(q, k, v, out, lse, grad_out, scale, mask_mod, mask_tensors, kv_num_blocks, kv_indices,
-                       full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks,
-                       full_q_indices, kv_block_size, q_block_size):
-    """The backward op's contract in fp32: P from the forward's natural-log lse, delta from its out;
-    the BlockMask's backward lists must list the forward lists' blocks, transposed."""
+def _backward_stand_in(q, k, v, out, lse, grad_out, scale, score_mod, score_tensors, mask_mod, mask_tensors,
+                       kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
+                       full_q_num_blocks, full_q_indices, kv_block_size, q_block_size):
+    """The backward op's contract in fp32: P from the forward's natural-log lse, delta from its out,
+    the score program's derivative by autograd of its reference evaluation; the BlockMask's
+    backward lists must list the forward lists' blocks, transposed."""
     mask_mod, mask_dtypes, mask_slots = host_flex._score_mod_operands(mask_mod or None, mask_tensors, q.device, "mask")
     mask_tensors = mask_slots[:len(mask_dtypes)]
+    score_mod, score_dtypes, score_slots = host_flex._score_mod_operands(score_mod or None, score_tensors, q.device)
+    score_tensors = score_slots[:len(score_dtypes)]
     batch, heads, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1:3]
     g = heads // kv_heads
@@ -50,10 +55,19 @@ def _backward_stand_in(q, k, v, out, lse, grad_out, scale, mask_mod, mask_tensor
                                       kv_block_size)
         assert torch.equal(visited, visited_t.transpose(-1, -2)), "backward lists disagree with the forward's"
     kf, vf = (t.float().repeat_interleave(g, 1) for t in (k, v))
-    s = (q.float() @ kf.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    raw = (q.float() @ kf.transpose(-1, -2) * scale).requires_grad_()
+    scored = raw
+    if score_mod:  # (a compiled backward runs with autograd off)
+        idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+               for d, n in enumerate(raw.shape)]
+        with torch.enable_grad():
+            scored = sp.reference(score_mod, raw, *idx, score_tensors)
+    s = scored.detach().masked_fill(~keep, float("-inf"))
     p = (s - lse[..., None]).exp().nan_to_num(0.0)
     do = grad_out.float()
     ds = p * (do @ vf.transpose(-1, -2) - (do * out.float()).sum(-1, keepdim=True))
+    if score_mod:  # through the score program: dL/draw = dL/dscored * dscored/draw
+        (ds,) = torch.autograd.grad(scored, raw, ds)
 
     def per_kv_head(x):  # and, for k and v of batch 1 shared by the query batches, over those
         x = x.view(batch, kv_heads, g, *x.shape[2:]).sum(2)
@@ -139,13 +153,15 @@ def training_step(q, k, v, flex_prefill=True, dynamic=None, **mods):
     return out, [t.grad for t in leaves], weights, "\n".join(codes)
 
 
-def reference_grads(q, k, v, weights, mask_mod=None):
-    """fp32 gradients of sum(weights * softmax(q k^T / sqrt(d)) v) (GQA, mask_mod densely)."""
+def reference_grads(q, k, v, weights, mask_mod=None, score_mod=None):
+    """fp32 gradients of sum(weights * softmax(q k^T / sqrt(d)) v) (GQA, score_mod and mask_mod densely)."""
     q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
     g = q.shape[1] // k.shape[1]
     s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    idx = [torch.arange(n).view([-1 if i == d else 1 for i in range(4)]) for d, n in enumerate(s.shape)]
+    if score_mod is not None:
+        s = score_mod(s, *idx)
     if mask_mod is not None:
-        idx = [torch.arange(n).view([-1 if i == d else 1 for i in range(4)]) for d, n in enumerate(s.shape)]
         s = s.masked_fill(~mask_mod(*idx).expand(s.shape), float("-inf"))
     out = s.softmax(-1).nan_to_num(0.0) @ v.repeat_interleave(g, 1)
     (out * weights).sum().backward()
@@ -212,9 +228,6 @@ def assert_both_graphs_agree(seen) -> str | None:
 
 CAUSAL_256 = functools.partial(create_block_mask, causal, None, None, 256, 256, device="cpu")
 DECLINED = {  # qkv's arguments, the call's mods, what the reason says
-    "score_mod": ({}, lambda: {"score_mod": softcap, "block_mask": CAUSAL_256()}, "score_mod"),
-    "head dims 192/128 (the backward's are not yet GPU-checked)": (
-        {"dqk": 192, "dv": 128}, lambda: {"block_mask": CAUSAL_256()}, "backward: head dims 192/128"),
     "block mask of 256 x 64 blocks": ({}, lambda: {"block_mask": CAUSAL_256(BLOCK_SIZE=(256, 64))},
                                       "backward block mask"),
 }
@@ -288,5 +301,53 @@ def test_the_backward_op_fake_gives_each_gradient_its_input_shape():
     with FakeTensorMode():
         q, k, v = torch.empty(2, 8, 100, 64), torch.empty(2, 2, 300, 64), torch.empty(2, 2, 300, 64)
         out, lse = torch.empty(2, 8, 100, 64), torch.empty(2, 8, 100)
-        dq, dk, dv = torch.ops.inductor_cute.flex_backward(q, k, v, out, lse, out, 0.125, "", [], *[None] * 8, 0, 0)
+        dq, dk, dv = torch.ops.inductor_cute.flex_backward(q, k, v, out, lse, out, 0.125, "", [], "", [], *[None] * 8, 0, 0)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_a_training_step_with_a_score_mod_runs_our_kernels(cpu_training, decisions):
+    # softcap's tanh differentiated by our backward (programs/score_grad.py), over a causal BlockMask
+    q, k, v = qkv(q_len=256, kv_len=256, heads=4, kv_heads=2)
+    out, grads, weights, code = training_step(q, k, v, score_mod=softcap, block_mask=CAUSAL_256())
+    assert assert_both_graphs_agree(decisions) is None
+    assert code.count(OUR_PREFILL_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1
+    assert "score_mod=''" not in code.split(OUR_BACKWARD_CALL)[1].split(")")[0]  # the program reaches it
+    ref_out, ref = reference_grads(q, k, v, weights, causal, softcap)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    assert_grads_match(grads, ref)
+
+
+def test_a_score_mod_with_a_captured_tensor_and_head_dims_192_128_in_training(cpu_training, decisions):
+    # ALiBi's slopes (captured, no gradient) reach the backward op as a tensor; MLA's head dims
+    slopes = torch.rand(4)
+
+    def alibi(score, b, h, m, n):
+        return score + slopes[h] * (n - m)
+
+    q, k, v = qkv(q_len=256, kv_len=256, heads=4, kv_heads=4, dqk=192, dv=128)
+    out, grads, weights, code = training_step(q, k, v, score_mod=alibi, block_mask=CAUSAL_256())
+    assert assert_both_graphs_agree(decisions) is None
+    assert code.count(OUR_PREFILL_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1
+    assert_grads_match(grads, reference_grads(q, k, v, weights, causal, alibi)[1])
+
+
+def _joint_graph(captured_grads: list) -> object:
+    """A stand-in of the backward HOP's joint graph: outputs (grad of score, four index grads,
+    then one per captured tensor: a node where it needs a gradient, None where not)."""
+    import types
+
+    graph = torch.fx.Graph()
+    score = graph.placeholder("score")
+    grads = [graph.call_function(torch.neg, (score,)) if needs else None for needs in captured_grads]
+    graph.output([score, None, None, None, None, *grads])
+    return types.SimpleNamespace(graph_module=torch.fx.GraphModule(torch.nn.Module(), graph))
+
+
+def test_a_captured_tensor_that_needs_a_gradient_takes_the_stock_backward():
+    # our kernels compute no gradient for a score_mod's captured tensor (a learnable bias, say):
+    # the backward's lowering alone sees that (the forward keeps ours: the stock backward reads
+    # our out and lse as its own)
+    assert backward._captured_gradient_reason(_joint_graph([]), 0) is None
+    assert backward._captured_gradient_reason(_joint_graph([False, False]), 2) is None
+    assert "needs a gradient" in backward._captured_gradient_reason(_joint_graph([False, True]), 2)
+    assert "could not be read" in backward._captured_gradient_reason(object(), 1)

@@ -2,9 +2,10 @@
 the forward graph runs our forward kernel (prefill, or decode for short queries) and the backward
 graph our backward kernels (output code calls a FlexPrefillLauncher / FlexDecodeLauncher and a
 FlexBackwardLauncher), and dq, dk, dv match an fp32 reference: causal BlockMask, GQA 4, d64 and
-d128, bf16, a query length off the blocks. What our backward cannot take leaves both graphs
-stock (a score_mod; the setting off); a loss through the logsumexp keeps our forward and takes
-the stock backward, which reads our lse. The allocator is poisoned with NaN first, so a gradient
+d128, bf16, a query length off the blocks, score_mods (softcap; ALiBi with captured slopes at
+MLA's 192/128). With the setting off both graphs stay stock; a loss through the logsumexp, or a
+score_mod's captured tensor that needs a gradient, keeps our forward and takes the stock
+backward, which reads our out and lse. The allocator is poisoned with NaN first, so a gradient
 element never written shows. CPU twin: tests/test_flex_backward_lowering.py."""
 
 import functools
@@ -116,15 +117,50 @@ def test_a_short_query_training_step_runs_our_decode_forward_and_backward():
     assert_grads_match(grads, reference_grads(q, k, v, weights))
 
 
-@pytest.mark.parametrize("stock", ["score_mod", "setting off"])
-def test_what_our_backward_cannot_take_leaves_both_graphs_stock(stock):
+def test_with_the_setting_off_both_graphs_stay_stock():
     q, k, v = rand(1, 8, 512, 64), rand(1, 2, 512, 64), rand(1, 2, 512, 64)
     block_mask = create_block_mask(causal, None, None, 512, 512, device="cuda")
-    score_mod = softcap if stock == "score_mod" else None
-    grads, weights, code = training_step(q, k, v, flex_backward=stock != "setting off", score_mod=score_mod,
-                                         block_mask=block_mask)
+    grads, weights, code = training_step(q, k, v, flex_backward=False, block_mask=block_mask)
     assert OUR_PREFILL_CALL not in code and OUR_DECODE_CALL not in code and OUR_BACKWARD_CALL not in code
-    assert_grads_match(grads, reference_grads(q, k, v, weights, score_mod=score_mod, mask_mod=causal))
+    assert_grads_match(grads, reference_grads(q, k, v, weights, mask_mod=causal))
+
+
+def test_score_mods_in_training_run_our_kernels():
+    # softcap's tanh, and ALiBi's captured slopes (no gradient) at MLA's head dims
+    q, k, v = rand(1, 8, 700, 128), rand(1, 2, 700, 128), rand(1, 2, 700, 128)
+    block_mask = create_block_mask(causal, None, None, 700, 700, device="cuda")
+    grads, weights, code = training_step(q, k, v, score_mod=softcap, block_mask=block_mask)
+    assert code.count(OUR_PREFILL_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1
+    assert_grads_match(grads, reference_grads(q, k, v, weights, score_mod=softcap, mask_mod=causal))
+    slopes = torch.rand(8, device="cuda")
+
+    def alibi(score, b, h, m, n):
+        return score + slopes[h] * (n - m)
+
+    q, k, v = rand(1, 8, 600, 192), rand(1, 8, 600, 192), rand(1, 8, 600, 128)
+    block_mask = create_block_mask(causal, None, None, 600, 600, device="cuda")
+    grads, weights, code = training_step(q, k, v, score_mod=alibi, block_mask=block_mask)
+    assert code.count(OUR_PREFILL_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1
+    assert_grads_match(grads, reference_grads(q, k, v, weights, score_mod=alibi, mask_mod=causal))
+
+
+def test_a_captured_tensor_that_needs_a_gradient_takes_the_stock_backward():
+    # a learnable per-head bias: our forward, the stock backward (it differentiates the bias too)
+    q, k, v = rand(1, 8, 512, 128), rand(1, 2, 512, 128), rand(1, 2, 512, 128)
+    bias = torch.randn(8, device="cuda", requires_grad=True)
+
+    def biased(score, b, h, m, n):
+        return score + bias[h]
+
+    block_mask = create_block_mask(causal, None, None, 512, 512, device="cuda")
+    grads, weights, code = training_step(q, k, v, score_mod=biased, block_mask=block_mask)
+    assert code.count(OUR_PREFILL_CALL) == 1 and OUR_BACKWARD_CALL not in code
+    got_bias_grad, bias.grad = bias.grad, None
+    assert_grads_match(grads, reference_grads(q, k, v, weights, score_mod=biased, mask_mod=causal))
+    # (the reference's backward filled bias.grad in fp32)
+    assert got_bias_grad is not None and not got_bias_grad.isnan().any()
+    err = (got_bias_grad - bias.grad).abs().max().item()
+    assert err < 2e-2 * max(1.0, bias.grad.abs().max().item()), f"bias grad: max error {err:.3e}"
 
 
 def test_a_loss_through_the_logsumexp_takes_the_stock_backward_on_our_lse():

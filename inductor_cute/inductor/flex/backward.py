@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 _HOP = torch.ops.higher_order.flex_attention_backward
 
 SCHEMA = ("flex_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor grad_out, float scale, "
-          "str mask_mod, Tensor[] mask_tensors, Tensor? kv_num_blocks, Tensor? kv_indices, "
+          "str score_mod, Tensor[] score_tensors, str mask_mod, Tensor[] mask_tensors, Tensor? kv_num_blocks, "
+          "Tensor? kv_indices, "
           "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor? q_num_blocks, Tensor? q_indices, "
           "Tensor? full_q_num_blocks, Tensor? full_q_indices, SymInt kv_block_size, SymInt q_block_size) "
           "-> (Tensor, Tensor, Tensor)")
@@ -57,7 +58,8 @@ class _FlexBackwardCall(_lowering._FlexCall):
 
     @staticmethod
     def site(args: list) -> dict:
-        return dict(scale=float(args[6]), mask_mod=args[7], kv_block_size=int(args[17]), q_block_size=int(args[18]))
+        return dict(scale=float(args[6]), score_mod=args[7], mask_mod=args[9], kv_block_size=int(args[19]),
+                    q_block_size=int(args[20]))
 
 
 def _flex_attention_backward(*args, **kwargs):
@@ -69,7 +71,8 @@ def _flex_attention_backward(*args, **kwargs):
             mask_mod_other_buffers)
         reason = _lowering._call_reason(problem, query, key)
         if not reason:
-            (_, mask_program), _ = problem.translated
+            (score_program, mask_program), _ = problem.translated
+            reason = _captured_gradient_reason(_joint_graph, len(score_mod_other_buffers))
     except Exception as e:  # our decision must never fail a compile
         reason = f"the decision failed: {type(e).__name__}: {e}"
     if not reason and kwargs:
@@ -82,13 +85,15 @@ def _flex_attention_backward(*args, **kwargs):
         log.debug("inductor-cute: flex_attention backward left to the stock lowering: %s", reason)
         return stock_lowering(_HOP)(*args, **kwargs)
     _lowering.add_guards(problem, query)
-    log.info("inductor-cute: flex_attention backward %s runs our kernels (mask program %r%s)", list(query.get_size()),
-             mask_program, "" if problem.keys_all_in_blocks else ", a block mask")
+    log.info("inductor-cute: flex_attention backward %s runs our kernels (score program %r, mask program %r%s)",
+             list(query.get_size()), score_program, mask_program, "" if problem.keys_all_in_blocks else ", a block mask")
     kv_block, q_block = problem.block_sizes
     lists = [*_lowering._block_mask_fields(block_mask)[:4], *_lowering._backward_lists(block_mask)]
     if problem.keys_all_in_blocks:  # flex_attention's "no block mask": every key of every query
         lists, kv_block, q_block = [None] * 8, 0, 0
     device = query.get_device()
+    score_buffers = [_lowering._kernel_buffer(buf, c, device)
+                     for buf, c in zip(score_mod_other_buffers, problem.score_buffers)]
     mask_buffers = [_lowering._kernel_buffer(buf, c, device)
                     for buf, c in zip(mask_mod_other_buffers, problem.mask_buffers)]
     from torch._inductor.lowering import lowerings
@@ -96,5 +101,22 @@ def _flex_attention_backward(*args, **kwargs):
     lse = lowerings[torch.ops.aten.mul.Tensor](logsumexp, 1 / LOG2E)  # the HOP's log2 units -> natural log
     dq, dk, dv = (ir.TensorBox.create(x) for x in _FlexBackwardCall.create(
         torch.ops.inductor_cute.flex_backward.default, query, key, value, out, lse, grad_out, float(scale),
-        mask_program, mask_buffers, *lists, kv_block, q_block))
-    return dq, dk, dv, tuple(None for _ in score_mod_other_buffers)  # no score_mod: nothing captured to differentiate
+        score_program, score_buffers, mask_program, mask_buffers, *lists, kv_block, q_block))
+    # no captured tensor of the score_mod needs a gradient (_captured_gradient_reason)
+    return dq, dk, dv, tuple(None for _ in score_mod_other_buffers)
+
+
+def _captured_gradient_reason(joint_graph, n_captured: int) -> str | None:
+    """Why our backward cannot serve a call whose score_mod captures tensors: one of them needs a
+    gradient (the joint graph computes one for it: our kernels compute none), or the joint graph is
+    not one we can read. None without captured tensors, or when none needs a gradient."""
+    if n_captured == 0:
+        return None
+    try:
+        (outputs,) = [node.args[0] for node in joint_graph.graph_module.graph.nodes if node.op == "output"]
+        grads = list(outputs)[-n_captured:]
+    except Exception as e:  # another torch's joint graph: decline rather than guess
+        return f"the score_mod's joint graph could not be read ({type(e).__name__}: {e})"
+    if any(g is not None for g in grads):
+        return "a tensor the score_mod captures needs a gradient (our backward computes none)"
+    return None

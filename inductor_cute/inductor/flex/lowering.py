@@ -15,8 +15,10 @@ The decision is `decline_reason(FlexProblem)`: plain values, so it is testable w
 The query length picks the kernel (`FlexProblem.kernel`); the checks common to both run once, then
 that kernel's own limits (head dims, dtypes, block sizes) and the settings that offer it. A
 training call is decided once for both of its graphs: the forward's lowering and the backward's
-(backward.py) each ask decline_reason, whose training checks (`_training_reason`, no score_mod)
-cover the backward kernel's limits too, so both run our kernels or both the stock ones.
+(backward.py) each ask decline_reason, whose training checks (`_training_reason`, and a score_mod
+our backward can differentiate) cover the backward kernel's limits too, so both run our kernels or
+both the stock ones. (A score_mod whose captured tensor needs a gradient is seen by the backward's
+lowering alone: it takes the stock backward, which reads our forward's out and lse as its own.)
 The mods' graphs are translated by translate.py; their captured buffers (of any rank, bool and
 int64 included) and integer operands reach the kernel flattened and converted by `_kernel_buffer`.
 Torch-version differences are confined to `_block_mask_fields` and `_backward_lists`.
@@ -184,8 +186,13 @@ def decline_reason(p: FlexProblem) -> str | None:
     if problem:
         return problem
     if not p.inference and programs[0]:
-        # host.flex_backward takes score programs (score_grad.py) but has not run them on a GPU yet
-        return "a score_mod in a training graph (our backward's score_mod gradients are not yet GPU-checked)"
+        # our backward differentiates the score program itself (programs/score_grad.py)
+        from ...kernels.common.programs.score_grad import derivative_error
+
+        dtypes = tuple(str(c.kernel_dtype).removeprefix("torch.") for c in p.score_buffers)
+        problem = derivative_error(programs[0], dtypes)
+        if problem:
+            return f"a score_mod our backward cannot differentiate: {problem}"
     return _options_reason(p.kernel_options)
 
 

@@ -173,25 +173,29 @@ def flex_prefill(q, k, v, scale: float, score_mod: str, score_tensors, mask_mod:
 
 class FlexBackwardLauncher:
     """One call site's flex backward: host.flex_backward(q, k, v, out, lse, grad_out, scale=,
-    mask_mod=, both BlockMask list sets, block sizes=) returning (dq, dk, dv); lse in natural-log
-    units. `call` and `call_static` take the backward op's arguments (its schema's order)."""
+    score_mod=, mask_mod=, both BlockMask list sets, block sizes=) returning (dq, dk, dv); lse in
+    natural-log units. `call` and `call_static` take the backward op's arguments (its schema's order)."""
 
-    __slots__ = ("scale", "mask_mod", "kv_block_size", "q_block_size")
+    __slots__ = ("scale", "score_mod", "mask_mod", "kv_block_size", "q_block_size")
 
-    def __init__(self, scale: float, mask_mod: str = "", kv_block_size: int = 0, q_block_size: int = 0) -> None:
-        self.scale, self.mask_mod, self.kv_block_size, self.q_block_size = scale, mask_mod, kv_block_size, q_block_size
+    def __init__(self, scale: float, score_mod: str = "", mask_mod: str = "", kv_block_size: int = 0,
+                 q_block_size: int = 0) -> None:
+        self.scale, self.score_mod, self.mask_mod = scale, score_mod, mask_mod
+        self.kv_block_size, self.q_block_size = kv_block_size, q_block_size
 
     def __repr__(self) -> str:
-        return f"FlexBackwardLauncher(scale={self.scale!r}, mask_mod={self.mask_mod!r}, " \
-               f"kv_block_size={self.kv_block_size!r}, q_block_size={self.q_block_size!r})"
+        return f"FlexBackwardLauncher(scale={self.scale!r}, score_mod={self.score_mod!r}, " \
+               f"mask_mod={self.mask_mod!r}, kv_block_size={self.kv_block_size!r}, q_block_size={self.q_block_size!r})"
 
-    def call(self, q, k, v, out, lse, grad_out, scale, mask_mod, mask_tensors, kv_num_blocks, kv_indices,
+    def call(self, q, k, v, out, lse, grad_out, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks,
+             kv_indices,
              full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
              kv_block_size, q_block_size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         sparse = {} if kv_num_blocks is None else dict(kv_block_size=self.kv_block_size,
                                                        q_block_size=self.q_block_size)
         return host_backward.flex_attention_backward(
-            q, k, v, out, lse, grad_out, scale=self.scale, mask_mod=self.mask_mod or None, mask_tensors=mask_tensors,
+            q, k, v, out, lse, grad_out, scale=self.scale, score_mod=self.score_mod or None,
+            score_tensors=score_tensors, mask_mod=self.mask_mod or None, mask_tensors=mask_tensors,
             kv_num_blocks=kv_num_blocks, kv_indices=kv_indices, full_kv_num_blocks=full_kv_num_blocks,
             full_kv_indices=full_kv_indices, q_num_blocks=q_num_blocks, q_indices=q_indices,
             full_q_num_blocks=full_q_num_blocks, full_q_indices=full_q_indices, **sparse)
@@ -199,10 +203,11 @@ class FlexBackwardLauncher:
     call_static = call  # nothing is remembered per layout
 
 
-def flex_backward(q, k, v, out, lse, grad_out, scale: float, mask_mod: str, mask_tensors, kv_num_blocks, kv_indices,
-                  full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
-                  kv_block_size: int, q_block_size: int):
+def flex_backward(q, k, v, out, lse, grad_out, scale: float, score_mod: str, score_tensors, mask_mod: str,
+                  mask_tensors, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
+                  full_q_num_blocks, full_q_indices, kv_block_size: int, q_block_size: int):
     """The backward custom op's arguments (its schema's order) -> (dq, dk, dv)."""
-    return FlexBackwardLauncher(scale, mask_mod, kv_block_size, q_block_size).call(
-        q, k, v, out, lse, grad_out, scale, mask_mod, mask_tensors, kv_num_blocks, kv_indices, full_kv_num_blocks,
-        full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, kv_block_size, q_block_size)
+    return FlexBackwardLauncher(scale, score_mod, mask_mod, kv_block_size, q_block_size).call(
+        q, k, v, out, lse, grad_out, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks,
+        kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+        kv_block_size, q_block_size)
