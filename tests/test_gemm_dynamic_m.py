@@ -267,3 +267,21 @@ def test_the_unfused_launcher_definition_carries_the_table():
     assert f"config={table!r}" in text and text.endswith(".launch")
     launcher = eval(text.removesuffix(".launch"), {"inductor_cute": __import__("inductor_cute")})
     assert (launcher.op, launcher.config, launcher.beta) == ("addmm", table, 0.5)
+
+
+def test_a_failing_robustness_check_keeps_every_choice(monkeypatch):
+    from types import SimpleNamespace
+
+    from torch._inductor.choices import InductorChoices
+
+    stock_choices = [SimpleNamespace(template=SimpleNamespace(uid=u)) for u in ("aten::mm", "triton::mm")]
+    monkeypatch.setattr(InductorChoices, "get_template_configs", lambda *a, **k: list(stock_choices))
+    monkeypatch.setattr(choices_mod, "backend_requested", lambda: True)
+    monkeypatch.setattr(choices_mod.CuteChoices, "_first_ask", lambda self, *a: False)
+
+    def broken(*args):
+        raise RuntimeError("no graph here")
+
+    monkeypatch.setattr(choices_mod, "unsupported_reason", broken)
+    got = choices_mod.CuteChoices().get_template_configs(_Inputs(sympy.Symbol("s0"), 11008, 4096, hint=17), [], "mm")
+    assert got == stock_choices

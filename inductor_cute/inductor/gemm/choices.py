@@ -47,7 +47,7 @@ class CuteChoices(InductorChoices):
 
     def get_template_configs(self, kernel_inputs, templates, op_name, kwarg_overrides=None):
         choices = super().get_template_configs(kernel_inputs, templates, op_name, kwarg_overrides)
-        if op_name in GEMM_OPS and backend_requested() and m_robust_only(kernel_inputs, op_name):
+        if op_name in GEMM_OPS and backend_requested() and _m_robust_only_or_false(kernel_inputs, op_name):
             choices = [c for c in choices if not _template_uid(c).startswith("triton")]
         if op_name in GEMM_OPS and backend_requested() and self._first_ask(kernel_inputs, templates, op_name):
             try:
@@ -96,6 +96,14 @@ def m_robust_only(kernel_inputs, op_name) -> bool:
     (gemm_dynamic-h200-20261205-s17: the enabled dynamic MLP 2096 us against 1012 us static)."""
     backends = [b.strip().upper() for b in inductor_config.max_autotune_gemm_backends.split(",")]
     return "ATEN" in backends and _dynamic_m(kernel_inputs) and unsupported_reason(kernel_inputs, op_name) is None
+
+
+def _m_robust_only_or_false(kernel_inputs, op_name) -> bool:
+    try:
+        return m_robust_only(kernel_inputs, op_name)
+    except Exception as e:  # the stock choices stay as they are: never fail the user's compile
+        log.warning("inductor-cute keeps every choice for %s: %s", op_name, first_line(e))
+        return False
 
 
 def _static(expr) -> int | None:
