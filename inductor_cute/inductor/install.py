@@ -234,7 +234,7 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     coordinate-descent tuning (the max-autotune modes) would decompose them into a mul+sum
     reduction, so they are autotuned (cuBLAS, our GEMV) and grouped like other decode GEMMs
     (inductor/gemm/m1.py).
-    With `trace_block_masks` (on by default), Dynamo traces
+    With `trace_block_masks` (on by default), Dynamo traces a decode-sized (at most 64 queries)
     `create_block_mask(..., _compile=True)` (how transformers builds each step's BlockMask) into
     the compiled graph as `_compile=False`, instead of breaking the graph at the deprecation
     warning that flag raises since torch 2.10 (inductor/block_masks.py): a transformers decode

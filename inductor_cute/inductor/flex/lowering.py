@@ -193,6 +193,10 @@ def decline_reason(p: FlexProblem) -> str | None:
         problem = derivative_error(programs[0], dtypes)
         if problem:
             return f"a score_mod our backward cannot differentiate: {problem}"
+        if p.kernel_options.get("PRESCALE_QK"):
+            # the stock backward (taken for a captured tensor that needs a gradient, which only its
+            # lowering sees) would apply the score_mod to prescaled scores, unlike our forward
+            return "kernel_options PRESCALE_QK with a score_mod in a training graph"
     return _options_reason(p.kernel_options)
 
 
