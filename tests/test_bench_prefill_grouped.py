@@ -317,6 +317,10 @@ def test_variant_runners_are_one_fixed_config_each(monkeypatch):
         for knobs in fp.VARIANT_KNOBS.values():
             config = fp.variant_config(p, **knobs)
             assert config is None or config_error(config, FlexPrefillProblem(p.dqk, p.dv, "bfloat16")) is None
+    # --quick times only the variants still open; the full suite every one
+    assert set(fp.QUICK_VARIANTS) < set(fp.VARIANT_KNOBS)
+    assert all(c.args[1:] == (fp.QUICK_VARIANTS,) for c in fp.cases(quick=True))
+    assert all(c.args[1:] == () for c in fp.cases(quick=False))
 
 def test_unchecked_cases_accept_exact_zeros_and_reject_only_non_finite_outputs():
     # a whole-model case (atol = rtol = inf) reports its own agreement: allclose would make

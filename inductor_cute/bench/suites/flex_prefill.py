@@ -20,6 +20,7 @@ Runners of a case (all on the same q, k, v and mods):
                  buffers where they fit), each row's first 5/8 exponentials of a block before the
                  wait for the previous P V (early_exps), persistent CTAs claiming their tiles from a
                  counter (dynamic_tiles); where a config does not fit, its runner is left out
+                 (--quick: QUICK_VARIANTS only)
 Correctness: the harness checks every runner's output against an fp32 reference (untimed; the
 same score_mod and mask_mod applied to dense scores, chunked over queries). q is scaled so softmax
 puts its weight on a few dozen keys (flex_decode.peaked_query_scale), as trained attention does,
@@ -278,6 +279,9 @@ VARIANT_KNOBS = {
     "dynamic_early": dict(persistent=True, dynamic=True, early=True),
     "dynamic_split_early": dict(persistent=True, dynamic=True, split_kv=True, early=True),
 }
+# --quick times the variants still open (each compiles its own kernel per case); the others were
+# measured in the sixteenth session (flex_prefill-quick-h200-20261205-s16)
+QUICK_VARIANTS = ("plain", "persistent_split_early", "dynamic_early", "dynamic_split_early")
 EARLY_EXPS = (5, 8)  # the fraction of a thread's values per row (kv_block / 4) made early: 20 of 32
 
 
@@ -297,7 +301,7 @@ def variant_config(p: Prefill, persistent=False, split_kv=False, early=False, dy
     return config if fpc.config_error(config, problem) is None else None
 
 
-def _case(p: Prefill) -> Case:
+def _case(p: Prefill, variants=tuple(VARIANT_KNOBS)) -> Case:
     from ...host.flex_prefill import flex_prefill
 
     torch._dynamo.reset()
@@ -317,7 +321,7 @@ def _case(p: Prefill) -> Case:
         notes.append("aten left out: SDPA would need a dense attn_mask" if p.variant != "softcap"
                      else "aten left out: SDPA cannot softcap")
     variants = {name: functools.partial(flex_prefill, q, k, v, scale=scale, config=config, **ours_kw)
-                for name, config in ((n, variant_config(p, **knobs)) for n, knobs in VARIANT_KNOBS.items())
+                for name, config in ((n, variant_config(p, **VARIANT_KNOBS[n])) for n in variants)
                 if config is not None}
     return Case(
         name=p.name,
@@ -333,4 +337,6 @@ def _case(p: Prefill) -> Case:
 
 
 def cases(quick: bool):
-    return [named(functools.partial(_case, p), p.name) for p in (QUICK if quick else CASES)]
+    if quick:
+        return [named(functools.partial(_case, p, QUICK_VARIANTS), p.name) for p in QUICK]
+    return [named(functools.partial(_case, p), p.name) for p in CASES]
