@@ -13,21 +13,11 @@ from __future__ import annotations
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 
 from inductor_cute.bench.suites.host import _compiled, _mm
-
-
-def wall_us(run, calls: int = 2000) -> float:
-    run()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        run()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+from inductor_cute.bench.timing import host_overhead_us
 
 
 def main():
@@ -36,7 +26,7 @@ def main():
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     runs = {"ours": _compiled(_mm, (x, w), True, backends="ICUTE"), "stock": _compiled(_mm, (x, w), False)}
     for label, compiled in runs.items():
-        print(f"{label}: {wall_us(compiled.run):.1f} us per call (wall), {compiled.our_calls} call(s) of ours", flush=True)
+        print(f"{label}: {host_overhead_us(compiled.run):.1f} us per call (wall), {compiled.our_calls} call(s) of ours", flush=True)
     for label, compiled in runs.items():
         profile = cProfile.Profile()
         profile.enable()

@@ -51,15 +51,11 @@ def model_case(mode, traced, S=2048, B=2):
     print(f"llama B{B} S{S} mode={mode} traced={traced}: rel err {rel(out, ref):.3e}", flush=True)
 
 if __name__ == "__main__":
-    for mode in ("default", "max-autotune-no-cudagraphs"):
-        for traced in (True, False):
-            try:
-                flex_case(mode, traced)
-            except Exception as e:
-                print("flex", mode, traced, "failed:", repr(e)[:300], flush=True)
-    for mode in ("max-autotune-no-cudagraphs", "default"):
-        for traced in (True, False):
-            try:
-                model_case(mode, traced)
-            except Exception as e:
-                print("model", mode, traced, "failed:", repr(e)[:300], flush=True)
+    for case, modes in ((flex_case, ("default", "max-autotune-no-cudagraphs")),
+                        (model_case, ("max-autotune-no-cudagraphs", "default"))):
+        for mode in modes:
+            for traced in (True, False):
+                try:
+                    case(mode, traced)
+                except Exception as e:
+                    print(case.__name__, mode, traced, "failed:", repr(e)[:300], flush=True)

@@ -120,7 +120,9 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         raise UnsupportedError(f"{NAME}: {fpc.m_blocks(q_len) * heads * batch} tiles exceed the grid limit")
     program, score_dtypes, score_slots = _program_operands(score_mod, score_tensors, q.device, "score")
     mask_program, mask_dtypes, mask_slots = _program_operands(mask_mod, mask_tensors, q.device, "mask")
-    kv_block = config.kv_block if config is not None else fpc.HEAD_DIMS[(dqk, dv)]
+    if config is None:  # the default of persistent CTAs (64/64, 128/128) needs this device's SM count
+        config = _device_default_config(dqk, dv, DTYPE_NAMES[q.dtype], q.device.index)
+    kv_block = config.kv_block
     block_mask = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     sparse_block, sparse_q_block, block_slots = 0, fpc.M_BLOCK, [None] * 4
     if any(t is not None for t in block_mask):
@@ -138,8 +140,6 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     # a score program scales the scores itself: one kernel whatever the scale's sign. The kernel's
     # scale_log2 is fp32: one below its smallest normal is zero there (and -inf * 0 a NaN)
     positive_scale = scale * LOG2E >= torch.finfo(torch.float32).tiny or bool(program)
-    if config is None:  # the default of persistent CTAs (64/64, 128/128) needs this device's SM count
-        config = _device_default_config(dqk, dv, DTYPE_NAMES[q.dtype], q.device.index)
     try:
         kernel = _flex_prefill_kernel(dqk, dv, DTYPE_NAMES[q.dtype], program, score_dtypes, mask_program,
                                       mask_dtypes, sparse_block, sparse_q_block, positive_scale, config, shared_kv)

@@ -320,9 +320,9 @@ def _case(p: Prefill, variants=tuple(VARIANT_KNOBS)) -> Case:
     if p.variant not in ("causal", "noncausal"):
         notes.append("aten left out: SDPA would need a dense attn_mask" if p.variant != "softcap"
                      else "aten left out: SDPA cannot softcap")
-    variants = {name: functools.partial(flex_prefill, q, k, v, scale=scale, config=config, **ours_kw)
-                for name, config in ((n, variant_config(p, **VARIANT_KNOBS[n])) for n in variants)
-                if config is not None}
+    variant_runners = {name: functools.partial(flex_prefill, q, k, v, scale=scale, config=config, **ours_kw)
+                       for name, config in ((n, variant_config(p, **VARIANT_KNOBS[n])) for n in variants)
+                       if config is not None}
     return Case(
         name=p.name,
         params={"B": p.b, "Hq": p.hq, "Hkv": p.hkv, "S": p.s, "Dqk": p.dqk, "Dv": p.dv, "variant": p.variant,
@@ -331,7 +331,7 @@ def _case(p: Prefill, variants=tuple(VARIANT_KNOBS)) -> Case:
                 "documents": document_lengths(p.s) if p.variant == "document" else None, "dtype": "bfloat16"},
         flops=flops, bytes=n_bytes, matmul=True, notes=notes, atol=2e-2, rtol=2e-2,
         runners={"inductor_cute": lambda: flex_prefill(q, k, v, scale=scale, **ours_kw), **stock,
-                 "aten": sdpa_runner(p, q, k, v, scale), "flash": flash, **variants},
+                 "aten": sdpa_runner(p, q, k, v, scale), "flash": flash, **variant_runners},
         reference=lambda: reference(q, k, v, scale, mods),
     )
 

@@ -24,9 +24,12 @@ GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
 ANCHOR_UIDS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "triton::mm", "triton::bmm"}
 
 
+def _gemm_backends() -> list[str]:
+    return [b.strip().upper() for b in inductor_config.max_autotune_gemm_backends.split(",")]
+
+
 def backend_requested() -> bool:
-    backends = [b.strip().upper() for b in inductor_config.max_autotune_gemm_backends.split(",")]
-    return BACKEND_TOKEN in backends and bool(inductor_config.max_autotune or inductor_config.max_autotune_gemm)
+    return BACKEND_TOKEN in _gemm_backends() and bool(inductor_config.max_autotune or inductor_config.max_autotune_gemm)
 
 
 class CuteChoices(InductorChoices):
@@ -94,8 +97,7 @@ def m_robust_only(kernel_inputs, op_name) -> bool:
     Inductor times every choice at the hint M and the winner serves every M; a Triton template
     is one tile for all of them, and one tuned at 17 rows ran 4096 rows at half cuBLAS's speed
     (gemm_dynamic-h200-20261205-s17: the enabled dynamic MLP 2096 us against 1012 us static)."""
-    backends = [b.strip().upper() for b in inductor_config.max_autotune_gemm_backends.split(",")]
-    return "ATEN" in backends and _dynamic_m(kernel_inputs) and unsupported_reason(kernel_inputs, op_name) is None
+    return "ATEN" in _gemm_backends() and _dynamic_m(kernel_inputs) and unsupported_reason(kernel_inputs, op_name) is None
 
 
 def _m_robust_only_or_false(kernel_inputs, op_name) -> bool:
