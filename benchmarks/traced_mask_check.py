@@ -7,7 +7,11 @@ create_block_mask into the model's graph. In the seventeenth session's models ru
 (llama3-8b prefill B8 x2048, max-autotune-no-cudagraphs) the stock runner with that tracing
 (triton_traced) gave logits 1.21 relative error from eager while stock without it and ours with it
 agreed (2.2e-2); the decode cases' traced stock runners agreed. On CPU (Inductor's C++ flex
-kernel) the same model agrees. Each line here: one compiled flex_attention (or a 2-layer Llama)
+kernel) the same model agrees. Explained on the CPU in the eighteenth session: Inductor laid the
+traced mask's tensors out with a size-1 head dim's stride not H times the batch stride, and the
+Triton forward and backward templates (not the decode one) assume it; the polyfill now views them
+at packed strides (block_masks.with_packed_strides). This check, with that fix, decides whether
+prefill masks may be traced again. Each line here: one compiled flex_attention (or a 2-layer Llama)
 prefill, traced or not, in a mode, against an fp32 SDPA (or eager) reference.
 """
 import torch

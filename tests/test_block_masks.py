@@ -134,8 +134,8 @@ def test_nested_enable_keeps_the_outer_setting(inputs):
 
 def test_prefill_sized_masks_keep_the_stock_path(inputs):
     # only decode-sized masks (Q_LEN <= 64) are traced: a prefill step's mask is built as stock
-    # builds it (graph break, its own compiled create_block_mask) until the traced prefill mask's
-    # disagreement on the GPU is explained (block_masks.py)
+    # builds it (graph break, its own compiled create_block_mask) until the fix for the traced
+    # prefill mask's disagreement on the GPU (packed strides, below) is checked there (block_masks.py)
     q, k, v, _ = inputs
     q_long = torch.randn(2, 4, 300, 64)
     with inductor_cute.enable(trace_block_masks=True):
@@ -145,4 +145,55 @@ def test_prefill_sized_masks_keep_the_stock_path(inputs):
     s = (q_long.double() @ k.double().transpose(-1, -2)) / 8.0
     keep = torch.arange(300)[:, None] >= torch.arange(300)[None, :]
     ref = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v.double()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_traced_mask_tensors_reach_flex_attention_at_packed_strides(monkeypatch):
+    # Stock Inductor's Triton flex templates find batch z's mask rows at (z * H + h) * stride(1);
+    # traced into the graph, a (4, 1, 8, 8) kv_indices was laid out at strides (64, 256, 8, 1)
+    # (contiguous to torch: size-1 dims are ignored), so on the GPU every batch past the first read
+    # the wrong blocks. The polyfill views each mask tensor at packed strides: what the flex
+    # lowering gets, recorded here, must be packed. Traced at a prefill length (the check raises
+    # the decode-only limit, as benchmarks/traced_mask_check.py does); the CPU kernel reads all strides.
+    from inductor_cute.inductor.flex import lowering
+
+    seen, real = [], lowering._problem
+
+    def stride(t):  # None where the layout is not fixed yet: the stock lowering would pick it
+        try:
+            return tuple(int(s) for s in t.get_stride())
+        except NotImplementedError:
+            return None
+
+    def spy(query, key, value, subgraph, block_mask, *rest):
+        for t in lowering._block_mask_fields(block_mask)[:4]:
+            if t is not None:
+                seen.append((tuple(int(s) for s in t.get_size()), stride(t)))
+        return real(query, key, value, subgraph, block_mask, *rest)
+
+    monkeypatch.setattr(lowering, "_problem", spy)
+    monkeypatch.setattr(block_masks, "MAX_TRACED_Q_LEN", 1 << 30)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 2, 1024, 64, generator=g) for _ in range(3))
+    keep = torch.ones(4, 1024, dtype=torch.bool)
+    keep[1:, 900:] = False  # batches differ: reading another batch's blocks changes the result
+
+    def attend_padded(q, k, v, keep):
+        def mask_mod(b, h, m, n):
+            return (m >= n) & keep[b, n]
+
+        block_mask = create_block_mask(mask_mod, 4, None, 1024, 1024, device="cpu", _compile=True)
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    no_cache = torch._inductor.config.patch(force_disable_caches=True)  # a cached graph skips the lowering
+    with inductor_cute.enable(trace_block_masks=True), torch.no_grad(), no_cache:
+        out, graphs = graphs_of(attend_padded, q, k, v, keep)  # the counting backend: no lowering yet
+        torch._dynamo.reset()
+        out = torch.compile(attend_padded)(q, k, v, keep)
+    assert graphs == 1
+    assert seen and any(1 in size for size, _ in seen)
+    assert all(stride == block_masks.packed_strides(size) for size, stride in seen), seen
+    s = (q.double() @ k.double().transpose(-1, -2)) / 8.0
+    allowed = (torch.arange(1024)[:, None] >= torch.arange(1024)[None, :]) & keep[:, None, None, :]
+    ref = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v.double()
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -9,11 +9,13 @@ Under torch.compile the flag has no purpose: the outer compile traces create_blo
 its own graph, as `torch.compile(create_block_mask)` does. So while this is installed, Dynamo traces
 every decode-sized call of create_block_mask (Q_LEN <= MAX_TRACED_Q_LEN) as if `_compile=False`
 were passed (a Dynamo polyfill; eager calls are untouched), and the mask is built by kernels of the
-model's graph. Longer queries keep the stock path: in the seventeenth session's models run a
-prefill step (8 x 2048 tokens) of stock flex_attention with its BlockMask traced into the graph
-gave logits 1.2 relative error from eager (our kernels with the same mask, and stock without the
-tracing, agreed); until benchmarks/traced_mask_check.py explains that, prefill masks are not
-traced (a prefill step is long: its graph break costs little).
+model's graph, its tensors viewed at packed strides (`with_packed_strides`: stock Inductor's Triton
+flex templates assume them, and a traced mask's layout is Inductor's choice). Longer queries keep
+the stock path for now: in the seventeenth session's models run a prefill step (8 x 2048 tokens) of
+stock flex_attention with its BlockMask traced into the graph gave logits 1.2 relative error from
+eager, which the strides explain (found on the CPU in the eighteenth session); the limit goes once
+benchmarks/traced_mask_check.py shows traced prefill masks right on the GPU (a prefill step is
+long: its graph break costs little).
 
 The polyfill is registered with Dynamo once and stays (Dynamo offers no way to remove one); while
 not installed it calls create_block_mask as written. Whether it is installed is read at trace time
@@ -30,6 +32,8 @@ import inspect
 import logging
 import types
 
+import torch
+
 from ..kernels.attention.flex_decode_config import MAX_Q_LEN as MAX_TRACED_Q_LEN  # the decode kernel's
 
 log = logging.getLogger(__name__)
@@ -40,7 +44,6 @@ _active = [False]
 def _polyfill_registered() -> bool:
     """Register the polyfill (once per process); False where this torch's create_block_mask has no
     `_compile` flag (nothing to undo) or Dynamo refuses the registration."""
-    import torch
     from torch.nn.attention import flex_attention
 
     original = flex_attention.create_block_mask
@@ -57,12 +60,13 @@ def _polyfill_registered() -> bool:
 
     def create_block_mask_traced(*args, **kwargs):
         q_len = kwargs["Q_LEN"] if "Q_LEN" in kwargs else args[q_len_at]
-        if is_active() and q_len <= MAX_TRACED_Q_LEN:
-            if len(args) > flag_at:  # passed positionally (later parameters may follow it: torch 2.13)
-                args = (*args[:flag_at], False, *args[flag_at + 1:])
-            else:
-                kwargs = {**kwargs, "_compile": False}
-        return as_written(*args, **kwargs)
+        if not (is_active() and q_len <= MAX_TRACED_Q_LEN):
+            return as_written(*args, **kwargs)
+        if len(args) > flag_at:  # passed positionally (later parameters may follow it: torch 2.13)
+            args = (*args[:flag_at], False, *args[flag_at + 1:])
+        else:
+            kwargs = {**kwargs, "_compile": False}
+        return with_packed_strides(as_written(*args, **kwargs))
 
     try:
         torch._dynamo.substitute_in_graph(original)(create_block_mask_traced)
@@ -70,6 +74,38 @@ def _polyfill_registered() -> bool:
         log.warning("inductor-cute: BlockMasks built in compiled code stay outside its graph: %s", e)
         return False
     return True
+
+
+# The BlockMask's tensors, (Z, H, rows[, cols]) each: the lists of both directions, and torch 2.13's
+# backward orderings
+_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order", "dq_write_order_full",
+                 "dq_kv_order", "dq_kv_order_spt")
+
+
+def packed_strides(shape) -> tuple:
+    """Row-major strides of `shape` in which a size-1 dimension's stride is still the product of
+    the sizes after it (what a fresh eager tensor has)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * size
+    return tuple(reversed(strides))
+
+
+def with_packed_strides(block_mask):
+    """`block_mask` with each tensor viewed at packed strides (as_strided, no copy). Stock
+    Inductor's Triton flex_attention forward and backward templates find a batch's rows at
+    (z * H + h) * stride(1), which assumes stride(0) == H * stride(1); traced into a graph, the
+    mask's tensors are laid out by Inductor, which gave a size-1 head dim of a (4, 1, 8, 8)
+    kv_indices the stride 256 (strides (64, 256, 8, 1): contiguous to torch, which ignores size-1
+    dims), so the template read every batch past the first from the wrong place (the seventeenth
+    session's 1.2 relative error on a traced prefill mask). The decode template reads all strides."""
+    for name in _MASK_TENSORS:
+        t = getattr(block_mask, name, None)
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            setattr(block_mask, name, t.as_strided(t.shape, packed_strides(t.shape)))
+    return block_mask
 
 
 def install() -> None:
