@@ -65,6 +65,14 @@ DYNAMIC = {
     "d64-causal-persistent-2q-dynamic": VARIANTS["d64-causal-persistent-2q"],
 }
 VARIANTS.update(DYNAMIC)
+# some of each row's exponentials on the FMA pipes (config.poly_exps): the vit case's default
+# kernel, and with early_exps and a causal mask (-inf scores through softmax.exp2_fma)
+POLY = {
+    "d64-persistent-2q-poly": VARIANTS["d64-fp16"],
+    "d64-causal-persistent-2q-early-poly": VARIANTS["d64-causal-persistent-2q"],
+}
+VARIANTS.update(POLY)
+POLY_EXPS = 8
 
 
 def variant_config(name):
@@ -73,10 +81,12 @@ def variant_config(name):
         config = dataclasses.replace(config, persistent_ctas=132, q_stages=2 if "-2q" in name else 1)
     if "split-kv" in name:
         config = dataclasses.replace(config, split_kv=True)
-    if name in EARLY_EXPS or name.endswith("-early"):
+    if name in EARLY_EXPS or name.endswith("-early") or "-early-" in name:
         config = dataclasses.replace(config, early_exps=20)
     if name in DYNAMIC:
         config = dataclasses.replace(config, dynamic_tiles=True)
+    if name in POLY:
+        config = dataclasses.replace(config, poly_exps=POLY_EXPS)
     return config
 
 
@@ -118,7 +128,9 @@ def test_each_probability_is_exponentiated_once(request, compiled):
     if VARIANTS[name].score_program:
         pytest.skip("a score program may exponentiate too")
     per_block = 64 * default_config(VARIANTS[name]).kv_block // 128
-    assert compiled.ptx.count("ex2.approx") == 2 * per_block + 4
+    by_fma = 2 * variant_config(name).poly_exps  # poly_exps of each of a thread's two rows
+    assert compiled.ptx.count("ex2.approx") == 2 * (per_block - by_fma) + 4
+    assert compiled.ptx.count("shl.b32 tb, tb, 23") == 2 * by_fma  # softmax.exp2_fma's
 
 
 def test_ptxas_reports_no_spills_and_no_stack(compiled):
@@ -289,6 +301,7 @@ def test_unsupported_problems_and_configs_are_named():
     assert "stages must be at least 2" in config_error(FlexPrefillConfig(128, 1), p)
     assert "shared memory" in config_error(FlexPrefillConfig(128, 4), p)
     assert "kv_block" in config_error(FlexPrefillConfig(24, 2), p)
+    assert "poly_exps 33 must be in 0..32" in config_error(FlexPrefillConfig(128, 2, poly_exps=33), p)
     assert "not a multiple" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))
     assert "multiple of 128" in config_error(default_config(p), dataclasses.replace(p, sparse_q_block=64))
     assert "canonical" in config_error(default_config(p), dataclasses.replace(p, score_program=SOFTCAP + " "))
@@ -558,6 +571,33 @@ def test_a_scale_of_zero_or_below_compiles_the_unfolded_kernel(host_on_cpu):
         assert specs[-1][9] is expected, scale
     flex_prefill(q, q, q, scale=-0.1, score_mod=SOFTCAP)  # a score program scales for itself
     assert specs[-1][9] is True
+
+
+def test_exp2_on_fma_pipes_in_fp32():
+    # softmax.exp2_fma's steps in fp32 as its PTX takes them (round-to-nearest adds, Horner FMAs,
+    # round(x) added to the exponent bits): within 1e-4 of 2^x where MUFU.EX2 gives a normal
+    # number, 0 below EXP2_FLUSH_BELOW and for -inf (masked scores), and its positions spread
+    np = pytest.importorskip("numpy")
+    from inductor_cute.kernels.attention.softmax import (EXP2_FLUSH_BELOW, EXP2_POLY, ROUNDING_MAGIC,
+                                                         poly_positions)
+
+    f32 = np.float32
+    x = np.concatenate([np.linspace(-125, 0, 400001), [-0.0, -1e-30, -124.999, -125.0001, -300, -np.inf]]).astype(f32)
+    with np.errstate(invalid="ignore"):
+        t = x + f32(ROUNDING_MAGIC)
+        f = x - (t - f32(ROUNDING_MAGIC))
+        p = f32(EXP2_POLY[3])
+        for c in EXP2_POLY[2::-1]:
+            p = (p * f + f32(c)).astype(f32)
+        bits = p.view(np.int32) + (t.view(np.int32) << 23)
+    y = np.where(x < f32(EXP2_FLUSH_BELOW), f32(0), bits.view(f32))
+    normal = x >= EXP2_FLUSH_BELOW
+    rel = np.abs(y[normal].astype(np.float64) / np.exp2(x[normal].astype(np.float64)) - 1)
+    assert rel.max() < 1e-4
+    assert (y[~normal] == 0).all() and (~normal).sum() == 3
+    assert poly_positions(32, 0) == frozenset() and poly_positions(32, 32) == frozenset(range(32))
+    eight = sorted(poly_positions(32, 8))
+    assert len(eight) == 8 and all(b - a == 4 for a, b in zip(eight, eight[1:]))
 
 
 def test_the_folded_scale_multiplies_inside_the_exponent():

@@ -370,3 +370,34 @@ def test_early_exps_with_a_score_program_causal_blocks_split_kv_and_persistent_c
     mask = sp.dumps([["o", "ge", "q", "kv"]])
     check_block_mask(rand(2, 4, 1500, 64), rand(2, 2, 1500, 64), rand(2, 2, 1500, 64), lambda b, h, m, n: m >= n,
                      mask, config=early_exps(64, 64, persistent_ctas=3, q_stages=2))
+
+
+# ------------------------------------------------- exponentials on the FMA pipes (poly_exps)
+def poly(dqk, dv, n, **changes):
+    """The device default config with `n` of each row's values per block made by softmax.exp2_fma."""
+    from inductor_cute.host.common import sm_count
+    from inductor_cute.kernels.attention import flex_prefill_config as fpc
+
+    base = fpc.default_config(fpc.FlexPrefillProblem(dqk, dv, "bfloat16"), sm_count(0))
+    return dataclasses.replace(base, poly_exps=n, **changes)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (129, 300), (1000, 1000), (255, 2049)])
+@pytest.mark.parametrize("n", [8, "all"])
+def test_poly_exps(dqk, dv, q_len, kv_len, n):
+    q, k, v = rand(2, 4, q_len, dqk), rand(2, 2, kv_len, dqk), rand(2, 2, kv_len, dv)
+    config = poly(dqk, dv, 0)
+    check(q, k, v, config=poly(dqk, dv, config.kv_block // 4 if n == "all" else n))
+
+
+def test_poly_exps_with_masked_rows_early_exps_a_score_program_and_fp16():
+    # every exponential by the polynomial: -inf scores (masked keys, rows with no key) must give 0
+    check_block_mask(rand(2, 4, 300, 64), rand(2, 4, 1200, 64), rand(2, 4, 1200, 64),
+                     lambda b, h, m, n: (b == 0) & (n < 1000), NOTHING_IN_BATCH_1, config=poly(64, 64, 32))
+    check_block_mask(rand(2, 4, 1500, 64), rand(2, 2, 1500, 64), rand(2, 2, 1500, 64), lambda b, h, m, n: m >= n,
+                     CAUSAL, config=poly(64, 64, 12, early_exps=20))
+    q, k, v = rand(2, 4, 700, 128), rand(2, 2, 700, 128), rand(2, 2, 700, 128)
+    check(q, k, v, score_mod=SOFTCAP, config=poly(128, 128, 8))
+    q, k, v = (rand(1, 8, 515, 64, dtype=torch.float16) for _ in range(3))
+    check(q, k, v, scale=0.3, config=poly(64, 64, 16))

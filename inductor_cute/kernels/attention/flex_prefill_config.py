@@ -93,16 +93,21 @@ class FlexPrefillConfig:
     # fixed cost per tile, 132 CTAs) a fixed stride takes 602.5 blocks per SM for DeepSeek-V3 MLA
     # and 582 for the Llama causal case, claiming 560.5 and 560 (512 of work)
     dynamic_tiles: bool = False
+    # n > 0: per KV block, n of each row's kv_block / 4 exponentials per thread are made on the FMA
+    # and integer pipes (softmax.exp2_fma, ten instructions) instead of by MUFU.EX2, whose 16 per
+    # cycle per SM the d64 softmax nearly fills beside the tensor cores (528 of 640 cycles per warp
+    # and block, docs/perf-notes.md); 0: every one by MUFU
+    poly_exps: int = 0
 
     @property
     def threads(self) -> int:
         return 128 * (1 + CONSUMER_WARPGROUPS)  # one producer warp group + consumers
 
     def as_params(self) -> dict:
-        """The fields, split_kv, early_exps and dynamic_tiles left out when unset (the specs that
-        predate them keep their keys)."""
+        """The fields, split_kv, early_exps, dynamic_tiles and poly_exps left out when unset (the
+        specs that predate them keep their keys)."""
         params = dataclasses.asdict(self)
-        for field in ("split_kv", "early_exps", "dynamic_tiles"):
+        for field in ("split_kv", "early_exps", "dynamic_tiles", "poly_exps"):
             if not params[field]:
                 del params[field]
         return params
@@ -177,6 +182,9 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
         return f"q_stages {config.q_stages} must be 1 or 2"
     if not 0 <= config.early_exps <= config.kv_block // 4:
         return (f"early_exps {config.early_exps} must be in 0..{config.kv_block // 4} (a thread's values per row "
+                f"of a {config.kv_block}-key block)")
+    if not 0 <= config.poly_exps <= config.kv_block // 4:
+        return (f"poly_exps {config.poly_exps} must be in 0..{config.kv_block // 4} (a thread's values per row "
                 f"of a {config.kv_block}-key block)")
     if config.dynamic_tiles and config.persistent_ctas == 0:
         return "dynamic_tiles needs persistent_ctas: with one CTA per tile the hardware deals the tiles"

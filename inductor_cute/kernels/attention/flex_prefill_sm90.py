@@ -410,7 +410,7 @@ class FlexPrefillSm90:
             self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                          score_tensors, mask_tensors)
             online_softmax_scores(acc_s, row_max, correction,  # O is still 0: no rescale
-                                  scale_log2 if const_expr(self.fold_scale) else None)
+                                  scale_log2 if const_expr(self.fold_scale) else None, poly=self.config.poly_exps)
             self._pin_p(acc_s)
             add_row_sums(acc_s, row_sum, correction)
             r_p.store(acc_s.load().to(self.dtype))
@@ -435,23 +435,23 @@ class FlexPrefillSm90:
                 self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
                              score_tensors, mask_tensors)
                 fold = scale_log2 if const_expr(self.fold_scale) else None
-                early = self.config.early_exps
+                early, poly = self.config.early_exps, self.config.poly_exps
                 if const_expr(early > 0):
                     # the first exponentials of each row and their partial sums, then a hold that
                     # keeps ptxas's wait for P_{j-1} V_{j-1} behind them (accumulator.wait_after)
-                    online_softmax_scores(acc_s, row_max, correction, fold, count=early)
+                    online_softmax_scores(acc_s, row_max, correction, fold, count=early, poly=poly)
                     fence_operand(acc_s)
                     add_row_sums(acc_s, row_sum, correction, count=early)
                     wait_after(row_sum[0], row_sum[1])
                 else:
-                    online_softmax_scores(acc_s, row_max, correction, fold)
+                    online_softmax_scores(acc_s, row_max, correction, fold, poly=poly)
                     self._pin_p(acc_s)
                 warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
                 v_pipe.consumer_release(release)
                 release.advance()
                 rescale_rows(acc_o, correction)
                 if const_expr(early > 0):
-                    exponentiate_rest(acc_s, row_max, early, fold)
+                    exponentiate_rest(acc_s, row_max, early, fold, poly=poly)
                     add_row_sums(acc_s, row_sum, first=early)
                 else:
                     add_row_sums(acc_s, row_sum, correction)

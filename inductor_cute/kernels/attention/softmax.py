@@ -17,9 +17,51 @@ import operator
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .accumulator import row_half
 from ..common.units import NEG_INF
+
+# 2^f on f in [-0.5, 0.5]: c0 + c1 f + c2 f^2 + c3 f^3, fitted for relative error (7.5e-5 at most
+# in fp32 Horner; P is packed to bf16/fp16, 2^-9 / 2^-12 relative)
+EXP2_POLY = (0.9999280571937561, 0.6932609677314758, 0.2426111400127411, 0.0551716685295105)
+ROUNDING_MAGIC = 12582912.0  # 1.5 * 2^23: x + it, rounded to nearest, holds round(x) in its low mantissa bits
+EXP2_FLUSH_BELOW = -125.0  # 2^x below it is 0 (as MUFU.EX2's .ftz flushes 2^x below 2^-126), -inf included
+
+
+def _f32(x: float) -> str:
+    import struct
+
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+# round(x) and the fraction by the magic-number addition (FADDs, no conversion unit), the fraction's
+# polynomial by Horner (FFMAs), then round(x) added to the result's exponent field (integer pipe)
+_EXP2_FMA_PTX = "\n\t".join([
+    "{", ".reg .f32 t, j, f, p;", ".reg .b32 tb, pb;", ".reg .pred flush;",
+    f"add.rn.f32 t, $1, {_f32(ROUNDING_MAGIC)};", f"sub.rn.f32 j, t, {_f32(ROUNDING_MAGIC)};",
+    "sub.rn.f32 f, $1, j;",
+    f"fma.rn.f32 p, f, {_f32(EXP2_POLY[3])}, {_f32(EXP2_POLY[2])};",
+    f"fma.rn.f32 p, p, f, {_f32(EXP2_POLY[1])};", f"fma.rn.f32 p, p, f, {_f32(EXP2_POLY[0])};",
+    "mov.b32 tb, t;", "mov.b32 pb, p;", "shl.b32 tb, tb, 23;", "add.s32 pb, pb, tb;",
+    f"setp.lt.f32 flush, $1, {_f32(EXP2_FLUSH_BELOW)};", "selp.b32 $0, 0, pb, flush;", "}"])
+
+
+@dsl_user_op
+def exp2_fma(x, *, loc=None, ip=None) -> Float32:
+    """2^x for x <= 0 (-inf gives 0) without the MUFU unit: ten FMA- and integer-pipe instructions
+    in place of one MUFU.EX2, whose 16 results per cycle per SM a d64 softmax nearly fills beside
+    the tensor cores (docs/perf-notes.md). 7.5e-5 relative error at most."""
+    return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], _EXP2_FMA_PTX,
+                                   "=f,f", has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def poly_positions(per_row: int, poly: int) -> frozenset:
+    """Which of a row's `per_row` values (positions in row_half order) `exp2_fma` makes when `poly`
+    of them do: spread evenly, so that the MUFU and FMA work interleave."""
+    return frozenset(i for i in range(per_row) if (i * poly) // per_row != ((i + 1) * poly) // per_row)
 
 
 def softmax_state():
@@ -79,14 +121,14 @@ def softmax_finalize(row_max: cute.Tensor, row_sum: cute.Tensor, h):
 
 @cute.jit
 def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, correction: cute.Tensor, scale_log2=None,
-                          count: cutlass.Constexpr = None):
+                          count: cutlass.Constexpr = None, poly: cutlass.Constexpr = 0):
     """`online_softmax` without touching O, for a kernel whose P V WGMMA still accumulates into O:
     acc_s becomes P and correction[h] = 2^(m_old - m) is left for `rescale_rows` once that WGMMA
     is done; `add_row_sums` then updates the row sums. With `scale_log2` (> 0), acc_s holds raw
     scores s (masked ones -inf) and x = s * scale_log2 is formed inside the exponent, one FFMA per
     element: max(x) = scale_log2 * max(s) for a positive scale. row_max is in x units either way.
     With `count`, only the first `count` values of each row become P; `exponentiate_rest` does the
-    others."""
+    others. `poly` of each row's values are made by `exp2_fma` (poly_positions), the rest by MUFU."""
     n_s = cute.size(acc_s)
     for h in cutlass.range_constexpr(2):
         m = Float32(NEG_INF)
@@ -102,11 +144,13 @@ def online_softmax_scores(acc_s: cute.Tensor, row_max: cute.Tensor, correction: 
             base = Float32(0.0)
         correction[h] = cute.math.exp2(row_max[h] - base, fastmath=True)
         row_max[h] = m
-        _exponentiate(acc_s, row_half(n_s, h)[:count], base, scale_log2)
+        row = row_half(n_s, h)
+        _exponentiate(acc_s, row, 0, len(row) if count is None else count, base, scale_log2, poly)
 
 
 @cute.jit
-def exponentiate_rest(acc_s: cute.Tensor, row_max: cute.Tensor, count: cutlass.Constexpr, scale_log2=None):
+def exponentiate_rest(acc_s: cute.Tensor, row_max: cute.Tensor, count: cutlass.Constexpr, scale_log2=None,
+                      poly: cutlass.Constexpr = 0):
     """The values of each row past the first `count` become P, as `online_softmax_scores` (with
     `count`) made the others: against the row max it left in row_max."""
     n_s = cute.size(acc_s)
@@ -114,15 +158,17 @@ def exponentiate_rest(acc_s: cute.Tensor, row_max: cute.Tensor, count: cutlass.C
         base = row_max[h]
         if base == NEG_INF:
             base = Float32(0.0)
-        _exponentiate(acc_s, row_half(n_s, h)[count:], base, scale_log2)
+        row = row_half(n_s, h)
+        _exponentiate(acc_s, row, count, len(row), base, scale_log2, poly)
 
 
-def _exponentiate(acc_s: cute.Tensor, values: list, base, scale_log2):
-    for v in values:
-        if const_expr(scale_log2 is None):
-            acc_s[v] = cute.math.exp2(acc_s[v] - base, fastmath=True)
-        else:
-            acc_s[v] = cute.math.exp2(acc_s[v] * scale_log2 - base, fastmath=True)
+def _exponentiate(acc_s: cute.Tensor, row: list, start: int, stop: int, base, scale_log2, poly: int):
+    """Row positions start..stop-1 of `row` (accumulator indices) become 2^(x - base)."""
+    by_fma = poly_positions(len(row), poly)
+    for i in range(start, stop):
+        v = row[i]
+        x = acc_s[v] - base if const_expr(scale_log2 is None) else acc_s[v] * scale_log2 - base
+        acc_s[v] = exp2_fma(x) if const_expr(i in by_fma) else cute.math.exp2(x, fastmath=True)
 
 
 @cute.jit

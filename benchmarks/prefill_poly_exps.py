@@ -1,0 +1,66 @@
+"""Prefill with some exponentials on the FMA pipes (FlexPrefillConfig.poly_exps), side by side with
+the device default: does taking load off MUFU.EX2 speed up the softmax-heavy d64 case?
+
+    python3 benchmarks/prefill_poly_exps.py
+
+Per case: the device's default config with poly_exps 0 (the default), 4, 8, 12 and 16 of each
+row's 32 values per KV block, device times from bench.timing (interleaved), TFLOP/s of the
+unmasked work and the output's largest difference from poly_exps 0. Not a bench suite: no
+record is written; the perf notes keep the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from inductor_cute.bench.timing import time_side_by_side
+from inductor_cute.host.common import sm_count
+from inductor_cute.host.flex_prefill import flex_prefill
+from inductor_cute.kernels.attention import flex_prefill_config as fpc
+from inductor_cute.kernels.common.programs import score as sp
+
+CAUSAL = sp.dumps([["o", "ge", "q", "kv"]])
+POLY = (0, 4, 8, 12, 16)
+# (name, batch, query heads, KV heads, length, head dims, causal): issue 13's d64 case, then two
+# whose softmax is a smaller share of the block (d128, MLA)
+CASES = [
+    ("vit B32 H16 S1024 d64", 32, 16, 16, 1024, (64, 64), False),
+    ("llama B4 H32/8 S4096 d128 causal", 4, 32, 8, 4096, (128, 128), True),
+    ("dsv3-mla B1 H128 S4096 192/128 causal", 1, 128, 128, 4096, (192, 128), True),
+]
+
+
+def run_case(name, b, hq, hkv, s, dims, causal):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    d, dv = dims
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, s, dv, device="cuda", dtype=torch.bfloat16)
+    kwargs = {}
+    if causal:
+        bm = create_block_mask(lambda bb, h, m, n: m >= n, None, None, s, s, device="cuda")
+        kwargs = dict(mask_mod=CAUSAL, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                      full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
+    base = fpc.default_config(fpc.FlexPrefillProblem(d, dv, "bfloat16"), sm_count(0))
+    configs = {n: dataclasses.replace(base, poly_exps=n) for n in POLY if n <= base.kv_block // 4}
+    fns = {f"poly_exps {n}": (lambda c=c: flex_prefill(q, k, v, config=c, **kwargs)) for n, c in configs.items()}
+    reference = fns["poly_exps 0"]().float()
+    diffs = {label: (fn().float() - reference).abs().max().item() for label, fn in fns.items()}
+    times = time_side_by_side(fns, reps=50, rounds=5)
+    flops = fpc.attention_flops(b, hq, s, s, d, dv, causal)
+    print(f"{name}: default {base}", flush=True)
+    for label, t in times.items():
+        print(f"  {label}: {t:.1f} us ({flops / t / 1e6:.0f} TFLOP/s), max |out - poly 0| {diffs[label]:.2e}",
+              flush=True)
+
+
+def main():
+    for case in CASES:
+        run_case(*case)
+
+
+if __name__ == "__main__":
+    main()
