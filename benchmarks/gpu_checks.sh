@@ -46,8 +46,17 @@ for s in $steps; do
         prefill_new) step prefill_new 300 python3 -m pytest -m gpu tests/gpu/test_flex_prefill_gpu.py -q -rf -n 8 \
                    -p no:cacheprovider ;;
         prefill_quick) step prefill_quick 560 python3 -m inductor_cute bench flex_prefill --quick --out "$OUT/flex_prefill" ;;
+        # the prefill with poly_exps of each row's exponentials on the FMA pipes, against the default
+        prefill_poly) step prefill_poly 400 python3 benchmarks/prefill_poly_exps.py ;;
         # stock flex_attention with a BlockMask traced into the graph (trace_block_masks), against eager
         traced_mask) step traced_mask 400 python3 benchmarks/traced_mask_check.py ;;
+        # Nsight Compute on one launch of each attention kernel in benchmarks/ncu_kernels.py (full set: pipe
+        # use, warp stalls, sampled stalls per source line); needs a machine whose ncu reads counters
+        ncu) ncu --version > "$OUT/ncu-version.log" 2>&1
+            for c in prefill_vit prefill_llama prefill_mla backward_plain backward_dq_reduce; do
+                step "ncu-$c" 240 ncu --clock-control none --profile-from-start off --set full --print-details all \
+                     --print-summary none python3 benchmarks/ncu_kernels.py "$c"
+            done ;;
         rmsnorm) step rmsnorm 200 python3 -m pytest -m gpu tests/gpu/test_rmsnorm_gpu.py -q -p no:cacheprovider ;;
         sweep_gemv) step sweep_gemv 400 python3 benchmarks/sweep_gemv.py quick ;;
         flex_splits) step flex_splits 300 python3 benchmarks/sweep_flex_splits.py ;;
