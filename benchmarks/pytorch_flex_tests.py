@@ -58,6 +58,9 @@ def pytest_configure(config):
     # one file for every worker: each record is one small append, whole on its own line
     record_path = os.environ["ICUTE_PT_DECISIONS"]
     call_reason = lowering._call_reason
+    cpu_estimate = os.environ.get("ICUTE_PT_CPU_ESTIMATE") == "1"
+    if cpu_estimate:  # decide as on a Hopper GPU, then leave every call stock (no kernel of ours on a CPU)
+        lowering._device_reason = lambda device: None
 
     def recording(problem, query, key):
         reason = call_reason(problem, query, key)
@@ -68,7 +71,7 @@ def pytest_configure(config):
             os.write(fd, line.encode())
         finally:
             os.close(fd)
-        return reason
+        return "--cpu-estimate: every call stays stock" if cpu_estimate else reason
 
     lowering._call_reason = recording
 
@@ -119,6 +122,7 @@ def _run(path: str, mode: str, out: str, args, only: list[str] | None = None) ->
     env = dict(os.environ, ICUTE_PT_MODE=mode, ICUTE_PT_PREFILL="1" if args.prefill else "0",
                ICUTE_PT_GRAD="1" if args.with_grad or args.backward else "0",
                ICUTE_PT_BACKWARD="1" if args.backward else "0",
+               ICUTE_PT_CPU_ESTIMATE="1" if args.cpu_estimate else "0",
                ICUTE_PT_DECISIONS=_decisions_path(out, _stem(path)),
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     junit = _junit_path(out, _stem(path), mode)
@@ -179,6 +183,9 @@ def main() -> None:
     p.add_argument("--with-grad", action="store_true", help="run the tests as written (training graphs included)")
     p.add_argument("--backward", action="store_true",
                    help="as written, training graphs through our backward too (enable(flex_backward=True); issue 15)")
+    p.add_argument("--cpu-estimate", action="store_true",
+                   help="on a machine without a GPU: the enabled run records what the lowering would decide on a "
+                        "Hopper GPU and leaves every call stock (the taken share, not the pass/fail, is the result)")
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--modes", default="stock,enabled",
                    help="which runs to make now; the summary reads every run's results found in --out, so "
