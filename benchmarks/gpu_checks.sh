@@ -46,8 +46,8 @@ for s in $steps; do
         prefill_new) step prefill_new 300 python3 -m pytest -m gpu tests/gpu/test_flex_prefill_gpu.py -q -rf -n 8 \
                    -p no:cacheprovider ;;
         prefill_quick) step prefill_quick 560 python3 -m inductor_cute bench flex_prefill --quick --out "$OUT/flex_prefill" ;;
-        # the prefill with poly_exps of each row's exponentials on the FMA pipes, against the default
-        prefill_poly) step prefill_poly 400 python3 benchmarks/prefill_poly_exps.py ;;
+        # the prefill's opt-in levers (poly_exps, overlap_tiles) against the device default
+        prefill_levers) step prefill_levers 450 python3 benchmarks/prefill_levers.py ;;
         # stock flex_attention with a BlockMask traced into the graph (trace_block_masks), against eager
         traced_mask) step traced_mask 400 python3 benchmarks/traced_mask_check.py ;;
         # Nsight Compute on one launch of each attention kernel in benchmarks/ncu_kernels.py (full set: pipe

@@ -73,6 +73,13 @@ POLY = {
 }
 VARIANTS.update(POLY)
 POLY_EXPS = 8
+# the next tile's S_0 under this tile's last P V (config.overlap_tiles): problems without a block mask
+OVERLAP = {
+    "d64-persistent-2q-overlap": VARIANTS["d64-fp16"],
+    "d64-persistent-2q-overlap-poly": VARIANTS["d64-fp16"],
+    "d128-softcap-persistent-2q-overlap-split-kv": VARIANTS["d128-softcap"],
+}
+VARIANTS.update(OVERLAP)
 
 
 def variant_config(name):
@@ -85,8 +92,10 @@ def variant_config(name):
         config = dataclasses.replace(config, early_exps=20)
     if name in DYNAMIC:
         config = dataclasses.replace(config, dynamic_tiles=True)
-    if name in POLY:
+    if name in POLY or name.endswith("-poly"):
         config = dataclasses.replace(config, poly_exps=POLY_EXPS)
+    if name in OVERLAP:  # 128/128 fits two Q buffers and O's beside a ring of 2 stages
+        config = dataclasses.replace(config, overlap_tiles=True, stages=min(config.stages, 2 if "d128" in name else 4))
     return config
 
 
@@ -129,8 +138,9 @@ def test_each_probability_is_exponentiated_once(request, compiled):
         pytest.skip("a score program may exponentiate too")
     per_block = 64 * default_config(VARIANTS[name]).kv_block // 128
     by_fma = 2 * variant_config(name).poly_exps  # poly_exps of each of a thread's two rows
-    assert compiled.ptx.count("ex2.approx") == 2 * (per_block - by_fma) + 4
-    assert compiled.ptx.count("shl.b32 tb, tb, 23") == 2 * by_fma  # softmax.exp2_fma's
+    sites = 3 if name in OVERLAP else 2  # overlap_tiles: the next tile's block 0 in the tile loop too
+    assert compiled.ptx.count("ex2.approx") == sites * (per_block - by_fma + 2)
+    assert compiled.ptx.count("shl.b32 tb, tb, 23") == sites * by_fma  # softmax.exp2_fma's
 
 
 def test_ptxas_reports_no_spills_and_no_stack(compiled):
@@ -233,6 +243,21 @@ def test_early_exponentials_run_before_the_wait_for_pv(request, compiled, tmp_pa
     assert loops and all(len(run) // len("MUFU.EX2") >= 2 * 20 + 2 for run in loops)
 
 
+def test_next_tiles_softmax_runs_under_the_last_pv(request, compiled, tmp_path):
+    # overlap_tiles: in SASS, the next tile's S_0 and this tile's last P V are issued in one turn,
+    # and the next tile's exponentials (and its two row corrections) come between the wait for
+    # S_0 (DEPBAR <= 1) and the wait for the P V (DEPBAR 0): block 0's softmax under the P V
+    name = request.node.callspec.params["compiled"]
+    if name not in OVERLAP:
+        pytest.skip("overlap_tiles off")
+    config = variant_config(name)
+    by_mufu = 64 * config.kv_block // 128 - 2 * config.poly_exps + 2
+    code = sass(compiled, tmp_path)
+    marks = "".join({"WARPGROUP.DEPBAR.LE gsb0, 0x1": "1", "WARPGROUP.DEPBAR.LE gsb0, 0x0": "0"}.get(m, "e")
+                    for m in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[01]|MUFU\.EX2", code))
+    assert any(len(run) >= by_mufu for run in re.findall(r"1(e+)0", marks)), marks
+
+
 def test_block_masks_and_programs_reach_the_kernel(compiled_all):
     needed = ("d128", "d128-causal-block128", "d128-softcap")
     if not all(n in compiled_all for n in needed):
@@ -302,6 +327,12 @@ def test_unsupported_problems_and_configs_are_named():
     assert "shared memory" in config_error(FlexPrefillConfig(128, 4), p)
     assert "kv_block" in config_error(FlexPrefillConfig(24, 2), p)
     assert "poly_exps 33 must be in 0..32" in config_error(FlexPrefillConfig(128, 2, poly_exps=33), p)
+    overlap = FlexPrefillConfig(128, 2, persistent_ctas=132, q_stages=2, overlap_tiles=True)
+    assert config_error(overlap, p) is None
+    assert "two Q buffers" in config_error(dataclasses.replace(overlap, q_stages=1), p)
+    assert "fixed stride" in config_error(dataclasses.replace(overlap, dynamic_tiles=True), p)
+    assert "without a block mask" in config_error(overlap, dataclasses.replace(p, mask_program=CAUSAL,
+                                                                                sparse_block=128))
     assert "not a multiple" in config_error(default_config(p), dataclasses.replace(p, sparse_block=64))
     assert "multiple of 128" in config_error(default_config(p), dataclasses.replace(p, sparse_q_block=64))
     assert "canonical" in config_error(default_config(p), dataclasses.replace(p, score_program=SOFTCAP + " "))

@@ -401,3 +401,36 @@ def test_poly_exps_with_masked_rows_early_exps_a_score_program_and_fp16():
     check(q, k, v, score_mod=SOFTCAP, config=poly(128, 128, 8))
     q, k, v = (rand(1, 8, 515, 64, dtype=torch.float16) for _ in range(3))
     check(q, k, v, scale=0.3, config=poly(64, 64, 16))
+
+
+# ------------------------------- the next tile's S_0 under this tile's last P V (overlap_tiles)
+def overlap(dqk, dv, ctas=3, **changes):
+    """Persistent CTAs (a few: many tiles each) with two Q buffers and overlap_tiles."""
+    from inductor_cute.kernels.attention import flex_prefill_config as fpc
+
+    base = fpc.plain_config(fpc.FlexPrefillProblem(dqk, dv, "bfloat16"))
+    config = dataclasses.replace(base, persistent_ctas=ctas, q_stages=2, overlap_tiles=True, **changes)
+    if fpc.config_error(config, fpc.FlexPrefillProblem(dqk, dv, "bfloat16")):  # 128/128: a 2-stage ring fits
+        config = dataclasses.replace(config, stages=2)
+    return config
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128)])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (100, 77), (129, 300), (1000, 1000), (255, 2049)])
+@pytest.mark.parametrize("ctas", [1, 3, 132])
+def test_overlap_tiles(dqk, dv, q_len, kv_len, ctas):
+    q, k, v = rand(3, 4, q_len, dqk), rand(3, 2, kv_len, dqk), rand(3, 2, kv_len, dv)
+    check(q, k, v, config=overlap(dqk, dv, ctas))
+
+
+def test_overlap_tiles_with_programs_split_rings_early_and_poly_exps_and_fp16():
+    q, k, v = rand(2, 4, 700, 128), rand(2, 2, 700, 128), rand(2, 2, 700, 128)
+    check(q, k, v, score_mod=SOFTCAP, config=overlap(128, 128, 5, split_kv=True))
+    # a mask program without a block mask: batch 1's rows have nothing to attend (out 0, lse -inf)
+    q, k, v = rand(2, 4, 300, 64), rand(2, 4, 1200, 64), rand(2, 4, 1200, 64)
+    keep = (torch.arange(2, device="cuda")[:, None, None, None] == 0) & (torch.arange(1200, device="cuda") < 1000)
+    check(q, k, v, keep=keep.expand(2, 4, 300, 1200), mask_mod=NOTHING_IN_BATCH_1, config=overlap(64, 64, 2))
+    q, k, v = rand(4, 8, 640, 64), rand(4, 2, 640, 64), rand(4, 2, 640, 64)
+    check(q, k, v, config=overlap(64, 64, 7, early_exps=20, poly_exps=8))
+    q, k, v = (rand(1, 8, 515, 64, dtype=torch.float16) for _ in range(3))
+    check(q, k, v, scale=0.3, config=overlap(64, 64, 4))

@@ -98,16 +98,21 @@ class FlexPrefillConfig:
     # cycle per SM the d64 softmax nearly fills beside the tensor cores (528 of 640 cycles per warp
     # and block, docs/perf-notes.md); 0: every one by MUFU
     poly_exps: int = 0
+    # with persistent CTAs walking a fixed stride and two Q buffers, for problems without a block
+    # mask: the next tile's S_0 is issued with this tile's last P V and its softmax runs under it
+    # (prefill_consumer.py), where each tile's first block and epilogue stood alone (~19% of the
+    # vit d64 tile of 8 blocks, docs/perf-notes.md)
+    overlap_tiles: bool = False
 
     @property
     def threads(self) -> int:
         return 128 * (1 + CONSUMER_WARPGROUPS)  # one producer warp group + consumers
 
     def as_params(self) -> dict:
-        """The fields, split_kv, early_exps, dynamic_tiles and poly_exps left out when unset (the
-        specs that predate them keep their keys)."""
+        """The fields, split_kv, early_exps, dynamic_tiles, poly_exps and overlap_tiles left out
+        when unset (the specs that predate them keep their keys)."""
         params = dataclasses.asdict(self)
-        for field in ("split_kv", "early_exps", "dynamic_tiles", "poly_exps"):
+        for field in ("split_kv", "early_exps", "dynamic_tiles", "poly_exps", "overlap_tiles"):
             if not params[field]:
                 del params[field]
         return params
@@ -188,6 +193,10 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
                 f"of a {config.kv_block}-key block)")
     if config.dynamic_tiles and config.persistent_ctas == 0:
         return "dynamic_tiles needs persistent_ctas: with one CTA per tile the hardware deals the tiles"
+    if config.overlap_tiles and (config.persistent_ctas == 0 or config.q_stages != 2 or config.dynamic_tiles):
+        return "overlap_tiles needs persistent CTAs on a fixed stride (no dynamic_tiles) and two Q buffers"
+    if config.overlap_tiles and problem.sparse_block:
+        return "overlap_tiles needs a problem without a block mask (every tile walks every KV block)"
     if config.q_stages == 2 and config.persistent_ctas == 0:
         return "q_stages 2 needs persistent_ctas: with one tile per CTA there is no next Q to load early"
     if smem_bytes(problem, config) > SMEM_BUDGET:

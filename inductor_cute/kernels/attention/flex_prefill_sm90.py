@@ -22,7 +22,8 @@ staged in a buffer of its own).
     P_{j-1} V_{j-1}, frees stage j - 1 and rescales O (ptxas issues that wait before the
     exponentials unless config.early_exps holds it behind the first ones). The two consumers also
     take turns at issuing their WGMMAs (named barriers, ping-pong), so one's softmax runs under the
-    other's matmuls.
+    other's matmuls. (prefill_consumer.py; with config.overlap_tiles a persistent CTA issues the
+    next tile's S_0 with this tile's last P V.)
   * the epilogue (prefill_epilogue.py) normalises O by the row sums and stores it with TMA, in two
     halves of 64 rows (each consumer's own with two Q buffers), and the logsumexp per row in
     natural-log units, (m + log2 l) * ln 2, as flex_attention returns it. Rows with nothing to
@@ -60,25 +61,24 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common import barriers
-from .accumulator import acc_as_operand_a, check_acc_layout, fence_operand, wait_after
+from .accumulator import acc_as_operand_a, check_acc_layout
 from ..common.tma_pipeline import stage_bytes, tma_pipeline
 from . import fake_operands as fake
 from .block_sparse import BlockSparse
 from .fake_operands import CUTE_DTYPES
 from .flex_prefill_config import (CONSUMER_WARPGROUPS, M_BLOCK, TILE_CLAIM_STAGES, FlexPrefillConfig,
                                   FlexPrefillProblem, config_error, from_params, smem_bytes)
-from .mask import ScoreMods, mask_past_end
+from .mask import ScoreMods
 from .pack_gqa import PackGQA
+from .prefill_consumer import PrefillConsumer
 from .prefill_epilogue import PrefillEpilogue
-from .softmax import (add_row_sums, exponentiate_rest, online_softmax_scores, rescale_rows, softmax_reset,
-                      softmax_state)
+from .softmax import softmax_state
 from .tile_claims import claim_next, claim_ring, publish, receive, retire
 from .tile_order import LongestFirst, section_width
 
 
 
-class FlexPrefillSm90:
+class FlexPrefillSm90(PrefillConsumer):
     def __init__(self, problem: FlexPrefillProblem, config: FlexPrefillConfig):
         self.problem, self.config = problem, config
         self.dtype = CUTE_DTYPES[problem.dtype_name]
@@ -186,11 +186,6 @@ class FlexPrefillSm90:
         if const_expr(self.config.q_stages == 1):
             return sQ_layout
         return cute.slice_(sQ_layout, (None, None, 0))
-
-    @staticmethod
-    def _turn(slot) -> pipeline.NamedBarrier:
-        """Consumer `slot`'s turn at the tensor cores: it syncs on it, the other arrives to hand over."""
-        return pipeline.NamedBarrier(barrier_id=barriers.attention_turn(slot), num_threads=256)
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, gQ_full: cute.Tensor, tma_k: cute.CopyAtom, gK_full: cute.Tensor,
@@ -351,6 +346,10 @@ class FlexPrefillSm90:
                     q_state, read, release = states
                     tile = receive(ring, claims, tile_ids)
                     claims.advance()
+            elif const_expr(self.config.overlap_tiles):
+                states = [q_state, read, release]
+                self._consume_overlapped(first_tile, ctas, n_tiles, states, *tile_args)
+                q_state, read, release = states
             elif const_expr(self.config.persistent_ctas > 0):
                 for tile in range(first_tile, n_tiles, ctas):
                     # the tile's dynamic ifs and loops rebind its pipeline states to new objects,
@@ -363,119 +362,6 @@ class FlexPrefillSm90:
                     cute.arch.cp_async_bulk_wait_group(0)  # the last O store, before the CTA ends
             if const_expr(self.config.persistent_ctas == 0):
                 self._consume_tile(first_tile, [q_state, read, release], *tile_args)
-
-    @cute.jit
-    def _consume_tile(self, tile: Int32, states: list, order: tuple, lengths: tuple, block_tensors: tuple,
-                      pipes: tuple, slot: Int32, frags: tuple, regs: tuple, scale_log2: Float32, scale: Float32,
-                      score_tensors: tuple, mask_tensors: tuple, out: tuple, ctid: Int32, warp_idx: Int32):
-        """One tile's S, softmax and O through the ring, then its epilogue (a consumer warp group).
-        Called once per CTA without persistent CTAs: no tile loop around the code measured fastest
-        (a loop once made the compiler compute each P twice, 40% slower; see add_row_sums)."""
-        m_blocks, heads, batch, width = order
-        q_len, seq_len = lengths
-        mKvNum, mKvIdx, mFullNum, mFullIdx = block_tensors
-        q_pipe, kv_pipe, v_pipe = pipes
-        tSrQ, tSrK, tOrV, tScS, tOcO = frags
-        acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction = regs
-        sO, tma_o, gO_full, mLse = out
-        q_state, read, release = states
-        m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)
-        n_partial, n_blocks, zm, hm, r = self._kv_walk(mKvNum, mFullNum, seq_len, m_block, head, b)
-        row0 = m_block * M_BLOCK
-        acc_o.fill(0.0)
-        softmax_reset(row_max, row_sum)
-        q_pipe.consumer_wait(q_state)
-        if const_expr(self.config.q_stages > 1):
-            tSrQ = tSrQ[(None, None, None, q_state.index)]
-        # Turns: n_blocks + 1 per consumer and tile (S_0; S_j with P_{j-1} V_{j-1}; P_last
-        # V_last), slot 0 first. Slot 1 opens slot 0's first turn and hands over only turns
-        # slot 0 still takes, so no arrive is left pending when the tile ends.
-        # With split_kv `read` walks K's ring and `release` V's (kv_pipe and v_pipe): K_j's stage is
-        # freed once S_j is done and V_{j-1} is waited for before its P V; with one ring v_pipe is
-        # kv_pipe and `read`'s wait covers a block's K and V.
-        split = self.config.split_kv
-        if n_blocks > 0:
-            if slot == 1:
-                self._turn(0).arrive()
-            # ---- block 0: S_0 alone
-            self._turn(slot).arrive_and_wait()
-            kv_pipe.consumer_wait(read)
-            self._qk(acc_s, tSrQ, tSrK, read.index)
-            warpgroup.commit_group()
-            self._turn(1 - slot).arrive()
-            warpgroup.wait_group(0)
-            if const_expr(split):
-                kv_pipe.consumer_release(read)  # K_0
-            blk, partial = self.blocks.block_at(0, n_partial, zm, hm, r, mKvIdx, mFullIdx)
-            self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
-                         score_tensors, mask_tensors)
-            online_softmax_scores(acc_s, row_max, correction,  # O is still 0: no rescale
-                                  scale_log2 if const_expr(self.fold_scale) else None, poly=self.config.poly_exps)
-            self._pin_p(acc_s)
-            add_row_sums(acc_s, row_sum, correction)
-            r_p.store(acc_s.load().to(self.dtype))
-            self._pin_p(r_p)
-            read.advance()
-            # ---- block j: S_j and P_{j-1} V_{j-1} issued together; S_j's softmax runs while
-            # P_{j-1} V_{j-1} still accumulates into O, whose rescale waits for it
-            for j in range(1, n_blocks):
-                self._turn(slot).arrive_and_wait()
-                kv_pipe.consumer_wait(read)
-                self._qk(acc_s, tSrQ, tSrK, read.index)
-                warpgroup.commit_group()
-                if const_expr(split):
-                    v_pipe.consumer_wait(release)  # V_{j-1}
-                self._pv(acc_o, tOrP, tOrV, release.index)
-                warpgroup.commit_group()
-                self._turn(1 - slot).arrive()
-                warpgroup.wait_group(1)  # S_j
-                if const_expr(split):
-                    kv_pipe.consumer_release(read)  # K_j
-                blk, partial = self.blocks.block_at(j, n_partial, zm, hm, r, mKvIdx, mFullIdx)
-                self._scores(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, seq_len,
-                             score_tensors, mask_tensors)
-                fold = scale_log2 if const_expr(self.fold_scale) else None
-                early, poly = self.config.early_exps, self.config.poly_exps
-                if const_expr(early > 0):
-                    # the first exponentials of each row and their partial sums, then a hold that
-                    # keeps ptxas's wait for P_{j-1} V_{j-1} behind them (accumulator.wait_after)
-                    online_softmax_scores(acc_s, row_max, correction, fold, count=early, poly=poly)
-                    fence_operand(acc_s)
-                    add_row_sums(acc_s, row_sum, correction, count=early)
-                    wait_after(row_sum[0], row_sum[1])
-                else:
-                    online_softmax_scores(acc_s, row_max, correction, fold, poly=poly)
-                    self._pin_p(acc_s)
-                warpgroup.wait_group(0)  # P_{j-1} V_{j-1}: O and P's registers are free
-                v_pipe.consumer_release(release)
-                release.advance()
-                rescale_rows(acc_o, correction)
-                if const_expr(early > 0):
-                    exponentiate_rest(acc_s, row_max, early, fold, poly=poly)
-                    add_row_sums(acc_s, row_sum, first=early)
-                else:
-                    add_row_sums(acc_s, row_sum, correction)
-                r_p.store(acc_s.load().to(self.dtype))
-                self._pin_p(r_p)
-                read.advance()
-            # ---- the last block's P V
-            self._turn(slot).arrive_and_wait()
-            if const_expr(split):
-                v_pipe.consumer_wait(release)
-            self._pv(acc_o, tOrP, tOrV, release.index)
-            warpgroup.commit_group()
-            if slot == 0:
-                self._turn(1).arrive()
-            warpgroup.wait_group(0)
-            v_pipe.consumer_release(release)
-            release.advance()
-        self.epilogue.run(acc_o, tOcO, row_max, row_sum, sO, tma_o, gO_full, mLse, ctid, warp_idx, slot, m_block,
-                          head, b, q_len)
-        # with one Q buffer, after the store warp saw the TMA unit read O (staged in Q's buffer);
-        # with two, Q's buffer is free already: the producer may load a next Q into it
-        q_pipe.consumer_release(q_state)
-        q_state.advance()
-        states[:] = [q_state, read, release]
 
     @cute.jit
     def _kv_walk(self, mKvNum: Optional[cute.Tensor], mFullNum: Optional[cute.Tensor], seq_len: Int32,
@@ -508,44 +394,6 @@ class FlexPrefillSm90:
         cute.copy(tma_v, tVgV[(None, 0, blk, hkv, b_kv)], tVsV[(None, v_state.index)],
                   tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
         v_pipe.producer_commit(v_state)
-
-    def _pin_p(self, t: cute.Tensor) -> None:
-        """Persistent CTAs and split_kv: P's fp32 scores and its bf16 pack are materialised where
-        they are made (fence_operand). Otherwise NVVM sinks the pack below the next block's S
-        WGMMAs in the tile loop, P stays live in fp32 beside S and O, and ptxas serializes every
-        WGMMA (C7512; the persistent causal kernels ran 1.4x slower than one CTA per tile); and it
-        sinks the exponentials below the wait for P V, so a warp group's softmax no longer overlaps
-        its own P V. One CTA per tile with one ring keeps its measured code."""
-        if const_expr(self.config.persistent_ctas > 0 or self.config.split_kv):
-            fence_operand(t)
-
-    # _qk and _pv are traced inline (not @cute.jit): the MMA's accumulate flag they set must stay
-    # a value of the caller's loop body
-    def _qk(self, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: Int32):
-        """Issue S = Q K^T of the K block in ring stage `stage` (not committed)."""
-        mma = self._make_mma_qk()
-        warpgroup.fence()
-        for kb in range(cute.size(tSrQ, mode=[2])):  # unrolled at trace time
-            mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(mma, acc_s, tSrQ[(None, None, kb)], tSrK[(None, None, kb, stage)], acc_s)
-
-    def _pv(self, acc_o: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
-        """Issue O += P V of the V block in ring stage `stage`, P from registers (not committed)."""
-        mma = self._make_mma_pv()
-        warpgroup.fence()
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        for kb in range(cute.size(tOrP, mode=[2])):
-            cute.gemm(mma, acc_o, tOrP[(None, None, kb)], tOrV[(None, None, kb, stage)], acc_o)
-
-    @cute.jit
-    def _scores(self, acc_s: cute.Tensor, tScS: cute.Tensor, scale_log2: Float32, scale: Float32, b: Int32,
-                head: Int32, row0: Int32, q_len: Int32, blk: Int32, partial, seq_len: Int32, score_tensors: tuple,
-                mask_tensors: tuple):
-        """S of KV block `blk` in log2 units (raw with fold_scale: the softmax scales it), masked:
-        scaled or score_mod, mask_mod on partial blocks, keys past the end at -inf."""
-        self.mods.apply(acc_s, tScS, scale_log2, scale, b, head, row0, q_len, blk, partial, score_tensors,
-                        mask_tensors, scale_later=self.fold_scale)
-        mask_past_end(acc_s, tScS, self.kvb, blk, seq_len)
 
 def build(**params):
     """(jit function, fake arguments) for cute.compile from a spec's parameters (flex_prefill_config.spec);
