@@ -197,3 +197,18 @@ def test_traced_mask_tensors_reach_flex_attention_at_packed_strides(monkeypatch)
     allowed = (torch.arange(1024)[:, None] >= torch.arange(1024)[None, :]) & keep[:, None, None, :]
     ref = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v.double()
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_strides_keep_every_mask_tensors_values():
+    # eagerly (what Dynamo traces): a contiguous tensor whose size-1 dim has another stride, and a
+    # transposed one, keep their values; every tensor of the mask comes back at packed strides
+    mask = create_block_mask(lambda b, h, m, n: m >= n, 2, None, 256, 384, device="cpu")
+    odd = torch.arange(2 * 2 * 3, dtype=torch.int32).view(2, 2, 3).as_strided((2, 1, 2, 3), (6, 99, 3, 1))
+    mask.kv_indices = odd
+    mask.q_indices = torch.arange(2 * 3 * 2, dtype=torch.int32).view(2, 1, 3, 2).transpose(-1, -2)
+    expected = {name: getattr(mask, name).clone() for name in ("kv_num_blocks", "kv_indices", "q_indices")}
+    packed = block_masks.with_packed_strides(mask)
+    for name, values in expected.items():
+        t = getattr(packed, name)
+        assert torch.equal(t, values) and t.stride() == block_masks.packed_strides(t.shape), name
+    assert block_masks.packed_strides((2, 1, 2, 3)) == (6, 6, 3, 1)

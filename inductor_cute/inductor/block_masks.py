@@ -104,6 +104,9 @@ def with_packed_strides(block_mask):
     for name in _MASK_TENSORS:
         t = getattr(block_mask, name, None)
         if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            # as_strided reads the storage: only a contiguous tensor (size-1 dims aside, as eager
+            # sees it here) keeps its values at packed strides; any other is copied first
+            t = t if t.is_contiguous() else t.contiguous()
             setattr(block_mask, name, t.as_strided(t.shape, packed_strides(t.shape)))
     return block_mask
 
