@@ -93,8 +93,8 @@ class FlexPrefillConfig:
     # fixed cost per tile, 132 CTAs) a fixed stride takes 602.5 blocks per SM for DeepSeek-V3 MLA
     # and 582 for the Llama causal case, claiming 560.5 and 560 (512 of work)
     dynamic_tiles: bool = False
-    # n > 0: per KV block, n of each row's kv_block / 4 exponentials per thread are made on the FMA
-    # and integer pipes (softmax.exp2_fma, ten instructions) instead of by MUFU.EX2, whose 16 per
+    # n > 0: per KV block, n of each row's kv_block / 4 exponentials per thread are made mostly on
+    # the FMA pipe (softmax.exp2_fma, ten instructions) instead of by MUFU.EX2, whose 16 per
     # cycle per SM the d64 softmax nearly fills beside the tensor cores (528 of 640 cycles per warp
     # and block, docs/perf-notes.md); 0: every one by MUFU
     poly_exps: int = 0

@@ -27,7 +27,9 @@ from ..common.units import NEG_INF
 # in fp32 Horner; P is packed to bf16/fp16, 2^-9 / 2^-12 relative)
 EXP2_POLY = (0.9999280571937561, 0.6932609677314758, 0.2426111400127411, 0.0551716685295105)
 ROUNDING_MAGIC = 12582912.0  # 1.5 * 2^23: x + it, rounded to nearest, holds round(x) in its low mantissa bits
-EXP2_FLUSH_BELOW = -125.0  # 2^x below it is 0 (as MUFU.EX2's .ftz flushes 2^x below 2^-126), -inf included
+# 2^x below it is 0, -inf included (MUFU.EX2 flushes one binade lower, from 2^-126; at x = -125 the
+# result is still normal: p(0) < 1)
+EXP2_FLUSH_BELOW = -125.0
 
 
 def _f32(x: float) -> str:
@@ -37,7 +39,9 @@ def _f32(x: float) -> str:
 
 
 # round(x) and the fraction by the magic-number addition (FADDs, no conversion unit), the fraction's
-# polynomial by Horner (FFMAs), then round(x) added to the result's exponent field (integer pipe)
+# polynomial by Horner (FFMAs), round(x) added to the result's exponent field (one IMAD), the
+# flush, and a NaN-propagating max with x (exact otherwise: the result is >= 0 >= x, or ~1 where
+# rounding left x a hair above 0) so that a NaN score stays NaN, as with MUFU.EX2
 _EXP2_FMA_PTX = "\n\t".join([
     "{", ".reg .f32 t, j, f, p;", ".reg .b32 tb, pb;", ".reg .pred flush;",
     f"add.rn.f32 t, $1, {_f32(ROUNDING_MAGIC)};", f"sub.rn.f32 j, t, {_f32(ROUNDING_MAGIC)};",
@@ -45,14 +49,16 @@ _EXP2_FMA_PTX = "\n\t".join([
     f"fma.rn.f32 p, f, {_f32(EXP2_POLY[3])}, {_f32(EXP2_POLY[2])};",
     f"fma.rn.f32 p, p, f, {_f32(EXP2_POLY[1])};", f"fma.rn.f32 p, p, f, {_f32(EXP2_POLY[0])};",
     "mov.b32 tb, t;", "mov.b32 pb, p;", "shl.b32 tb, tb, 23;", "add.s32 pb, pb, tb;",
-    f"setp.lt.f32 flush, $1, {_f32(EXP2_FLUSH_BELOW)};", "selp.b32 $0, 0, pb, flush;", "}"])
+    f"setp.lt.f32 flush, $1, {_f32(EXP2_FLUSH_BELOW)};", "selp.b32 pb, 0, pb, flush;", "max.NaN.f32 $0, pb, $1;",
+    "}"])
 
 
 @dsl_user_op
 def exp2_fma(x, *, loc=None, ip=None) -> Float32:
-    """2^x for x <= 0 (-inf gives 0) without the MUFU unit: ten FMA- and integer-pipe instructions
-    in place of one MUFU.EX2, whose 16 results per cycle per SM a d64 softmax nearly fills beside
-    the tensor cores (docs/perf-notes.md). 7.5e-5 relative error at most."""
+    """2^x for x <= 0 (-inf gives 0, NaN NaN) without the MUFU unit: ten SASS instructions (three
+    FADD, three FFMA and an IMAD on the FMA pipe, FSETP, SEL and FMNMX) in place of one MUFU.EX2,
+    whose 16 results per cycle per SM a d64 softmax nearly fills beside the tensor cores
+    (docs/perf-notes.md). 7.5e-5 relative error at most."""
     return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], _EXP2_FMA_PTX,
                                    "=f,f", has_side_effects=False, is_align_stack=False,
                                    asm_dialect=llvm.AsmDialect.AD_ATT))
