@@ -83,17 +83,9 @@ class PrefillConsumer:
             self._steady_blocks(ring, slot, pipes, (tSrQ, tSrK, tOrV, tScS), regs, scale_log2, scale,
                                 (b, head, row0, q_len, seq_len), walk, block_tensors, score_tensors, mask_tensors)
             read, release = ring
-            # ---- the last block's P V
-            self._turn(slot).arrive_and_wait()
-            if const_expr(split):
-                v_pipe.consumer_wait(release)
-            self._pv(acc_o, tOrP, tOrV, release.index)
-            warpgroup.commit_group()
-            if slot == 0:
-                self._turn(1).arrive()
-            warpgroup.wait_group(0)
-            v_pipe.consumer_release(release)
-            release.advance()
+            last = [release]
+            self._last_pv(last, slot, pipes, regs, tOrV)
+            release = last[0]
         self.epilogue.run(acc_o, tOcO, row_max, row_sum, sO, tma_o, gO_full, mLse, ctid, warp_idx, slot, m_block,
                           head, b, q_len)
         # with one Q buffer, after the store warp saw the TMA unit read O (staged in Q's buffer);
@@ -192,18 +184,10 @@ class PrefillConsumer:
                 r_p.store(acc_s.load().to(self.dtype))
                 self._pin_p(r_p)
                 read.advance()
-            else:
-                # ---- the last tile's last P V alone
-                self._turn(slot).arrive_and_wait()
-                if const_expr(split):
-                    v_pipe.consumer_wait(release)
-                self._pv(acc_o, tOrP, tOrV, release.index)
-                warpgroup.commit_group()
-                if slot == 0:
-                    self._turn(1).arrive()
-                warpgroup.wait_group(0)
-                v_pipe.consumer_release(release)
-                release.advance()
+            else:  # the last tile
+                last = [release]
+                self._last_pv(last, slot, pipes, regs, tOrV)
+                release = last[0]
             self.epilogue.run(acc_o, tOcO, finished_max, finished_sum, sO, tma_o, gO_full, mLse, ctid, warp_idx,
                               slot, m_block, head, b, q_len)
             acc_o.fill(0.0)
@@ -225,6 +209,25 @@ class PrefillConsumer:
                               scale_log2 if const_expr(self.fold_scale) else None, poly=self.config.poly_exps)
         self._pin_p(acc_s)
         add_row_sums(acc_s, row_sum, correction)
+
+    @cute.jit
+    def _last_pv(self, last: list, slot: Int32, pipes: tuple, regs: tuple, tOrV: cute.Tensor):
+        """The tile's last P V alone, in this consumer's last turn (slot 0 then opens slot 1's);
+        `last` ([release]) comes back advanced."""
+        release = last[0]
+        q_pipe, kv_pipe, v_pipe = pipes
+        acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction = regs
+        self._turn(slot).arrive_and_wait()
+        if const_expr(self.config.split_kv):
+            v_pipe.consumer_wait(release)
+        self._pv(acc_o, tOrP, tOrV, release.index)
+        warpgroup.commit_group()
+        if slot == 0:
+            self._turn(1).arrive()
+        warpgroup.wait_group(0)
+        v_pipe.consumer_release(release)
+        release.advance()
+        last[:] = [release]
 
     @cute.jit
     def _steady_blocks(self, ring: list, slot: Int32, pipes: tuple, frags: tuple, regs: tuple, scale_log2: Float32,
