@@ -61,24 +61,11 @@ class PrefillConsumer:
         # With split_kv `read` walks K's ring and `release` V's (kv_pipe and v_pipe): K_j's stage is
         # freed once S_j is done and V_{j-1} is waited for before its P V; with one ring v_pipe is
         # kv_pipe and `read`'s wait covers a block's K and V.
-        split = self.config.split_kv
         if n_blocks > 0:
-            if slot == 1:
-                self._turn(0).arrive()
-            # ---- block 0: S_0 alone
-            self._turn(slot).arrive_and_wait()
-            kv_pipe.consumer_wait(read)
-            self._qk(acc_s, tSrQ, tSrK, read.index)
-            warpgroup.commit_group()
-            self._turn(1 - slot).arrive()
-            warpgroup.wait_group(0)
-            if const_expr(split):
-                kv_pipe.consumer_release(read)  # K_0
-            self._first_softmax(regs, scale_log2, scale, (b, head, row0, q_len, seq_len), walk, block_tensors,
-                                tScS, score_tensors, mask_tensors)
-            r_p.store(acc_s.load().to(self.dtype))
-            self._pin_p(r_p)
-            read.advance()
+            first = [read]
+            self._first_block(first, slot, pipes, (tSrQ, tSrK, tOrV, tScS), regs, scale_log2, scale,
+                              (b, head, row0, q_len, seq_len), walk, block_tensors, score_tensors, mask_tensors)
+            read = first[0]
             ring = [read, release]
             self._steady_blocks(ring, slot, pipes, (tSrQ, tSrK, tOrV, tScS), regs, scale_log2, scale,
                                 (b, head, row0, q_len, seq_len), walk, block_tensors, score_tensors, mask_tensors)
@@ -124,21 +111,11 @@ class PrefillConsumer:
         q_pipe.consumer_wait(q_state)
         q_stage = q_state.index
         q_state.advance()
-        if slot == 1:
-            self._turn(0).arrive()
-        self._turn(slot).arrive_and_wait()
-        kv_pipe.consumer_wait(read)
-        self._qk(acc_s, tSrQ_stages[(None, None, None, q_stage)], tSrK, read.index)
-        warpgroup.commit_group()
-        self._turn(1 - slot).arrive()
-        warpgroup.wait_group(0)
-        if const_expr(split):
-            kv_pipe.consumer_release(read)  # K_0
-        self._first_softmax(regs, scale_log2, scale, (b, head, m_block * M_BLOCK, q_len, seq_len), walk,
-                            block_tensors, tScS, score_tensors, mask_tensors)
-        r_p.store(acc_s.load().to(self.dtype))
-        self._pin_p(r_p)
-        read.advance()
+        first = [read]
+        self._first_block(first, slot, pipes, (tSrQ_stages[(None, None, None, q_stage)], tSrK, tOrV, tScS), regs,
+                          scale_log2, scale, (b, head, m_block * M_BLOCK, q_len, seq_len), walk, block_tensors,
+                          score_tensors, mask_tensors)
+        read = first[0]
         for tile in range(first_tile, n_tiles, step):
             m_block, head, b = LongestFirst(m_blocks, heads, batch, width).coord(tile)  # (no Python object
             # is carried through a run-time loop)
@@ -192,6 +169,33 @@ class PrefillConsumer:
                               slot, m_block, head, b, q_len)
             acc_o.fill(0.0)
         states[:] = [q_state, read, release]
+
+    @cute.jit
+    def _first_block(self, first: list, slot: Int32, pipes: tuple, frags: tuple, regs: tuple, scale_log2: Float32,
+                     scale: Float32, where: tuple, walk: tuple, block_tensors: tuple, score_tensors: tuple,
+                     mask_tensors: tuple):
+        """A tile's first KV block alone (every tile's, or with overlap_tiles a CTA's first tile's):
+        slot 1 opens slot 0's first turn; S_0 in this consumer's turn, waited for, then P_0 made and packed.
+        `first` ([read]) comes back advanced."""
+        read = first[0]
+        q_pipe, kv_pipe, v_pipe = pipes
+        tSrQ, tSrK, tOrV, tScS = frags
+        acc_s, acc_o, r_p, tOrP, row_max, row_sum, correction = regs
+        if slot == 1:
+            self._turn(0).arrive()
+        self._turn(slot).arrive_and_wait()
+        kv_pipe.consumer_wait(read)
+        self._qk(acc_s, tSrQ, tSrK, read.index)
+        warpgroup.commit_group()
+        self._turn(1 - slot).arrive()
+        warpgroup.wait_group(0)
+        if const_expr(self.config.split_kv):
+            kv_pipe.consumer_release(read)  # K_0
+        self._first_softmax(regs, scale_log2, scale, where, walk, block_tensors, tScS, score_tensors, mask_tensors)
+        r_p.store(acc_s.load().to(self.dtype))
+        self._pin_p(r_p)
+        read.advance()
+        first[:] = [read]
 
     @cute.jit
     def _first_softmax(self, regs: tuple, scale_log2: Float32, scale: Float32, where: tuple, walk: tuple,
