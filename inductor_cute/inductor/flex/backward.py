@@ -31,9 +31,9 @@ _HOP = torch.ops.higher_order.flex_attention_backward
 
 SCHEMA = ("flex_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor grad_out, float scale, "
           "str score_mod, Tensor[] score_tensors, str mask_mod, Tensor[] mask_tensors, Tensor? kv_num_blocks, "
-          "Tensor? kv_indices, "
-          "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor? q_num_blocks, Tensor? q_indices, "
-          "Tensor? full_q_num_blocks, Tensor? full_q_indices, SymInt kv_block_size, SymInt q_block_size) "
+          "Tensor? kv_indices, Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor? q_num_blocks, "
+          "Tensor? q_indices, Tensor? full_q_num_blocks, Tensor? full_q_indices, SymInt kv_block_size, "
+          "SymInt q_block_size) "
           "-> (Tensor, Tensor, Tensor)")
 _LIBRARY = torch.library.Library("inductor_cute", "FRAGMENT")  # owns the registrations while imported
 _LIBRARY.define(SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
@@ -86,7 +86,8 @@ def _flex_attention_backward(*args, **kwargs):
         return stock_lowering(_HOP)(*args, **kwargs)
     _lowering.add_guards(problem, query)
     log.info("inductor-cute: flex_attention backward %s runs our kernels (score program %r, mask program %r%s)",
-             list(query.get_size()), score_program, mask_program, "" if problem.keys_all_in_blocks else ", a block mask")
+             list(query.get_size()), score_program, mask_program,
+             "" if problem.keys_all_in_blocks else ", a block mask")
     kv_block, q_block = problem.block_sizes
     lists = [*_lowering._block_mask_fields(block_mask)[:4], *_lowering._backward_lists(block_mask)]
     if problem.keys_all_in_blocks:  # flex_attention's "no block mask": every key of every query

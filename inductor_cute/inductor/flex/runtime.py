@@ -188,9 +188,8 @@ class FlexBackwardLauncher:
                f"mask_mod={self.mask_mod!r}, kv_block_size={self.kv_block_size!r}, q_block_size={self.q_block_size!r})"
 
     def call(self, q, k, v, out, lse, grad_out, scale, score_mod, score_tensors, mask_mod, mask_tensors, kv_num_blocks,
-             kv_indices,
-             full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
-             kv_block_size, q_block_size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks,
+             full_q_indices, kv_block_size, q_block_size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         sparse = {} if kv_num_blocks is None else dict(kv_block_size=self.kv_block_size,
                                                        q_block_size=self.q_block_size)
         return host_backward.flex_attention_backward(

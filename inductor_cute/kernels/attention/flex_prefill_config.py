@@ -185,12 +185,11 @@ def config_error(config: FlexPrefillConfig, problem: FlexPrefillProblem) -> str 
         return "stages must be at least 2"
     if config.q_stages not in (1, 2):
         return f"q_stages {config.q_stages} must be 1 or 2"
-    if not 0 <= config.early_exps <= config.kv_block // 4:
-        return (f"early_exps {config.early_exps} must be in 0..{config.kv_block // 4} (a thread's values per row "
-                f"of a {config.kv_block}-key block)")
-    if not 0 <= config.poly_exps <= config.kv_block // 4:
-        return (f"poly_exps {config.poly_exps} must be in 0..{config.kv_block // 4} (a thread's values per row "
-                f"of a {config.kv_block}-key block)")
+    for name in ("early_exps", "poly_exps"):  # counts of a thread's values per row
+        count = getattr(config, name)
+        if not 0 <= count <= config.kv_block // 4:
+            return (f"{name} {count} must be in 0..{config.kv_block // 4} (a thread's values per row "
+                    f"of a {config.kv_block}-key block)")
     if config.dynamic_tiles and config.persistent_ctas == 0:
         return "dynamic_tiles needs persistent_ctas: with one CTA per tile the hardware deals the tiles"
     if config.overlap_tiles and (config.persistent_ctas == 0 or config.q_stages != 2 or config.dynamic_tiles):
