@@ -46,8 +46,17 @@ LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
          "full_q_num_blocks", "full_q_indices")
 
 
+def causal_block_mask(s: int, lists=LISTS):
+    """torch's causal BlockMask of s queries and keys and what our kernels take for it: (block
+    mask, kwargs of the causal mask program and the `lists` tensors; LISTS[:4] for a forward)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(lambda bb, h, m, n: m >= n, None, None, s, s, device="cuda")
+    return bm, dict(mask_mod=CAUSAL, **{n: getattr(bm, n) for n in lists})
+
+
 def run_case(name, b, hq, hkv, s, dims, causal, score_mod):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     d, dv = dims
     q, k = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv))
@@ -56,8 +65,8 @@ def run_case(name, b, hq, hkv, s, dims, causal, score_mod):
     score_program, score_fn = score_mod or ("", None)
     kwargs, bm = ({"score_mod": score_program} if score_program else {}), None
     if causal:
-        bm = create_block_mask(lambda bb, h, m, n: m >= n, None, None, s, s, device="cuda")
-        kwargs.update(mask_mod=CAUSAL, **{n: getattr(bm, n) for n in LISTS})
+        bm, causal_kwargs = causal_block_mask(s)
+        kwargs.update(causal_kwargs)
     fwd = {key: val for key, val in kwargs.items() if not key.startswith(("q_", "full_q_"))}
     out, lse = flex_prefill(q, k, v, return_lse=True, **fwd)
     problem = FlexBackwardProblem(d, dv, "bfloat16", CAUSAL if causal else "", (), 128 if causal else 0,

@@ -20,11 +20,8 @@ import torch
 from inductor_cute.host.flex_backward import flex_attention_backward
 from inductor_cute.host.flex_prefill import flex_prefill
 from inductor_cute.kernels.attention import flex_backward_config as fbc
-from inductor_cute.kernels.common.programs import score as sp
 
-CAUSAL = sp.dumps([["o", "ge", "q", "kv"]])
-LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-         "full_q_num_blocks", "full_q_indices")
+from flex_backward_speed import CAUSAL, LISTS, causal_block_mask  # (benchmarks/ is the script's path)
 
 
 def _inputs(b, hq, hkv, s, d, dv):
@@ -33,11 +30,7 @@ def _inputs(b, hq, hkv, s, d, dv):
 
 
 def _causal_kwargs(s, backward=False):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    bm = create_block_mask(lambda bb, h, m, n: m >= n, None, None, s, s, device="cuda")
-    names = LISTS if backward else LISTS[:4]
-    return dict(mask_mod=CAUSAL, **{n: getattr(bm, n) for n in names})
+    return causal_block_mask(s, LISTS if backward else LISTS[:4])[1]
 
 
 def prefill(b, hq, hkv, s, dims, causal):
@@ -49,7 +42,8 @@ def prefill(b, hq, hkv, s, dims, causal):
 def backward(b, hq, hkv, s, dims, causal, dq_reduce):
     q, k, v = _inputs(b, hq, hkv, s, *dims)
     kwargs = _causal_kwargs(s, backward=True) if causal else {}
-    out, lse = flex_prefill(q, k, v, return_lse=True, **{n: a for n, a in kwargs.items() if not n.startswith(("q_", "full_q"))})
+    forward = {n: a for n, a in kwargs.items() if not n.startswith(("q_", "full_q_"))}
+    out, lse = flex_prefill(q, k, v, return_lse=True, **forward)
     problem = fbc.FlexBackwardProblem(dims[0], dims[1], "bfloat16", CAUSAL if causal else "", (), 128 if causal else 0)
     config = fbc.default_config(problem, dq_reduce=dq_reduce)
     grad_out = torch.randn_like(out)

@@ -21,11 +21,12 @@ from inductor_cute.bench.timing import time_side_by_side
 from inductor_cute.host.common import sm_count
 from inductor_cute.host.flex_prefill import flex_prefill
 from inductor_cute.kernels.attention import flex_prefill_config as fpc
-from inductor_cute.kernels.common.programs import score as sp
 
-CAUSAL = sp.dumps([["o", "ge", "q", "kv"]])
+from flex_backward_speed import CAUSAL, LISTS, causal_block_mask  # (benchmarks/ is the script's path)
+
 VARIANTS = {"default": {}, **{f"poly_exps {n}": dict(poly_exps=n) for n in (4, 8, 12, 16)},
-            "overlap_tiles": dict(overlap_tiles=True), "overlap_tiles poly_exps 8": dict(overlap_tiles=True, poly_exps=8)}
+            "overlap_tiles": dict(overlap_tiles=True),
+            "overlap_tiles poly_exps 8": dict(overlap_tiles=True, poly_exps=8)}
 # (name, batch, query heads, KV heads, length, head dims, causal): issue 13's d64 case, then two
 # whose softmax is a smaller share of the block (d128, MLA)
 CASES = [
@@ -36,17 +37,11 @@ CASES = [
 
 
 def run_case(name, b, hq, hkv, s, dims, causal):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     d, dv = dims
     q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, s, dv, device="cuda", dtype=torch.bfloat16)
-    kwargs = {}
-    if causal:
-        bm = create_block_mask(lambda bb, h, m, n: m >= n, None, None, s, s, device="cuda")
-        kwargs = dict(mask_mod=CAUSAL, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
-                      full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
+    kwargs = causal_block_mask(s, LISTS[:4])[1] if causal else {}
     problem = fpc.FlexPrefillProblem(d, dv, "bfloat16", mask_program=CAUSAL if causal else "",
                                      sparse_block=128 if causal else 0)
     base = fpc.default_config(problem, sm_count(0))
