@@ -10,8 +10,11 @@ import re
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor import config as inductor_config
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
 
+import inductor_cute
 from inductor_cute.inductor.flex import translate
 from inductor_cute.inductor.flex.lowering import decline_reason
 from inductor_cute.inductor.flex.translate import Captured
@@ -107,9 +110,8 @@ def test_a_transformers_llama_decode_step_runs_our_op(cpu_accepted, decisions, p
     StaticCache: prefill 20 tokens (`padded`: batch 1 left-padded, the step given the attention
     mask) eagerly, then one compiled decode step. Its mask_mod (causal, padding, the cache-position
     offset) takes our op in both layers, and the logits match the same model on SDPA.
-    transformers' create_block_mask(_compile=True) breaks the step's graph; with
-    `trace_block_masks` an unpadded step is one graph (a padded one still breaks where
-    transformers branches on the mask's values)."""
+    transformers' create_block_mask(_compile=True) and its check for an all-ones attention mask
+    break the step's graph; with `trace_block_masks` the step is one graph, padded or not."""
     import copy
 
     transformers = pytest.importorskip("transformers")
@@ -136,15 +138,56 @@ def test_a_transformers_llama_decode_step_runs_our_op(cpu_accepted, decisions, p
             out, code = compiled(llama, trace_block_masks=trace_block_masks, **step)
             assert [reason for _, reason in decisions] == [None, None] and code.count(OUR_CALL) == 2
             graphs = code.count("# AOT ID:")
-            if not trace_block_masks:
-                assert graphs > 1
-            elif not padded:
-                assert graphs == 1
+            assert graphs > 1 if not trace_block_masks else graphs == 1
         else:
             with torch.no_grad():
                 out = llama(**step)
         logits.append(out.logits.float())
     torch.testing.assert_close(logits[0], logits[1], atol=2e-2, rtol=2e-2)
+
+
+def test_one_traced_decode_step_serves_any_padding(cpu_accepted, decisions):
+    """generate() hands every step the 2-D attention mask, and transformers adds a padding term to
+    the flex mask only where it has a zero (a branch on its values: a graph break). With
+    trace_block_masks the step is traced once, padding term included: compiled with no padding,
+    the same graph then serves a left-padded batch (no recompile) and its logits match SDPA's."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(1))
+    unpadded = torch.ones(2, 21, dtype=torch.long)
+    padded = unpadded.clone()
+    padded[1, :5] = 0
+
+    def step(attn_implementation, masks):
+        """The logits of a decode step after a left-padded 20-token prefill, with each attention mask
+        in turn; and the frames Dynamo had compiled after each call."""
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16,
+                                                           attn_implementation=attn_implementation).eval()
+        counter = CompileCounterWithBackend("inductor")
+        forward = torch.compile(model, backend=counter) if attn_implementation == "flex_attention" else model
+        cache = transformers.StaticCache(config=config, max_cache_len=64)
+        with torch.no_grad():
+            model(input_ids=ids[:, :20], attention_mask=padded[:, :20], past_key_values=cache)
+            logits, frames = [], []
+            for mask in masks:
+                logits.append(forward(input_ids=ids[:, 20:], attention_mask=mask, past_key_values=cache,
+                                      cache_position=torch.tensor([20])).logits.float())
+                frames.append(counter.frame_count)
+        return logits, frames
+
+    torch._dynamo.reset()
+    with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False):
+        # the second call may recompile for reasons of transformers' own (the kernels hub's context
+        # variable); the third, with other mask values, must not
+        (*_, ours_padded), frames = step("flex_attention", (unpadded, unpadded, padded))
+    torch._dynamo.reset()
+    (*_, sdpa_padded), _ = step("sdpa", (unpadded, unpadded, padded))  # each step rewrites the cache: the same sequence
+    assert frames[1] == frames[2] and all(reason is None for _, reason in decisions)
+    torch.testing.assert_close(ours_padded, sdpa_padded, atol=2e-2, rtol=2e-2)
 
 
 def test_a_transformers_llama_prefill_runs_our_prefill_op(cpu_accepted, decisions):

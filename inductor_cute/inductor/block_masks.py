@@ -15,7 +15,8 @@ the stock path for now: in the seventeenth session's models run a prefill step (
 stock flex_attention with its BlockMask traced into the graph gave logits 1.2 relative error from
 eager, which the strides explain (found on the CPU in the eighteenth session); the limit goes once
 benchmarks/traced_mask_check.py shows traced prefill masks right on the GPU (a prefill step is
-long: its graph break costs little).
+long: its graph break costs little). transformers' check of a 2-D attention mask for zeros
+(`fast_all`) is traced as False, for the same reason (below).
 
 The polyfill is registered with Dynamo once and stays (Dynamo offers no way to remove one); while
 not installed it calls create_block_mask as written. Whether it is installed is read at trace time
@@ -111,9 +112,62 @@ def with_packed_strides(block_mask):
     return block_mask
 
 
+# transformers (5.x) adds a padding term to a flex mask only where its 2-D attention mask has a zero,
+# `if attention_mask is not None and not fast_all(attention_mask)` (masking_utils): under
+# torch.compile that branch on a tensor's value breaks the graph at every mask a step builds, and
+# generate() passes an attention mask at every step. Every caller of fast_all uses a True only to
+# skip work that is correct either way (the padding term of an all-ones mask keeps every key), so
+# traced calls answer False: the step keeps the padding term, read from the mask at run time, and
+# one graph serves any padding. Eager calls are untouched.
+_TRANSFORMERS_MASKS = "transformers.masking_utils"
+
+
+def _fast_all_polyfill(masking_utils) -> bool:
+    """Register the fast_all polyfill (once per process); False where this transformers has no
+    fast_all or Dynamo refuses it."""
+    original = getattr(masking_utils, "fast_all", None)
+    if not isinstance(original, types.FunctionType) or list(inspect.signature(original).parameters) != ["tensor"]:
+        return False
+    as_written = types.FunctionType(original.__code__, original.__globals__, original.__name__,
+                                    original.__defaults__, original.__closure__)
+    is_active = torch._dynamo.assume_constant_result(installed)
+
+    def fast_all_traced(tensor):
+        return False if is_active() else as_written(tensor)
+
+    try:
+        torch._dynamo.substitute_in_graph(original)(fast_all_traced)
+    except (TypeError, ValueError) as e:
+        log.warning("inductor-cute: transformers' padding-mask check still breaks compiled graphs: %s", e)
+        return False
+    return True
+
+
+_fast_all_registered: list = []  # the masking_utils module whose fast_all is polyfilled
+
+
+def _register_fast_all(*_callback_args) -> None:
+    """Polyfill transformers' fast_all once its masking_utils is imported (checked at install and at
+    the start of each Dynamo compile: importing transformers here would cost every enable() seconds)."""
+    import sys
+
+    masking_utils = sys.modules.get(_TRANSFORMERS_MASKS)
+    if masking_utils is None or _fast_all_registered:
+        return
+    _fast_all_registered.append(masking_utils)
+    _fast_all_polyfill(masking_utils)
+
+
+@functools.cache
+def _compile_start_hook() -> None:
+    torch._dynamo.callback.on_compile_start(_register_fast_all)
+
+
 def install() -> None:
     if _polyfill_registered():
         _active[0] = True
+        _register_fast_all()
+        _compile_start_hook()
 
 
 def uninstall() -> None:

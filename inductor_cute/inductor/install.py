@@ -238,8 +238,9 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     `create_block_mask(..., _compile=True)` (how transformers builds each step's BlockMask) into
     the compiled graph as `_compile=False`, instead of breaking the graph at the deprecation
     warning that flag raises since torch 2.10 (inductor/block_masks.py): a transformers decode
-    step is one graph instead of several with Python between them, unless it passes a padding
-    attention mask (transformers branches on its values). On the H200 that took the GPU's wait
+    step is one graph instead of several with Python between them, with or without the 2-D
+    attention mask generate() passes (transformers' check of it for zeros is traced as "it may
+    have some", so the step reads the padding from it at run time). On the H200 that took the GPU's wait
     for the host from 270-1140 us to ~60 us per 4-layer Llama decode step. It applies to graphs
     Dynamo traces while it is on: enable it before the model's first compiled call.
     With `fuse_moe_gate` (off by default: compiled and CPU-checked, not yet measured), a post-grad
