@@ -65,6 +65,10 @@ for s in $steps; do
         # one decode model case, 4 layers, CUDA graphs: CASE="llama3-8b decode B32 KV4096 cg" by default
         model) INDUCTOR_CUTE_MODEL_LAYERS=4 step model 540 python3 -m inductor_cute bench models \
                    --match "${CASE:-llama3-8b decode B32 KV4096 cg}" --out "$OUT/models" ;;
+        # the same with the 2-D attention mask generate() passes each step (a stock graph breaks on it)
+        model_masked) INDUCTOR_CUTE_MODEL_ATTENTION_MASK=1 INDUCTOR_CUTE_MODEL_LAYERS=4 step model_masked 540 \
+                   python3 -m inductor_cute bench models --match "${CASE:-llama3-8b decode B8 KV8192 cg}" \
+                   --out "$OUT/models-masked" ;;
         # issue 11's per-call host cost and dynamic-M suites (whole suites, records to $OUT/<suite>)
         host|gemm_dynamic) step "$s" 500 python3 -m inductor_cute bench "$s" --out "$OUT/$s" ;;
         # where the host time of the host suite's GEMV case goes (cProfile of ours and stock)

@@ -25,7 +25,9 @@ call and wrap round before the end, so every step attends over about KV keys.
 Environment: INDUCTOR_CUTE_MODEL_LAYERS (decoder layers of every model; default 32 for Llama, the
 real depth for the others), INDUCTOR_CUTE_MODEL_ENABLE=keep_m1_mm,... (opt-in
 enable() switches turned on for the inductor_cute runner, named in the notes; "-trace_block_masks"
-turns that default off, and drops the triton_traced runner). transformers is an
+turns that default off, and drops the triton_traced runner), INDUCTOR_CUTE_MODEL_ATTENTION_MASK=1
+(decode and prefill steps pass the 2-D attention mask of ones that generate() passes each step:
+transformers' check of it for zeros breaks a stock graph). transformers is an
 optional extra. Cold and warm compile times in fresh processes: benchmarks/model_compile_cost.py.
 """
 
@@ -95,6 +97,11 @@ def enable_kwargs(phase: str) -> dict:
     return {**ENABLE[phase], **{name.lstrip("-"): not name.startswith("-") for name in names}}
 
 
+def with_attention_mask() -> bool:
+    """Whether decode and prefill steps pass generate()'s 2-D attention mask (INDUCTOR_CUTE_MODEL_ATTENTION_MASK=1)."""
+    return os.environ.get("INDUCTOR_CUTE_MODEL_ATTENTION_MASK", "") == "1"
+
+
 def case_name(model: str, phase: str, batch: int, tokens: int, mode: str) -> str:
     size = f"KV{tokens}" if phase == "decode" else f"x{tokens}"
     return f"{model} {phase} B{batch} {size} {mode}"
@@ -139,6 +146,8 @@ class DecodeStep:
                 t.normal_(generator=gen)
         self.ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
+        # generate()'s mask covers the tokens seen so far; one as long as the cache keeps the shape static
+        self.mask = torch.ones(batch, kv, dtype=torch.long, device=device) if with_attention_mask() else None
         self._set(self.first)
 
     def _set(self, pos: int) -> None:
@@ -151,7 +160,8 @@ class DecodeStep:
         if self.pos >= self.kv - 1:
             self._set(self.first)
         out = forward(input_ids=self.ids, past_key_values=self.cache, cache_position=self.position,
-                      position_ids=self.position.expand(self.ids.shape[0], 1), use_cache=True).logits
+                      position_ids=self.position.expand(self.ids.shape[0], 1), attention_mask=self.mask,
+                      use_cache=True).logits
         self.pos += 1
         self.position.add_(1)
         return out
@@ -191,9 +201,10 @@ class PrefillStep:
     def __init__(self, model, batch: int, tokens: int, device="cuda"):
         self.model = model
         self.ids = torch.randint(0, model.config.vocab_size, (batch, tokens), device=device)
+        self.mask = torch.ones_like(self.ids) if with_attention_mask() else None
 
     def __call__(self, forward):
-        return forward(input_ids=self.ids, use_cache=False).logits
+        return forward(input_ids=self.ids, attention_mask=self.mask, use_cache=False).logits
 
     def reference_inputs(self):
         pass
@@ -358,6 +369,9 @@ def _case(model_name: str, phase: str, batch: int, tokens: int, mode_key: str) -
     params = {"model": model_name, "layers": layers, "phase": phase, "batch": batch, "tokens": tokens,
               "mode": MODES[mode_key], "dtype": "bfloat16"}
     notes = [f"{layers} decoder layers"]
+    if phase != "train" and with_attention_mask():
+        params["attention_mask"] = True
+        notes.append("steps pass a 2-D attention mask of ones, as generate() does")
     kwargs = enable_kwargs(phase)
     if kwargs:
         notes.append("inductor_cute: enable(" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")")
