@@ -60,6 +60,9 @@ for s in $steps; do
         rmsnorm) step rmsnorm 200 python3 -m pytest -m gpu tests/gpu/test_rmsnorm_gpu.py -q -p no:cacheprovider ;;
         sweep_gemv) step sweep_gemv 400 python3 benchmarks/sweep_gemv.py quick ;;
         flex_splits) step flex_splits 300 python3 benchmarks/sweep_flex_splits.py ;;
+        # transformers families (decode, prefill, training) through our kernels: tiny configs, real head dims
+        families) step families 400 python3 -m pytest -m gpu tests/gpu/test_transformers_families_gpu.py -q -rf -n 8 \
+                   -p no:cacheprovider ;;
         # the whole GPU tier; SIGINT at the limit still prints what failed so far (-rf)
         all) step all 470 python3 -m pytest -m gpu tests/gpu -q -rf -n 14 -p no:cacheprovider ;;
         # one decode model case, 4 layers, CUDA graphs: CASE="llama3-8b decode B32 KV4096 cg" by default
