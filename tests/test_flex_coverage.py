@@ -316,6 +316,30 @@ def test_what_the_kernel_cannot_do_is_declined_with_the_reason(decisions, hopper
     assert decline_reason(dataclasses.replace(plain, operands_match=False)).startswith("k and v do not match q")
 
 
+def test_a_padding_mask_of_symbolic_length_runs_our_op_and_matches(cpu_accepted, decisions):
+    """An eager generate() recompiles transformers' compiled flex_attention with a symbolic KV
+    length, and its (batch, kv_len) padding mask with it: our op takes such a call (the mask's row
+    stride from its length) and one graph serves two lengths."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    attend = torch.compile(lambda q, k, v, pad: flex_attention(
+        q, k, v, enable_gqa=True, score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf"))),
+        dynamic=True, backend=counter)
+    torch._dynamo.reset()
+    with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+        for kv_len in (KV, KV + 77):
+            q, k, v = qkv(kv_len=kv_len, dtype=torch.bfloat16)
+            pad = torch.rand(2, kv_len, generator=torch.Generator().manual_seed(kv_len)) > 0.2
+            out = attend(q, k, v, pad)
+            ref = flex_attention(q.float(), k.float(), v.float(), enable_gqa=True,
+                                 score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf")))
+            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch._dynamo.reset()
+    assert counter.frame_count == 1 and [reason for _, reason in decisions] == [None]
+    assert Captured(torch.bool, (2, None)) in decisions[0][0].score_buffers
+
+
 def test_batch_broadcast_kv_runs_our_op_and_matches(cpu_accepted, decisions):
     """K/V of batch 1 for 2 queries (one cache shared by the batch, as paged attention holds it;
     flex_attention takes it only with a block mask): every query batch reads the one cache."""
@@ -361,6 +385,28 @@ def test_n_d_loads_flatten_row_major_and_wrap_negative_indices():
     assert torch.equal(got, want.expand(2, 1, 3, 4))
 
 
+@pytest.mark.parametrize("shape", [(2, None), (2, None, 3), (None, 5, 3)])
+def test_one_symbolic_size_is_read_from_the_buffers_length(shape):
+    # transformers' padding mask (B, kv_len) under dynamic shapes (an eager generate() recompiles its
+    # flex_attention with a symbolic KV length): one program serves every length, its row stride
+    # len(buffer) // B, negative indices wrapped by the symbolic size
+    traced = [7 if s is None else s for s in shape]
+    gm = graph(lambda b, h, q, kv, t: (t[b, kv - 1] if len(shape) == 2 else t[b, kv % 5 - 1, -1]) > 0,
+               torch.zeros(traced, dtype=torch.bool), mask=True)
+    program = translate.mask_program(gm, (translate.describe(torch.bool, shape),))
+    # a symbolic first size needs no length (no stride holds it)
+    assert ("len" in {step[1] for step in sp.loads(program, ("int32",), mask=True)}) == (shape[0] is not None)
+    for size in (5, 9):  # lengths other than the traced one
+        real = [size if s is None else s for s in shape]
+        table = torch.rand(real) > 0.5
+        idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+               for d, n in enumerate((2, 1, 3, 5))]
+        b, kv = idx[0].long(), idx[3].long()
+        want = table[b, kv - 1] if len(shape) == 2 else table[b, kv % 5 - 1, -1]
+        got = sp.reference_mask(program, *idx, (table.flatten().int(),))
+        assert torch.equal(got, want.expand(2, 1, 3, 5))
+
+
 def test_bool_constants_fold_away():
     gm = graph(lambda b, h, q, kv: torch.ones((), dtype=torch.bool) & (q >= kv) & True, mask=True)
     assert sp.loads(translate.mask_program(gm), mask=True) == [["ge", "ge", "q", "kv"]]
@@ -383,8 +429,9 @@ def test_untranslatable_reads_raise_with_the_reason(fn, message):
 
 def test_buffers_the_kernel_cannot_read_are_described():
     assert "float64" in translate.describe(torch.float64, (3,)).problem
-    assert "symbolic size past its first dim" in translate.describe(torch.int32, (3, None)).problem
+    assert "more than one symbolic size" in translate.describe(torch.int32, (None, 3, None)).problem
     assert translate.describe(torch.int32, (None, 4)).problem is None  # dim 0: the kernel knows the length
+    assert translate.describe(torch.int32, (3, None)).problem is None  # len(buffer) // 3
     assert "0 elements" in translate.describe(torch.bool, (2, 0)).problem
     assert "device" in translate.describe(torch.int32, (3,), on_device=False).problem
     assert translate.describe(torch.bool, ()).kernel_dtype is torch.int32

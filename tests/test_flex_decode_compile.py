@@ -58,10 +58,17 @@ PREFIX_LM = dumps([["pre", "lt", "kv", 100], ["c", "ge", "q", "kv"], ["o", "or",
 TRANSFORMERS_PADDING = dumps([["off", "load", "t0", 0], ["pos", "add", "q", "off"], ["causal", "le", "kv", "pos"],
                               ["row", "mul", "b", 300], ["i", "add", "row", "kv"], ["p.v", "load", "t1", "i"],
                               ["p", "ne", "p.v", 0], ["o", "and", "causal", "p"]])
+# the same under dynamic shapes (the padding mask's length symbolic): its row stride len(t1) // batch
+TRANSFORMERS_PADDING_DYNAMIC = dumps([["off", "load", "t0", 0], ["pos", "add", "q", "off"], ["causal", "le", "kv", "pos"],
+                                      ["n", "len", "t1"], ["width", "floordiv", "n", 4], ["row", "mul", "b", "width"],
+                                      ["i", "add", "row", "kv"], ["p.v", "load", "t1", "i"], ["p", "ne", "p.v", 0],
+                                      ["o", "and", "causal", "p"]])
 # name -> (flex_decode_spec arguments, keyword arguments: mask program, its tensors, block mask)
 MASK_VARIANTS = {
     "d128-gqa4-transformers-padding-block128": ((128, 128, "bfloat16", 4, False), dict(
         mask_program=TRANSFORMERS_PADDING, mask_dtypes=("int32", "int32"), sparse_block=128)),
+    "d128-gqa4-transformers-padding-dynamic": ((128, 128, "bfloat16", 4, False), dict(
+        mask_program=TRANSFORMERS_PADDING_DYNAMIC, mask_dtypes=("int32", "int32"), sparse_block=128)),
     "d128-gqa8-sliding-block128": (VARIANTS["d128-gqa8"], dict(mask_program=SLIDING, sparse_block=128)),
     "d128-gqa8-document-block256-softcap": (VARIANTS["d128-gqa8"], dict(
         mask_program=DOCUMENT, mask_dtypes=("int32",), sparse_block=256, score_program=SOFTCAP)),
@@ -156,7 +163,9 @@ def test_exp2_and_n_d_mask_reads_reach_the_split_kernel():
     padded = compile_spec(spec_of("d128-gqa4-transformers-padding-block128"), "sm_90a", keep_ptx=True).ptx
     base = compile_spec(flex_decode_spec(128, 128, "bfloat16", 4, False), "sm_90a", keep_ptx=True).ptx
     assert padded.count("ld.global") > base.count("ld.global")  # the offset, the padding row, the block list
-    for ptx in (alibi, padded):
+    dynamic = compile_spec(spec_of("d128-gqa4-transformers-padding-dynamic"), "sm_90a", keep_ptx=True).ptx
+    assert dynamic.count("ld.global") == padded.count("ld.global")  # the length is an argument, not a load
+    for ptx in (alibi, padded, dynamic):
         assert "ld.local" not in ptx and "st.local" not in ptx
 
 

@@ -85,6 +85,6 @@ def test_every_float_op_of_score_programs_has_a_derivative():
     from inductor_cute.kernels.common.programs.registry import SCORE, ops_of
 
     no_float_result_on_the_score = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "floordiv", "remainder",
-                                    "int", "load"}
+                                    "int", "load", "len"}
     rules = score_grad._rules(score_grad._Builder([], set()))
     assert set(ops_of(SCORE)) - no_float_result_on_the_score <= set(rules)

@@ -91,13 +91,40 @@ def test_transformers_masks_run_our_kernel(name, group):
     check_ours(q, k, v, block_mask=block_mask)
 
 
+def test_a_padding_mask_of_symbolic_length_runs_our_kernel():
+    """An eager generate() recompiles transformers' compiled flex_attention with a symbolic KV
+    length, and its (batch, kv_len) padding mask with it: our kernel reads the mask's rows at the
+    stride its length gives, one graph for two lengths, every element written and matching fp32."""
+    from torch._inductor.utils import run_and_get_code
+
+    import inductor_cute
+
+    def attend(q, k, v, pad):
+        return flex_attention(q, k, v, enable_gqa=True, return_lse=True,
+                              score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf")))
+
+    compiled = torch.compile(attend, dynamic=True)
+    for kv_len in (1500, 1777):
+        q, k, v = rand(4, 8, 1, 128), rand(4, 2, kv_len, 128), rand(4, 2, kv_len, 128)
+        pad = torch.rand(4, kv_len, device="cuda") > 0.2
+        poison_allocator()
+        with inductor_cute.enable(flex_decode=True):
+            (out, lse), codes = run_and_get_code(compiled, q, k, v, pad)
+        assert (sum(c.count(OUR_CALL) for c in codes) == 1) == (kv_len == 1500)  # compiled once, then reused
+        ref, ref_lse = attend(q.float(), k.float(), v.float(), pad)
+        assert not out.isnan().any() and not lse.isnan().any(), "unwritten (poisoned) elements"
+        assert_out_close(out, ref, q.dtype)
+        assert_lse_close(lse, ref_lse)
+
+
 @pytest.mark.parametrize("padded, trace_block_masks, mode", [(False, False, None), (True, False, None),
-                                                             (False, True, None), (False, True, "reduce-overhead")])
+                                                             (False, True, None), (True, True, None),
+                                                             (False, True, "reduce-overhead")])
 def test_transformers_llama_decode_step_runs_our_kernel(padded, trace_block_masks, mode):
     """A 2-layer Llama (head dim 128, 8 query heads on 2 KV heads), attn_implementation=
     "flex_attention", StaticCache: prefill eagerly, then a compiled decode step; every layer
     runs our kernel and the logits match the same weights on SDPA. With trace_block_masks the
-    step is one graph (the BlockMask built in it), also under CUDA graphs (none skipped; three
+    step is one graph (the BlockMask built in it, padded or not), also under CUDA graphs (none skipped; three
     replays, the position advancing, each matching SDPA)."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code

@@ -35,8 +35,9 @@ KERNEL_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, t
 
 @dataclasses.dataclass(frozen=True)
 class Captured:
-    """A captured buffer as the program reads it: its dtype and sizes (ints; the first may be None,
-    symbolic: the kernel knows the flat length), or `problem`, why the kernel cannot read it."""
+    """A captured buffer as the program reads it: its dtype and sizes (ints, but one may be None,
+    symbolic: the program has the flat length, `len`, and divides out the others), or `problem`,
+    why the kernel cannot read it."""
 
     dtype: torch.dtype | None = None
     shape: tuple = (None,)
@@ -55,8 +56,8 @@ def describe(dtype: torch.dtype, shape, on_device: bool = True) -> Captured:
     if dtype not in KERNEL_DTYPES:
         names = ", ".join(str(dt).removeprefix("torch.") for dt in KERNEL_DTYPES)
         return Captured(problem=f"has dtype {str(dtype).removeprefix('torch.')} (supported: {names})")
-    if None in shape[1:]:
-        return Captured(problem=f"has a symbolic size past its first dim: {shape}")
+    if shape.count(None) > 1:
+        return Captured(problem=f"has more than one symbolic size: {shape}")
     numel = math.prod(s for s in shape if s is not None)
     if numel == 0 or numel > INT32_MAX:
         return Captured(problem=f"has {numel} elements")
@@ -158,6 +159,7 @@ class _Translation:
         self.steps: list[list] = []
         self.nonneg = {"b", "h", "q", "kv"}
         self.loaded = {}  # _View -> the name of its load (a 0-d buffer read where it is used)
+        self.symbolic = {}  # buffer slot -> the step computing its symbolic size
         self.as_int = {}  # bool step -> its 0/1 int step
         self.made = 0  # steps named by `fresh`
 
@@ -166,7 +168,7 @@ class _Translation:
     def emit(self, name: str, op: str, *args) -> str:
         self.steps.append([name, op, *args])
         self.typer.add(self.steps[-1])
-        if (op in _NONNEG_OPS and all(self.is_nonneg(a) for a in args)) or op == "abs" or \
+        if (op in _NONNEG_OPS and all(self.is_nonneg(a) for a in args)) or op in ("abs", "len") or \
                 (op == "remainder" and isinstance(args[1], int) and args[1] > 0):
             if self.typer.types[name] == "i":
                 self.nonneg.add(name)
@@ -255,11 +257,17 @@ class _Translation:
         buf = self.buffers[view.slot]
         flat, terms = 0, []
         for dim, i in view.indices:
-            size, stride = buf.shape[dim], math.prod(buf.shape[dim + 1:])
+            size, stride = self.size(view.slot, dim, name), self.stride(view.slot, dim, name)
             if isinstance(i, int):
-                if dim > 0 and not -size <= i < size:
+                if dim > 0 and isinstance(size, int) and not -size <= i < size:
                     raise ValueError(f"index {i} is out of range for dim {dim} of captured buffer {view.slot}")
-                flat += (i % size if dim > 0 else i) * stride
+                if isinstance(size, int) and isinstance(stride, int):
+                    flat += (i % size if dim > 0 else i) * stride
+                    continue
+                if i < 0 and dim > 0:  # counted from the end of a symbolic size
+                    i = self.emit(self.fresh(name), "add", i, size)
+                if i != 0:
+                    terms.append(i if stride == 1 else self.emit(self.fresh(name), "mul", i, stride))
                 continue
             if dim > 0 and not self.is_nonneg(i):  # torch counts a negative index from the end of its dim
                 neg = self.emit(self.fresh(name), "lt", i, 0)
@@ -273,6 +281,27 @@ class _Translation:
         if buf.dtype is torch.bool:
             return self.emit(name, "ne", self.emit(self.fresh(name), "load", tensor, flat), 0)
         return self.emit(name, "load", tensor, flat)
+
+    def size(self, slot: int, dim: int, name: str) -> int | str:
+        """Dim `dim` of a captured buffer: its int, or for its symbolic size (dim > 0; dim 0 needs
+        none) a step: the buffer's length divided by its other sizes, made once per program."""
+        shape = self.buffers[slot].shape
+        if shape[dim] is not None or dim == 0:
+            return shape[dim]
+        if slot not in self.symbolic:
+            length = self.emit(self.fresh(name), "len", sp.tensor_name(slot))
+            others = math.prod(s for s in shape if s is not None)
+            self.symbolic[slot] = length if others == 1 else self.emit(self.fresh(name), "floordiv", length, others)
+        return self.symbolic[slot]
+
+    def stride(self, slot: int, dim: int, name: str) -> int | str:
+        """The row-major stride of dim `dim`: an int, or a step where a later size is symbolic."""
+        later = self.buffers[slot].shape[dim + 1:]
+        static = math.prod(s for s in later if s is not None)
+        if None not in later:
+            return static
+        symbolic = self.size(slot, len(self.buffers[slot].shape) - len(later) + later.index(None), name)
+        return symbolic if static == 1 else self.emit(self.fresh(name), "mul", symbolic, static)
 
     # ---------------------------------------------------------------------------- translation
 

@@ -228,6 +228,9 @@ _OPS = [
     Op("int", 1, "to_int", lambda t, x: t.as_tensor(x).to(t.int32), None, lambda d, x: d.Int32(x)),
     # [name, "load", "t0", index]: t0[index], float dtypes read as fp32 (score programs only)
     Op("load", 2, "load", lambda t, tensor, i: tensor[t.as_tensor(i).long()], None, _scalar_load),
+    # [name, "len", "t0"]: t0's element count, an int (a captured buffer's symbolic size comes from it)
+    Op("len", 1, "load", lambda t, tensor: t.tensor(tensor.numel(), dtype=t.int32), None,
+       lambda d, tensor: d.Int32(tensor.shape[0])),
 ]
 OPS: dict[str, Op] = {op.name: op for op in _OPS}
 
@@ -338,7 +341,7 @@ def operand_type(op: str, arg_types: list, result: str) -> str | None:
 class Typer:
     """Validates and types a program one step at a time: `types` holds every leaf's and typed
     step's type. `leaves`: name -> type; `tensors`: captured tensor name -> element type (their
-    only use is as the first argument of `load`)."""
+    only use is as the first argument of `load` and `len`)."""
 
     def __init__(self, kind: str, leaves: dict, tensors: dict | None = None):
         self.kind, self.arity = kind, arity(kind)
@@ -349,9 +352,9 @@ class Typer:
         name, op, args = split_step(step, self.arity, self.kind)
         if name in self.types or name in self.tensors:
             raise ValueError(f"{self.kind} step name {name!r} is used twice")
-        if op == "load":
+        if op in ("load", "len"):
             if args[0] not in self.tensors:
-                raise ValueError(f"{self.kind} step {name}: load from unknown tensor {args[0]!r}")
+                raise ValueError(f"{self.kind} step {name}: {op} of unknown tensor {args[0]!r}")
             args = args[1:]
         arg_types = []
         for arg in args:
@@ -363,6 +366,8 @@ class Typer:
             if arg_types[0] != "i":
                 raise ValueError(f"{self.kind} step {name}: load index must be an int")
             t = self.tensors[step[2]]
+        elif op == "len":
+            t = "i"
         else:
             t = result_type(op, arg_types, name, self.kind)
         self.types[name] = t

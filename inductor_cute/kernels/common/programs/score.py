@@ -7,7 +7,8 @@ modified score. Args are earlier names, numbers, or the leaves
     "b", "h", "q", "kv"  int32: batch, query head, query position (0..Lq-1), key position
 
 Captured tensors are "t0", "t1", ... (contiguous 1-D, dtypes in TENSOR_DTYPES); they appear only as
-the first argument of `load`: `[name, "load", "t0", index]` reads t0[index] (float dtypes as fp32).
+the first argument of `load`: `[name, "load", "t0", index]` reads t0[index] (float dtypes as fp32),
+and of `len`: `[name, "len", "t0"]` is t0's element count (an int).
 
 Its ops are the registry's score ops (registry.py). Every value has a type: "f" (fp32), "i"
 (int32) or "b" (bool). Arithmetic follows torch's promotion (an int and a float give a float; an
