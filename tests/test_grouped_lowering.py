@@ -180,16 +180,30 @@ def test_our_choices_are_bound_to_the_stock_input_nodes_and_layout():
     assert all(c.layout == aten.layout for c in mine)
 
 
-@pytest.mark.parametrize("name,fn,specs", [
-    ("3-D x 3-D", lambda a, b: torch._grouped_mm(a, b), [((E, 64, K), BF16), ((E, K, N), BF16)]),
-])
-def test_other_forms_keep_the_stock_choices(name, fn, specs, caplog):
+def test_three_d_by_three_d_gets_our_bmm_choices():
+    # torch._grouped_mm without offsets on 3-D operands is a bmm: our GEMM's configs join, bound to
+    # the grouped call's inputs and layout, beside the stock choices
+    specs = [((E, 64, K), BF16), ((E, K, N), BF16)]
+    fn = lambda a, b: torch._grouped_mm(a, b)  # noqa: E731
+    (stock_choices, _), = lower(fn, specs, enabled=False)[0]
+    with mock.patch("torch.cuda.get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132)):
+        ((choices, _),), code = lower(fn, specs, codegen=True)  # the recorded select picks ours
+    mine = [c for c in choices if isinstance(c, CuteGemmCaller)]
+    assert [str(c) for c in choices[:len(stock_choices)]] == [str(c) for c in stock_choices]
+    assert mine and len(choices) == len(stock_choices) + len(mine)
+    assert all(c.kwargs["op"] == "bmm" and c.layout == stock_choices[0].layout for c in mine)
+    assert re.search(r"GemmLauncher\(op='bmm'.*\.launch", code) and re.search(r"icute_gemm_\d+\(a_1, b_1, buf", code)
+
+
+def test_three_d_by_two_d_keeps_the_stock_choices(caplog):
+    specs = [((E, 64, K), BF16), ((K, N * E), BF16), ((E,), torch.int32)]
+    fn = lambda a, b, offs: torch._grouped_mm(a, b, offs)  # noqa: E731
     stock_calls, _ = lower(fn, specs, enabled=False)
     with caplog.at_level("INFO", logger="inductor_cute"):
         calls, _ = lower(fn, specs)
     assert [[str(c) for c in choices] for choices, _ in calls] == [[str(c) for c in choices]
                                                                    for choices, _ in stock_calls]
-    assert "2-D a x 3-D b" in caplog.text
+    assert "3-D x 3-D without offsets" in caplog.text
 
 
 def test_nothing_is_offered_without_max_autotune_or_our_token():

@@ -60,6 +60,21 @@ SIZES = {  # 8 groups over 2048 tokens (the last case leaves 48 rows past the la
 }
 
 
+@pytest.mark.parametrize("b_layout", ["row-major", "transposed"])
+def test_three_d_by_three_d_runs_our_bmm_alone_and_matches_fp32(b_layout):
+    # torch._grouped_mm on 3-D operands without offsets is a batched GEMM: our bmm's choices,
+    # the only ones with ICUTE alone; an odd M (77) and a poisoned output
+    g = torch.Generator(device=DEV).manual_seed(1)
+    a = torch.randn(6, 77, 512, device=DEV, generator=g).bfloat16()
+    w = torch.randn(6, 384, 512, device=DEV, generator=g).div_(512 ** 0.5).bfloat16()
+    b = w.transpose(1, 2) if b_layout == "transposed" else w.transpose(1, 2).contiguous()
+    torch.full((6 * 77 * 384 * 4,), float("nan"), device=DEV)  # freed: the output's memory comes back poisoned
+    with inductor_cute.enable():
+        out, code = run(torch.compile(lambda a, b: torch._grouped_mm(a, b), mode="max-autotune-no-cudagraphs"), a, b)
+    assert "GemmLauncher(op='bmm'" in code and "extern_kernels._grouped_mm" not in code
+    assert_close(out, a.double() @ b.double())
+
+
 @pytest.mark.parametrize("fn,layout", [(moe_up, "k"), (row_major, "n")])
 def test_our_kernel_alone_matches_fp32_for_balanced_skewed_and_empty_groups(fn, layout, caplog):
     tokens, k, n, groups = 2048, 1024, 768, 8

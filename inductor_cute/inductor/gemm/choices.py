@@ -158,11 +158,12 @@ def _dynamic_m(kernel_inputs) -> bool:
     return _static(kernel_inputs.mnk_symbolic()[0]) is None
 
 
-def gemm_choices(kernel_inputs, op_name) -> list:
+def gemm_choices(kernel_inputs, op_name, layout=None) -> list:
     """One bound choice per candidate config that compiled; for a dynamic M instead one choice
     whose config is a table of M buckets (buckets.py), when all of its configs compiled: a single
     config tuned at the hint M would tie with the table's bucket there and, if it won, serve every
-    other M. [] when we cannot serve this GEMM."""
+    other M. [] when we cannot serve this GEMM. `layout`: the output layout of the autotuning call
+    the choices join (by default the GEMM's own)."""
     reason = unsupported_reason(kernel_inputs, op_name)
     m, n, k = kernel_inputs.mnk_hinted()
     if reason:
@@ -189,7 +190,7 @@ def gemm_choices(kernel_inputs, op_name) -> list:
     scalars = {}
     if op_name in ("addmm", "baddbmm"):
         scalars = {"alpha": float(kernel_inputs.get_scalar("alpha")), "beta": float(kernel_inputs.get_scalar("beta"))}
-    layout = kernel_inputs.output_layout(flexible=False)
+    layout = layout or kernel_inputs.output_layout(flexible=False)
     choice, choices = gemm_choice(), []
     if table:
         keys = dict(ready)

@@ -4,6 +4,9 @@ served: the forward (2-D a x 3-D b, groups of tokens; the MoE backward's input g
 form too, with b the transposed weight) and the weight gradient (2-D a x 2-D b, groups splitting
 the reduction over tokens).
 
+A third form, 3-D a x 3-D b without offsets, is a batched GEMM: it gets our bmm's choices
+(gemm/choices.py), bound to the grouped call.
+
 The stock lowering (torch/_inductor/kernel/mm_grouped.py) builds its choices and hands them to
 `autotune_select_algorithm` with offsets its `input_gen_fns` make valid; it asks InductorChoices
 nothing. So inductor/install.py installs two hooks: `grouped_mm_lowering` wraps the lowering and
@@ -113,9 +116,11 @@ def decline_reason(call: GroupedCall) -> str | None:
         return f"{call.output_code} output code is not supported"
     if call.device_type != "cuda":
         return f"device {call.device_type} is not CUDA"
+    if is_batched(call):
+        return None  # our bmm's configs, with their own checks (gemm/choices.py)
     if len(call.a_size) != 2 or len(call.b_size) not in (2, 3):
-        return (f"only 2-D a x 3-D b (MoE forward) and 2-D a x 2-D b (weight gradient) are supported, got "
-                f"{len(call.a_size)}-D x {len(call.b_size)}-D")
+        return (f"only 2-D a x 3-D b (MoE forward), 2-D a x 2-D b (weight gradient) and 3-D x 3-D without "
+                f"offsets (batched) are supported, got {len(call.a_size)}-D x {len(call.b_size)}-D")
     if call.offs_size is None:
         return "no offsets"
     if call.has_bias:
@@ -142,6 +147,11 @@ def decline_reason(call: GroupedCall) -> str | None:
     if _tma_mode(call.out_size, call.out_stride, (1,)) is None:
         return f"the output of strides {call.out_stride} is not row-major with 16-byte rows"
     return None
+
+
+def is_batched(call: GroupedCall) -> bool:
+    """3-D a x 3-D b without offsets: one GEMM per group, all of one size (torch.bmm's form)."""
+    return len(call.a_size) == 3 and len(call.b_size) == 3 and call.offs_size is None and not call.has_bias
 
 
 def _wgrad_decline_reason(call: GroupedCall) -> str | None:
@@ -215,6 +225,12 @@ def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
 
     call = grouped_call(input_nodes, layout, has_bias)
     reason = decline_reason(call)
+    if reason is None and is_batched(call):  # a bmm: our GEMM's configs, with its own checks
+        from torch._inductor.kernel_inputs import MMKernelInputs
+
+        from ..gemm.choices import gemm_choices
+
+        return gemm_choices(MMKernelInputs(list(input_nodes)), "bmm", layout=layout)
     if reason is None:
         try:
             device_arch(layout.device.index or 0)
