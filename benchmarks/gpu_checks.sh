@@ -39,6 +39,8 @@ for s in $steps; do
         grouped_cluster) step grouped_cluster 240 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -v -x \
                    -p no:cacheprovider -k "cluster or gated" ;;
         grouped) step grouped 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -q -rf -n 8 -p no:cacheprovider ;;
+        grouped_compile) step grouped_compile 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_compile_gpu.py -q -rf \
+                   -p no:cacheprovider ;;
         sweep_grouped) step sweep_grouped 540 python3 benchmarks/sweep_grouped.py ;;
         sweep_gated) step sweep_gated 400 python3 benchmarks/sweep_grouped.py gated ;;
         # the prefill's new paths (split K/V rings, persistent CTAs after the C7512 fix), then its speeds
