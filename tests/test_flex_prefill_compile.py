@@ -12,6 +12,7 @@ from inductor_cute.kernels.attention.flex_prefill_config import (HEAD_DIMS, M_BL
                                                                  FlexPrefillProblem, attention_flops, config_error,
                                                                  default_config, from_params, smem_bytes, spec,
                                                                  sparse_block_reason, unsupported_reason)
+from inductor_cute.kernels.attention import flex_prefill_config as fpc
 from inductor_cute.kernels.attention.softmax import poly_positions
 from inductor_cute.kernels.attention.tile_order import L2_KV_BYTES, LongestFirst, section_width
 from inductor_cute.kernels.common.programs.score import dumps
@@ -301,8 +302,9 @@ def test_two_q_buffers_give_o_its_own_buffer():
     assert "dynamic_tiles" not in one.as_params()  # the specs that predate it keep their keys
 
 
-def test_shared_memory_fits_and_matches_the_kernel_layout():
+def test_shared_memory_fits_and_matches_the_kernel_layout(monkeypatch):
     # the kernel asserts at trace time that its shared storage is smem_bytes: compiling checks it
+    monkeypatch.setattr(fpc, "GPU_UNCHECKED_HEAD_DIMS", set())  # their configs too
     for dims in HEAD_DIMS:
         problem = FlexPrefillProblem(*dims, "bfloat16")
         cfg = default_config(problem)
@@ -320,11 +322,21 @@ def test_shared_memory_fits_and_matches_the_kernel_layout():
     assert default_config(FlexPrefillProblem(64, 64, "bfloat16")).stages == 4
 
 
+def test_head_dims_96_compile_without_local_memory(monkeypatch):
+    # Phi-3/3.5-mini's heads: 192-byte rows, 64-byte swizzles; offered once its GPU tests pass
+    monkeypatch.setattr(fpc, "GPU_UNCHECKED_HEAD_DIMS", set())
+    compiled = compile_spec(spec(FlexPrefillProblem(96, 96, "bfloat16", mask_program=CAUSAL, sparse_block=128)),
+                            "sm_90a", keep_ptx=True)
+    assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
+    assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", compiled.ptxas_report)
+
+
 def test_unsupported_problems_and_configs_are_named():
     assert "dtype float32" in unsupported_reason(128, 128, "float32")
     assert unsupported_reason(256, 256, "bfloat16") is None and unsupported_reason(192, 128, "bfloat16") is None
     assert "head dims 128/192" in unsupported_reason(128, 192, "bfloat16")  # O is staged in Q's buffer
-    assert "head dims 96/96" in unsupported_reason(96, 96, "bfloat16")
+    assert "head dims 80/80" in unsupported_reason(80, 80, "bfloat16")
+    assert "96/96 (qk/v) are not yet checked on a GPU" in unsupported_reason(96, 96, "bfloat16")
     assert unsupported_reason(64, 64, "float16") is None
     p = FlexPrefillProblem(128, 128, "bfloat16")
     assert "stages must be at least 2" in config_error(FlexPrefillConfig(128, 1), p)
@@ -344,7 +356,7 @@ def test_unsupported_problems_and_configs_are_named():
     assert "end in a bool" in config_error(default_config(p), dataclasses.replace(
         p, mask_program=dumps([["o", "add", "kv", 1]])))
     with pytest.raises(ValueError, match="not supported"):
-        spec(FlexPrefillProblem(96, 96, "bfloat16"))
+        spec(FlexPrefillProblem(80, 80, "bfloat16"))
     assert sparse_block_reason(128, 128, 128) is None and sparse_block_reason(256, 512, 128) is None
     assert "KV block" in sparse_block_reason(64, 128, 128)
     assert "query block" in sparse_block_reason(128, 64, 128)
@@ -552,7 +564,7 @@ def test_host_refuses_what_the_kernel_cannot_take(host_on_cpu):
     num = torch.ones(1, 1, 3, dtype=torch.int32)
     idx = torch.zeros(1, 1, 3, 4, dtype=torch.int32)
     cases = [
-        (lambda: flex_prefill(q[..., :96], q[..., :96], q[..., :96]), "head dims 96/96"),
+        (lambda: flex_prefill(q[..., :80], q[..., :80], q[..., :80]), "head dims 80/80"),
         (lambda: flex_prefill(q, q[:, :3], q[:, :3]), "not a multiple of 3 KV heads"),
         (lambda: flex_prefill(q, q, q, mask_tensors=(num.flatten(),)), "without a mask_mod"),
         (lambda: flex_prefill(q, q, q, kv_num_blocks=num), "needs kv_num_blocks and kv_indices"),
