@@ -26,6 +26,9 @@ for s in $steps; do
         flex_mask) step flex_mask 240 python3 -m pytest -m gpu tests/gpu/test_flex_decode_gpu.py -q -p no:cacheprovider -k mask ;;
         flex_lowering) step flex_lowering 120 python3 -m pytest tests/test_flex_lowering.py -q -p no:cacheprovider ;;
         flex_compile) step flex_compile 300 python3 -m pytest -m gpu tests/gpu/test_flex_compile_gpu.py -q -p no:cacheprovider -k "not block_mask" ;;
+        # what transformers and PyTorch's decoding tests hand the lowering (padding masks, symbolic lengths)
+        flex_coverage) step flex_coverage 300 python3 -m pytest -m gpu tests/gpu/test_flex_coverage_gpu.py -q -rf -n 8 \
+                   -p no:cacheprovider ;;
         flex_compile_mask) step flex_compile_mask 240 python3 -m pytest -m gpu tests/gpu/test_flex_compile_gpu.py -q -p no:cacheprovider -k block_mask ;;
         fusion) step fusion 200 python3 -m pytest -m gpu tests/gpu/test_inductor_gpu.py -q -p no:cacheprovider -k fuse ;;
         gemm) step gemm 300 python3 -m pytest -m gpu tests/gpu/test_gemm_gpu.py -q -p no:cacheprovider ;;
