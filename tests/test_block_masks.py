@@ -212,3 +212,29 @@ def test_packed_strides_keep_every_mask_tensors_values():
         t = getattr(packed, name)
         assert torch.equal(t, values) and t.stride() == block_masks.packed_strides(t.shape), name
     assert block_masks.packed_strides((2, 1, 2, 3)) == (6, 6, 3, 1)
+
+
+FAST_ALL_LATE = """
+import sys
+import torch
+import inductor_cute
+from torch._dynamo.trace_rules import _polyfilled_function_ids
+with inductor_cute.enable():
+    torch._dynamo.reset()  # clears Dynamo's callbacks: registration must not depend on them
+    assert "transformers.masking_utils" not in sys.modules
+    from transformers import masking_utils
+    print(id(masking_utils.fast_all) in _polyfilled_function_ids)
+"""
+
+
+def test_transformers_imported_after_enable_still_gets_the_padding_check_traced():
+    # transformers' fast_all (its all-ones check of a 2-D attention mask) is polyfilled as soon as
+    # masking_utils is imported while enabled, not only when it was imported before enable()
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-c", FAST_ALL_LATE], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=300, check=True).stdout
+    assert out.split()[-1] == "True"

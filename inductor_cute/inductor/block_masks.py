@@ -29,8 +29,10 @@ before the model's first compiled call.
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import inspect
 import logging
+import sys
 import types
 
 import torch
@@ -118,16 +120,17 @@ def with_packed_strides(block_mask):
 # generate() passes an attention mask at every step. Every caller of fast_all uses a True only to
 # skip work that is correct either way (the padding term of an all-ones mask keeps every key), so
 # traced calls answer False: the step keeps the padding term, read from the mask at run time, and
-# one graph serves any padding. Eager calls are untouched.
+# one graph serves any padding. Eager calls are untouched. Registered at enable() when
+# masking_utils is already imported, else as soon as it is (an import hook while enabled).
 _TRANSFORMERS_MASKS = "transformers.masking_utils"
 
 
-def _fast_all_polyfill(masking_utils) -> bool:
-    """Register the fast_all polyfill (once per process); False where this transformers has no
-    fast_all or Dynamo refuses it."""
+def _fast_all_polyfill(masking_utils) -> None:
+    """Register the fast_all polyfill (once per process), unless this transformers has no
+    fast_all of that shape; a failure only leaves the graph breaks (logged), never a user's compile."""
     original = getattr(masking_utils, "fast_all", None)
     if not isinstance(original, types.FunctionType) or list(inspect.signature(original).parameters) != ["tensor"]:
-        return False
+        return
     as_written = types.FunctionType(original.__code__, original.__globals__, original.__name__,
                                     original.__defaults__, original.__closure__)
     is_active = torch._dynamo.assume_constant_result(installed)
@@ -137,41 +140,64 @@ def _fast_all_polyfill(masking_utils) -> bool:
 
     try:
         torch._dynamo.substitute_in_graph(original)(fast_all_traced)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 (it may run inside an import of the user's)
         log.warning("inductor-cute: transformers' padding-mask check still breaks compiled graphs: %s", e)
-        return False
-    return True
 
 
 _fast_all_registered: list = []  # the masking_utils module whose fast_all is polyfilled
 
 
-def _register_fast_all(*_callback_args) -> None:
-    """Polyfill transformers' fast_all once its masking_utils is imported (checked at install and at
-    the start of each Dynamo compile: importing transformers here would cost every enable() seconds)."""
-    import sys
-
+def _register_fast_all() -> None:
     masking_utils = sys.modules.get(_TRANSFORMERS_MASKS)
-    if masking_utils is None or _fast_all_registered:
-        return
-    _fast_all_registered.append(masking_utils)
-    _fast_all_polyfill(masking_utils)
+    if masking_utils is not None and not _fast_all_registered:
+        _fast_all_registered.append(masking_utils)
+        _fast_all_polyfill(masking_utils)
 
 
-@functools.cache
-def _compile_start_hook() -> None:
-    torch._dynamo.callback.on_compile_start(_register_fast_all)
+class _OnMaskingUtilsImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Registers the fast_all polyfill right after transformers.masking_utils is imported (importing
+    it at enable() would cost every enable() about a second): a finder that hands out the real
+    spec with itself as the loader, delegating to the real one."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _TRANSFORMERS_MASKS or _fast_all_registered:
+            return None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+        else:
+            return None
+        if spec.loader is None:
+            return spec
+        self.loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _register_fast_all()  # the module is in sys.modules while it executes
+
+
+_IMPORT_HOOK = _OnMaskingUtilsImport()
 
 
 def install() -> None:
     if _polyfill_registered():
         _active[0] = True
         _register_fast_all()
-        _compile_start_hook()
+        if not _fast_all_registered and _IMPORT_HOOK not in sys.meta_path:
+            sys.meta_path.insert(0, _IMPORT_HOOK)
 
 
 def uninstall() -> None:
     _active[0] = False
+    if _IMPORT_HOOK in sys.meta_path:
+        sys.meta_path.remove(_IMPORT_HOOK)
 
 
 def installed() -> bool:

@@ -36,8 +36,9 @@ KERNEL_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, t
 @dataclasses.dataclass(frozen=True)
 class Captured:
     """A captured buffer as the program reads it: its dtype and sizes (ints, but one may be None,
-    symbolic: the program has the flat length, `len`, and divides out the others), or `problem`,
-    why the kernel cannot read it."""
+    symbolic: the program has the flat length, `len`, and divides out the others; the kernel's
+    int32 index arithmetic assumes fewer than 2^31 elements, which only the static part is checked
+    for), or `problem`, why the kernel cannot read it."""
 
     dtype: torch.dtype | None = None
     shape: tuple = (None,)
@@ -261,12 +262,13 @@ class _Translation:
             if isinstance(i, int):
                 if dim > 0 and isinstance(size, int) and not -size <= i < size:
                     raise ValueError(f"index {i} is out of range for dim {dim} of captured buffer {view.slot}")
-                if isinstance(size, int) and isinstance(stride, int):
-                    flat += (i % size if dim > 0 else i) * stride
-                    continue
-                if i < 0 and dim > 0:  # counted from the end of a symbolic size
+                if dim > 0 and isinstance(size, int):
+                    i %= size
+                elif dim > 0 and i < 0:  # counted from the end of a symbolic size
                     i = self.emit(self.fresh(name), "add", i, size)
-                if i != 0:
+                if isinstance(i, int) and isinstance(stride, int):
+                    flat += i * stride
+                elif i != 0:
                     terms.append(i if stride == 1 else self.emit(self.fresh(name), "mul", i, stride))
                 continue
             if dim > 0 and not self.is_nonneg(i):  # torch counts a negative index from the end of its dim

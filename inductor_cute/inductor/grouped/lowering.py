@@ -111,7 +111,8 @@ def wgrad_majors(call: GroupedCall) -> tuple[str, str] | None:
 def decline_reason(call: GroupedCall) -> str | None:
     """Why our grouped GEMM does not serve this call, in one line; None when it does: the forward
     form (2-D a, 3-D b) or the weight-gradient form (2-D a, 2-D b), with offsets and no bias, in
-    bf16, every size but the token count static, every operand read in place by TMA."""
+    bf16, every size but the token count static, every operand read in place by TMA; or the
+    batched form (3-D a, 3-D b, no offsets), which our bmm's own checks then decide."""
     if call.output_code != "python":
         return f"{call.output_code} output code is not supported"
     if call.device_type != "cuda":
@@ -218,6 +219,21 @@ def _problem_and_configs(call: GroupedCall, tokens: int, num_sms: int, exhaustiv
     return problem, grouped_config.candidates(problem, tokens, n, k, groups, num_sms, exhaustive), grouped_config
 
 
+def _bmm_inputs(input_nodes, layout):
+    from torch._inductor.kernel_inputs import MMKernelInputs
+
+    return MMKernelInputs(list(input_nodes), out_dtype=layout.dtype)
+
+
+def _m_robust_only(input_nodes, layout, has_bias: bool) -> bool:
+    """Whether a batched call's M is dynamic and our M-bucket table serves it: then, as for bmm
+    (gemm/choices.py m_robust_only), Triton templates tuned at the hint M leave the autotuning."""
+    from ..gemm.choices import m_robust_only
+
+    return is_batched(grouped_call(input_nodes, layout, has_bias)) and \
+        m_robust_only(_bmm_inputs(input_nodes, layout), "bmm")
+
+
 def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
     """Our choices for one stock autotuning call: one per candidate config that compiled; [] when
     we cannot serve the call (the reason logged)."""
@@ -226,11 +242,9 @@ def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
     call = grouped_call(input_nodes, layout, has_bias)
     reason = decline_reason(call)
     if reason is None and is_batched(call):  # a bmm: our GEMM's configs, with its own checks
-        from torch._inductor.kernel_inputs import MMKernelInputs
-
         from ..gemm.choices import gemm_choices
 
-        return gemm_choices(MMKernelInputs(list(input_nodes)), "bmm", layout=layout)
+        return gemm_choices(_bmm_inputs(input_nodes, layout), "bmm", layout=layout)
     if reason is None:
         try:
             device_arch(layout.device.index or 0)
@@ -272,7 +286,12 @@ def joining_select(select):
         if offer is not None:
             _pending.offer = None
             try:
-                choices = [*choices, *grouped_choices(input_nodes, layout, offer.has_bias)]
+                ours = grouped_choices(input_nodes, layout, offer.has_bias)
+                if ours and _m_robust_only(input_nodes, layout, offer.has_bias):
+                    from torch._inductor.select_algorithm import TritonTemplateCaller
+
+                    choices = [c for c in choices if not isinstance(c, TritonTemplateCaller)]
+                choices = [*choices, *ours]
             except Exception as e:  # our choices are optional: never fail the user's compile
                 log.warning("inductor-cute offers nothing for %s: %s", name, first_line(e))
         return select(name, choices, input_nodes, layout, *args, **kwargs)

@@ -229,7 +229,7 @@ _OPS = [
     # [name, "load", "t0", index]: t0[index], float dtypes read as fp32 (score programs only)
     Op("load", 2, "load", lambda t, tensor, i: tensor[t.as_tensor(i).long()], None, _scalar_load),
     # [name, "len", "t0"]: t0's element count, an int (a captured buffer's symbolic size comes from it)
-    Op("len", 1, "load", lambda t, tensor: t.tensor(tensor.numel(), dtype=t.int32), None,
+    Op("len", 1, "load", lambda t, tensor: t.tensor(tensor.numel(), dtype=t.int32, device=tensor.device), None,
        lambda d, tensor: d.Int32(tensor.shape[0])),
 ]
 OPS: dict[str, Op] = {op.name: op for op in _OPS}
