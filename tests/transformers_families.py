@@ -94,13 +94,19 @@ def prefill_logits(forward, tokens: int, device="cpu") -> torch.Tensor:
         return forward(input_ids=token_ids(2, tokens, device), use_cache=False).logits.float()
 
 
-def train_step(model, forward, tokens: int, device="cpu") -> torch.Tensor:
-    """The LM loss of two unpadded sequences and backward: (loss, norm of every gradient) in fp32."""
+def train_step(model, forward, tokens: int, device="cpu", packed: bool = False) -> torch.Tensor:
+    """The LM loss of two unpadded sequences and backward: (loss, norm of every gradient) in fp32.
+    `packed`: each row packs two documents (position ids restart at 5/8 of the row), which
+    transformers turns into a document mask."""
     model.train()
     for p in model.parameters():
         p.grad = None
     ids = token_ids(2, tokens, device)
-    loss = forward(input_ids=ids, labels=ids, use_cache=False).loss
+    kwargs = {}
+    if packed:
+        first = tokens * 5 // 8
+        kwargs["position_ids"] = torch.cat([torch.arange(first), torch.arange(tokens - first)]).to(device).expand(2, -1)
+    loss = forward(input_ids=ids, labels=ids, use_cache=False, **kwargs).loss
     loss.backward()
     grads = torch.stack([p.grad.float().norm() for p in model.parameters() if p.grad is not None])
     return torch.cat([loss.detach().float().view(1), grads.norm().view(1)])

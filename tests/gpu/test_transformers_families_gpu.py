@@ -82,3 +82,14 @@ def test_a_training_step(decisions, name):
     assert_ours_where_taken(name, "train", code, decisions)
     _, twin = tf.build(name, "eager", "cuda")
     torch.testing.assert_close(ours, tf.train_step(twin, twin, 512, "cuda"), atol=0, rtol=2e-2)
+
+
+def test_a_packed_training_step(decisions):
+    """Two documents per row (position ids restarting): transformers' document mask through our
+    forward and backward, the packed loss and gradients of eager attention."""
+    _, model = tf.build("llama", "flex_attention", "cuda")
+    ours, code = tf.compile_and_run(lambda compile: tf.train_step(model, compile(model), 512, "cuda", packed=True),
+                                    flex_prefill=True, flex_backward=True)
+    assert_ours_where_taken("llama", "train", code, decisions)
+    _, twin = tf.build("llama", "eager", "cuda")
+    torch.testing.assert_close(ours, tf.train_step(twin, twin, 512, "cuda", packed=True), atol=0, rtol=2e-2)
