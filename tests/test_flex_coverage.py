@@ -407,6 +407,39 @@ def test_one_symbolic_size_is_read_from_the_buffers_length(shape):
         assert torch.equal(got, want.expand(2, 1, 3, 5))
 
 
+INDEX_EXPRESSIONS = {  # what a mask_mod indexes a captured buffer with, each in range for sizes >= 4
+    "b": lambda b, h, q, kv: b, "q": lambda b, h, q, kv: q, "kv % 4": lambda b, h, q, kv: kv % 4,
+    "kv - 4 (negative)": lambda b, h, q, kv: kv - 4, "0": lambda b, h, q, kv: 0, "-1": lambda b, h, q, kv: -1,
+}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_reads_of_a_buffer_with_a_symbolic_size_match_torch(seed):
+    # shapes of rank 1-3 with one symbolic size anywhere, each dim indexed by one of the
+    # expressions above; the program (translated once, at the traced size) against torch's
+    # indexing at two other sizes
+    rng = torch.Generator().manual_seed(seed)
+    rank = 1 + seed % 3
+    symbolic = int(torch.randint(rank, (), generator=rng))
+    shape = tuple(None if d == symbolic else 4 + int(torch.randint(3, (), generator=rng)) for d in range(rank))
+    names = [list(INDEX_EXPRESSIONS)[int(i)] for i in torch.randint(len(INDEX_EXPRESSIONS), (rank,), generator=rng)]
+    exprs = [INDEX_EXPRESSIONS[n] for n in names]
+
+    def mask_mod(b, h, q, kv, t):
+        return t[tuple(e(b, h, q, kv) for e in exprs)] > 0
+
+    traced = [7 if s is None else s for s in shape]
+    program = translate.mask_program(graph(mask_mod, torch.zeros(traced, dtype=torch.int32), mask=True),
+                                     (translate.describe(torch.int32, shape),))
+    for size in (5, 9):
+        table = torch.randint(-3, 4, [size if s is None else s for s in shape], generator=rng, dtype=torch.int32)
+        idx = [torch.arange(n, dtype=torch.int32).view([-1 if i == d else 1 for i in range(4)])
+               for d, n in enumerate((2, 1, 3, 5))]
+        want = table[tuple(e(*(i.long() for i in idx)) for e in exprs)] > 0
+        got = sp.reference_mask(program, *idx, (table.flatten(),))
+        assert torch.equal(got, want.expand(2, 1, 3, 5)), (shape, names, size)
+
+
 def test_bool_constants_fold_away():
     gm = graph(lambda b, h, q, kv: torch.ones((), dtype=torch.bool) & (q >= kv) & True, mask=True)
     assert sp.loads(translate.mask_program(gm), mask=True) == [["ge", "ge", "q", "kv"]]
