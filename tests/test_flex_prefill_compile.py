@@ -322,10 +322,12 @@ def test_shared_memory_fits_and_matches_the_kernel_layout(monkeypatch):
     assert default_config(FlexPrefillProblem(64, 64, "bfloat16")).stages == 4
 
 
-def test_head_dims_96_compile_without_local_memory(monkeypatch):
-    # Phi-3/3.5-mini's heads: 192-byte rows, 64-byte swizzles; offered once its GPU tests pass
+@pytest.mark.parametrize("dims", [(96, 96), (64, 32)])
+def test_head_dims_not_yet_run_compile_without_local_memory(monkeypatch, dims):
+    # Phi-3/3.5-mini's 96 (192-byte rows, 64-byte swizzles) and PyTorch's tests' 64/32: offered
+    # once their GPU tests pass
     monkeypatch.setattr(fpc, "GPU_UNCHECKED_HEAD_DIMS", set())
-    compiled = compile_spec(spec(FlexPrefillProblem(96, 96, "bfloat16", mask_program=CAUSAL, sparse_block=128)),
+    compiled = compile_spec(spec(FlexPrefillProblem(*dims, "bfloat16", mask_program=CAUSAL, sparse_block=128)),
                             "sm_90a", keep_ptx=True)
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", compiled.ptxas_report)

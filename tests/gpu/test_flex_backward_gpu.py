@@ -319,6 +319,17 @@ def test_score_mod_gradients_with_dq_reduce():
     check(q, k, v, scale=0.5, score=softcap, score_mod=SOFTCAP, config=FlexBackwardConfig(**DQ_REDUCE))
 
 
+def test_head_dims_64_32(monkeypatch):
+    # PyTorch's flex tests mix 64-wide queries and keys with 32-wide values (the lowering takes
+    # them in training graphs once this and the prefill's GPU tests pass)
+    from inductor_cute.kernels.attention import flex_prefill_config as fpc
+
+    monkeypatch.setattr(fpc, "GPU_UNCHECKED_HEAD_DIMS", set())  # the forward's lse: its check is here too
+    check(rand(2, 8, 1000, 64), rand(2, 2, 1000, 64), rand(2, 2, 1000, 32))
+    check_block_mask(rand(1, 4, 777, 64), rand(1, 4, 777, 64), rand(1, 4, 777, 32), lambda b, h, m, n: m >= n,
+                     CAUSAL, lse_from="kernel")
+
+
 def test_head_dims_192_128():
     # DeepSeek's MLA shapes (the torch.compile lowering takes them once this passes)
     check(rand(2, 8, 1000, 192), rand(2, 2, 1000, 192), rand(2, 2, 1000, 128))

@@ -82,7 +82,7 @@ def _seed(monkeypatch):
     monkeypatch.setattr(fpc, "GPU_UNCHECKED_HEAD_DIMS", set())  # these tests are their check
 
 
-@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256), (96, 96)])
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256), (96, 96), (64, 32)])
 @pytest.mark.parametrize("q_len,kv_len", [(1, 1), (100, 77), (128, 128), (129, 300), (1000, 1000), (255, 2049)])
 def test_head_dims_and_lengths_off_the_blocks(dqk, dv, q_len, kv_len):
     check(rand(2, 4, q_len, dqk), rand(2, 4, kv_len, dqk), rand(2, 4, kv_len, dv))
