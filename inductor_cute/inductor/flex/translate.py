@@ -302,7 +302,7 @@ class _Translation:
         static = math.prod(s for s in later if s is not None)
         if None not in later:
             return static
-        symbolic = self.size(slot, len(self.buffers[slot].shape) - len(later) + later.index(None), name)
+        symbolic = self.size(slot, dim + 1 + later.index(None), name)
         return symbolic if static == 1 else self.emit(self.fresh(name), "mul", symbolic, static)
 
     # ---------------------------------------------------------------------------- translation
