@@ -317,18 +317,19 @@ def test_what_the_kernel_cannot_do_is_declined_with_the_reason(decisions, hopper
 
 
 def test_a_padding_mask_of_symbolic_length_runs_our_op_and_matches(cpu_accepted, decisions):
-    """An eager generate() recompiles transformers' compiled flex_attention with a symbolic KV
-    length, and its (batch, kv_len) padding mask with it: our op takes such a call (the mask's row
-    stride from its length) and one graph serves two lengths."""
+    """An eager generate() recompiles transformers' compiled flex_attention once the KV length
+    changes (automatic dynamic: that size alone turns symbolic), its (batch, kv_len) padding mask
+    with it: our op takes both graphs (the mask's row stride from its length) and the second serves
+    every later length."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("inductor")
     attend = torch.compile(lambda q, k, v, pad: flex_attention(
         q, k, v, enable_gqa=True, score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf"))),
-        dynamic=True, backend=counter)
+        backend=counter)
     torch._dynamo.reset()
     with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False), torch.no_grad():
-        for kv_len in (KV, KV + 77):
+        for kv_len in (KV, KV + 77, KV + 150):
             q, k, v = qkv(kv_len=kv_len, dtype=torch.bfloat16)
             pad = torch.rand(2, kv_len, generator=torch.Generator().manual_seed(kv_len)) > 0.2
             out = attend(q, k, v, pad)
@@ -336,8 +337,23 @@ def test_a_padding_mask_of_symbolic_length_runs_our_op_and_matches(cpu_accepted,
                                  score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf")))
             torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     torch._dynamo.reset()
-    assert counter.frame_count == 1 and [reason for _, reason in decisions] == [None]
-    assert Captured(torch.bool, (2, None)) in decisions[0][0].score_buffers
+    assert counter.frame_count == 2 and [reason for _, reason in decisions] == [None, None]
+    assert Captured(torch.bool, (2, None)) in decisions[1][0].score_buffers
+
+
+def test_a_padding_mask_symbolic_in_batch_and_length_is_declined(cpu_accepted, decisions):
+    """dynamic=True makes the mask's batch symbolic too: a buffer with two symbolic sizes has no
+    stride our programs can read, so the call is declined with that reason (and runs stock)."""
+    attend = torch.compile(lambda q, k, v, pad: flex_attention(
+        q, k, v, enable_gqa=True, score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf"))),
+        dynamic=True)
+    torch._dynamo.reset()
+    q, k, v = qkv(batch=4, dtype=torch.bfloat16)  # batch 4: no other size equals it (duck sizing would share)
+    with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+        attend(q, k, v, torch.rand(4, k.shape[2]) > 0.2)
+    torch._dynamo.reset()
+    (_, reason), = decisions
+    assert "more than one symbolic size" in reason
 
 
 def test_batch_broadcast_kv_runs_our_op_and_matches(cpu_accepted, decisions):
