@@ -92,13 +92,23 @@ def test_transformers_masks_run_our_kernel(name, group):
     check_ours(q, k, v, block_mask=block_mask)
 
 
+def run_keeping_code(fn, *args):
+    """(fn(*args), output code of the graphs it compiled): run_and_get_code without its
+    torch._dynamo.reset(), so that later calls reuse (or recompile) what earlier ones compiled."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        return fn(*args), codes
+
+
 def test_a_padding_mask_of_symbolic_length_runs_our_kernel():
     """An eager generate() recompiles transformers' compiled flex_attention once the KV length
     changes (automatic dynamic: that size alone turns symbolic), its (batch, kv_len) padding mask
     with it: our kernel runs in both graphs, reading the mask's rows at the stride its length gives,
     the second graph serving every later length; every element written and matching fp32."""
-    from torch._inductor.utils import run_and_get_code
-
     import inductor_cute
 
     def attend(q, k, v, pad):
@@ -112,7 +122,33 @@ def test_a_padding_mask_of_symbolic_length_runs_our_kernel():
         pad = torch.rand(4, kv_len, device="cuda") > 0.2
         poison_allocator()
         with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False):
-            (out, lse), codes = run_and_get_code(compiled, q, k, v, pad)
+            (out, lse), codes = run_keeping_code(compiled, q, k, v, pad)
+        assert sum(c.count(OUR_CALL) for c in codes) == graphs
+        ref, ref_lse = attend(q.float(), k.float(), v.float(), pad)
+        assert not out.isnan().any() and not lse.isnan().any(), "unwritten (poisoned) elements"
+        assert_out_close(out, ref, q.dtype)
+        assert_lse_close(lse, ref_lse)
+    torch._dynamo.reset()
+
+
+def test_a_padding_mask_symbolic_in_batch_and_length_runs_our_kernel():
+    """dynamic=True: the mask's batch and length both symbolic; its row stride is the length of a
+    size carrier (a view of the converted mask's first kv_len elements). One graph serves two
+    batches and lengths, every element written and matching fp32."""
+    import inductor_cute
+
+    def attend(q, k, v, pad):
+        return flex_attention(q, k, v, enable_gqa=True, return_lse=True,
+                              score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf")))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, dynamic=True)
+    for batch, kv_len, graphs in ((4, 1500, 1), (3, 1777, 0)):  # no size equal to the batch (duck sizing)
+        q, k, v = rand(batch, 8, 1, 128), rand(batch, 2, kv_len, 128), rand(batch, 2, kv_len, 128)
+        pad = torch.rand(batch, kv_len, device="cuda") > 0.2
+        poison_allocator()
+        with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False):
+            (out, lse), codes = run_keeping_code(compiled, q, k, v, pad)
         assert sum(c.count(OUR_CALL) for c in codes) == graphs
         ref, ref_lse = attend(q.float(), k.float(), v.float(), pad)
         assert not out.isnan().any() and not lse.isnan().any(), "unwritten (poisoned) elements"

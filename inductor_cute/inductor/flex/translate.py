@@ -5,7 +5,10 @@ A mod's graph sees its arguments (score, b, h, q, kv) as 0-d tensors and its cap
 tensors of any rank. The kernel reads each captured buffer as a flat 1-D tensor (`Captured` says
 how: row-major, bool and int64 as int32), so an N-D read `buf[i0, i1, ...]` becomes a load at
 sum(i_d * stride_d), each index wrapped as torch wraps a negative one; a 0-d buffer used as a value
-is a load at 0. Bool constants (and_masks' `new_ones((), dtype=bool)`) fold away; a bool used as a
+is a load at 0. A buffer's symbolic sizes come from lengths (`len`): with one, its own length
+divided by its static sizes; with more, each later one from a size carrier (`size_carriers`), a
+view of the buffer's first elements as long as that size, which the lowering passes after the
+buffers. Bool constants (and_masks' `new_ones((), dtype=bool)`) fold away; a bool used as a
 number is 0/1, as in torch. Everything else a program cannot say raises ValueError naming it: the
 lowering then leaves the call to the stock kernel.
 
@@ -35,10 +38,10 @@ KERNEL_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, t
 
 @dataclasses.dataclass(frozen=True)
 class Captured:
-    """A captured buffer as the program reads it: its dtype and sizes (ints, but one may be None,
-    symbolic: the program has the flat length, `len`, and divides out the others; the kernel's
-    int32 index arithmetic assumes fewer than 2^31 elements, which only the static part is checked
-    for), or `problem`, why the kernel cannot read it."""
+    """A captured buffer as the program reads it: its dtype and sizes (ints, None where symbolic:
+    the program reads those from lengths, see the module's docstring; the kernel's int32 index
+    arithmetic assumes fewer than 2^31 elements, which only the static part is checked for), or
+    `problem`, why the kernel cannot read it."""
 
     dtype: torch.dtype | None = None
     shape: tuple = (None,)
@@ -57,12 +60,21 @@ def describe(dtype: torch.dtype, shape, on_device: bool = True) -> Captured:
     if dtype not in KERNEL_DTYPES:
         names = ", ".join(str(dt).removeprefix("torch.") for dt in KERNEL_DTYPES)
         return Captured(problem=f"has dtype {str(dtype).removeprefix('torch.')} (supported: {names})")
-    if shape.count(None) > 1:
-        return Captured(problem=f"has more than one symbolic size: {shape}")
     numel = math.prod(s for s in shape if s is not None)
     if numel == 0 or numel > INT32_MAX:
         return Captured(problem=f"has {numel} elements")
     return Captured(dtype, shape)
+
+
+def size_carriers(buffers) -> list[tuple[int, int]]:
+    """(buffer slot, dim) of each size carrier the programs over `buffers` (Captureds) read, in
+    the order the lowering appends them after the buffers: every symbolic size of a buffer but
+    its first symbolic one (that one is the buffer's length divided by all the others)."""
+    carriers = []
+    for slot, buf in enumerate(buffers):
+        symbolic = [dim for dim, size in enumerate(buf.shape) if size is None]
+        carriers += [(slot, dim) for dim in symbolic[1:]]
+    return carriers
 
 
 def _captured(buffer) -> Captured:
@@ -151,7 +163,12 @@ class _Translation:
         for i, buf in enumerate(buffers):
             if buf.problem:
                 raise ValueError(f"captured buffer {i} {buf.problem}")
-        dtypes = tuple(str(b.kernel_dtype).removeprefix("torch.") for b in buffers)
+        self.carriers = {key: len(buffers) + j for j, key in enumerate(size_carriers(buffers))}  # -> tensor slot
+        dtypes = tuple(str(buffers[slot].kernel_dtype).removeprefix("torch.")
+                       for slot in [*range(len(buffers)), *(slot for slot, _ in self.carriers)])
+        if len(dtypes) > sp.MAX_TENSORS:
+            raise ValueError(f"{len(buffers)} captured buffers and {len(self.carriers)} symbolic sizes need "
+                             f"{len(dtypes)} tensors, more than the kernel's {sp.MAX_TENSORS}")
         self.dtypes = dtypes
         self.typer = sp.typer(dtypes, mask)
         self.values = dict(zip(placeholders, leaves))
@@ -160,7 +177,7 @@ class _Translation:
         self.steps: list[list] = []
         self.nonneg = {"b", "h", "q", "kv"}
         self.loaded = {}  # _View -> the name of its load (a 0-d buffer read where it is used)
-        self.symbolic = {}  # buffer slot -> the step computing its symbolic size
+        self.symbolic = {}  # (buffer slot, dim) -> the step computing that symbolic size
         self.as_int = {}  # bool step -> its 0/1 int step
         self.made = 0  # steps named by `fresh`
 
@@ -285,25 +302,38 @@ class _Translation:
         return self.emit(name, "load", tensor, flat)
 
     def size(self, slot: int, dim: int, name: str) -> int | str:
-        """Dim `dim` of a captured buffer: its int, or for its symbolic size (dim > 0; dim 0 needs
-        none) a step: the buffer's length divided by its other sizes, made once per program."""
+        """Dim `dim` of a captured buffer: its int, or for a symbolic size (dim > 0; dim 0 needs
+        none) a step made once per program: its carrier's length, or for the buffer's first
+        symbolic size the buffer's length divided by its other sizes."""
         shape = self.buffers[slot].shape
         if shape[dim] is not None or dim == 0:
             return shape[dim]
-        if slot not in self.symbolic:
-            length = self.emit(self.fresh(name), "len", sp.tensor_name(slot))
-            others = math.prod(s for s in shape if s is not None)
-            self.symbolic[slot] = length if others == 1 else self.emit(self.fresh(name), "floordiv", length, others)
-        return self.symbolic[slot]
+        if (slot, dim) not in self.symbolic:
+            if (slot, dim) in self.carriers:
+                size = self.emit(self.fresh(name), "len", sp.tensor_name(self.carriers[slot, dim]))
+            else:
+                size = self.emit(self.fresh(name), "len", sp.tensor_name(slot))
+                others = self.product([s if s is not None else self.size(slot, d, name)
+                                       for d, s in enumerate(shape) if d != dim], name)
+                if others != 1:
+                    size = self.emit(self.fresh(name), "floordiv", size, others)
+            self.symbolic[slot, dim] = size
+        return self.symbolic[slot, dim]
 
     def stride(self, slot: int, dim: int, name: str) -> int | str:
         """The row-major stride of dim `dim`: an int, or a step where a later size is symbolic."""
-        later = self.buffers[slot].shape[dim + 1:]
-        static = math.prod(s for s in later if s is not None)
-        if None not in later:
-            return static
-        symbolic = self.size(slot, dim + 1 + later.index(None), name)
-        return symbolic if static == 1 else self.emit(self.fresh(name), "mul", symbolic, static)
+        shape = self.buffers[slot].shape
+        return self.product([s if s is not None else self.size(slot, d, name)
+                             for d, s in enumerate(shape) if d > dim], name)
+
+    def product(self, factors: list, name: str) -> int | str:
+        """The product of ints and int steps: an int when all are ints, else a step."""
+        static = math.prod(f for f in factors if isinstance(f, int))
+        result = static
+        for f in factors:
+            if not isinstance(f, int):
+                result = f if result == 1 else self.emit(self.fresh(name), "mul", result, f)
+        return result
 
     # ---------------------------------------------------------------------------- translation
 
