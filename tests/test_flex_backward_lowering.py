@@ -25,6 +25,7 @@ from inductor_cute.host import flex as host_flex
 from inductor_cute.inductor.flex import backward
 from inductor_cute.inductor.flex import lowering as flex
 from inductor_cute.inductor.flex.runtime import FlexBackwardLauncher
+from inductor_cute.inductor.flex.translate import SizeOperand
 from inductor_cute.kernels.common.programs import score as sp
 
 from flex_support import OUR_CALL, OUR_PREFILL_CALL, accept_cpu, decline_reason, hopper  # noqa: F401
@@ -201,6 +202,24 @@ def test_a_training_step_under_dynamic_shapes_runs_our_kernels(cpu_training, dec
     assert assert_both_graphs_agree(decisions) is None
     assert code.count(OUR_PREFILL_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1
     assert_grads_match(grads, reference_grads(q, k, v, weights, causal)[1])
+
+
+def test_a_training_step_with_a_bias_of_symbolic_batch_and_length_runs_our_kernels(cpu_training, decisions):
+    """dynamic=True with a captured (batch, kv_len) bias: both sizes symbolic, the row stride read
+    from the kv_len operand Dynamo captures beside it, in the forward and the backward."""
+    q, k, v = qkv(batch=3, q_len=200, kv_len=300, heads=8, kv_heads=2)
+    bias = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
+
+    def biased(s, b, h, m, n):
+        return s + bias[b, n]
+
+    out, grads, weights, code = training_step(q, k, v, dynamic=True, score_mod=biased)
+    assert assert_both_graphs_agree(decisions) is None
+    assert any(isinstance(size, SizeOperand) for c in decisions[0][0].score_buffers for size in c.shape)
+    assert code.count(OUR_PREFILL_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1
+    ref_out, ref = reference_grads(q, k, v, weights, score_mod=biased)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    assert_grads_match(grads, ref)
 
 
 @pytest.mark.parametrize("q_len, dynamic, forward", [(16, None, OUR_CALL), (200, True, OUR_PREFILL_CALL)],

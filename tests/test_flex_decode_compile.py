@@ -64,19 +64,19 @@ TRANSFORMERS_PADDING_DYNAMIC = dumps([["off", "load", "t0", 0], ["pos", "add", "
                                       ["n", "len", "t1"], ["width", "floordiv", "n", 4], ["row", "mul", "b", "width"],
                                       ["i", "add", "row", "kv"], ["p.v", "load", "t1", "i"], ["p", "ne", "p.v", 0],
                                       ["o", "and", "causal", "p"]])
-# the same with the batch symbolic too: the row stride is the length of a size carrier (t2, a view of
-# the mask's first kv_len elements; translate.size_carriers)
-TRANSFORMERS_PADDING_CARRIER = dumps([["off", "load", "t0", 0], ["pos", "add", "q", "off"], ["causal", "le", "kv", "pos"],
-                                      ["width", "len", "t2"], ["row", "mul", "b", "width"], ["i", "add", "row", "kv"],
-                                      ["p.v", "load", "t1", "i"], ["p", "ne", "p.v", 0], ["o", "and", "causal", "p"]])
+# the same with the batch symbolic too (dynamic=True), as a score_mod: the row stride is the kv_len
+# operand Dynamo captures beside the mask (t1; t0 holds the batch), loaded (translate.SizeOperand)
+TRANSFORMERS_PADDING_SIZE_OPERAND = dumps([["w", "load", "t1", 0], ["row", "mul", "b", "w"], ["i", "add", "row", "kv"],
+                                           ["p.v", "load", "t2", "i"], ["p", "ne", "p.v", 0],
+                                           ["o", "where", "p", "score", float("-inf")]])
 # name -> (flex_decode_spec arguments, keyword arguments: mask program, its tensors, block mask)
 MASK_VARIANTS = {
     "d128-gqa4-transformers-padding-block128": ((128, 128, "bfloat16", 4, False), dict(
         mask_program=TRANSFORMERS_PADDING, mask_dtypes=("int32", "int32"), sparse_block=128)),
     "d128-gqa4-transformers-padding-dynamic": ((128, 128, "bfloat16", 4, False), dict(
         mask_program=TRANSFORMERS_PADDING_DYNAMIC, mask_dtypes=("int32", "int32"), sparse_block=128)),
-    "d128-gqa4-transformers-padding-carrier": ((128, 128, "bfloat16", 4, False), dict(
-        mask_program=TRANSFORMERS_PADDING_CARRIER, mask_dtypes=("int32",) * 3, sparse_block=128)),
+    "d128-gqa4-transformers-padding-size-operand": ((128, 128, "bfloat16", 4, False), dict(
+        score_program=TRANSFORMERS_PADDING_SIZE_OPERAND, score_dtypes=("int32",) * 3)),
     "d128-gqa8-sliding-block128": (VARIANTS["d128-gqa8"], dict(mask_program=SLIDING, sparse_block=128)),
     "d128-gqa8-document-block256-softcap": (VARIANTS["d128-gqa8"], dict(
         mask_program=DOCUMENT, mask_dtypes=("int32",), sparse_block=256, score_program=SOFTCAP)),

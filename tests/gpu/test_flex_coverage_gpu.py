@@ -132,9 +132,9 @@ def test_a_padding_mask_of_symbolic_length_runs_our_kernel():
 
 
 def test_a_padding_mask_symbolic_in_batch_and_length_runs_our_kernel():
-    """dynamic=True: the mask's batch and length both symbolic; its row stride is the length of a
-    size carrier (a view of the converted mask's first kv_len elements). One graph serves two
-    batches and lengths, every element written and matching fp32."""
+    """dynamic=True: the mask's batch and length both symbolic; its row stride is the kv_len operand
+    Dynamo captures beside it (translate.SizeOperand). One graph serves two batches and lengths,
+    every element written and matching fp32."""
     import inductor_cute
 
     def attend(q, k, v, pad):

@@ -20,9 +20,7 @@ our backward can differentiate) cover the backward kernel's limits too, so both 
 both the stock ones. (A score_mod whose captured tensor needs a gradient is seen by the backward's
 lowering alone: it takes the stock backward, which reads our forward's out and lse as its own.)
 The mods' graphs are translated by translate.py; their captured buffers (of any rank, bool and
-int64 included) and integer operands reach the kernel flattened and converted by `kernel_buffers`,
-with a size carrier (translate.size_carriers) after them for each symbolic size a program reads
-from one.
+int64 included) and integer operands reach the kernel flattened and converted by `_kernel_buffer`.
 Torch-version differences are confined to `_block_mask_fields` and `_backward_lists`.
 """
 
@@ -42,7 +40,7 @@ from ...kernels.common.units import LOG2E
 from . import prefill as _prefill  # noqa: F401 (registers torch.ops.inductor_cute.flex_prefill)
 from . import runtime as _runtime
 from .translate import (Captured, describe, is_full, is_identity_score_mod,  # noqa: F401 (re-exported)
-                        is_noop_mask_mod, mask_program, score_program, size_carriers)
+                        is_noop_mask_mod, mask_program, score_program, SizeOperand)
 
 log = logging.getLogger(__name__)
 
@@ -349,11 +347,27 @@ def _static(expr) -> int | None:
         return None
 
 
-def _captured(buf, device) -> Captured:
+def _captured_buffers(buffers, device) -> tuple[Captured, ...]:
+    """How the kernel reads a mod's captured buffers (`_captured`): a tensor's first symbolic size
+    from its length, each later one from the integer operand that holds it (Dynamo lifts captured
+    tensors' sizes into the mod; translate.SizeOperand)."""
+    operands = {}
+    for slot, buf in enumerate(buffers):
+        if isinstance(buf, sympy.Expr) and not buf.is_number:
+            operands.setdefault(buf, SizeOperand(slot))
+    return tuple(_captured(buf, device, operands) for buf in buffers)
+
+
+def _captured(buf, device, size_operands=None) -> Captured:
     """How the kernel reads a captured buffer (translate.py): a tensor on `device`, or an integer
-    operand (a SymInt, under dynamic shapes), which the lowering hands over as a 1-element tensor."""
+    operand (a SymInt, under dynamic shapes), which the lowering hands over as a 1-element tensor.
+    `size_operands`: symbolic size -> the SizeOperand that holds it."""
     if isinstance(buf, ir.IRNode):
-        return describe(buf.get_dtype(), [_static(s) for s in buf.get_size()], buf.get_device() == device)
+        shape = [_static(size) for size in buf.get_size()]
+        symbolic = [dim for dim, s in enumerate(shape) if s is None]
+        for dim in symbolic[1:]:  # the first is read from the buffer's length: no load
+            shape[dim] = (size_operands or {}).get(buf.get_size()[dim])
+        return describe(buf.get_dtype(), shape, buf.get_device() == device)
     if isinstance(buf, (int, sympy.Expr)) and not isinstance(buf, bool) and sympy.sympify(buf).is_integer:
         return describe(torch.int64, ())
     return Captured(problem=f"is not a tensor or an integer ({type(buf).__name__})")
@@ -395,9 +409,9 @@ def _problem(query, key, value, subgraph, block_mask, scale, kernel_options, sco
         heads=_static(hq), kv_heads=_static(hk), q_len=_static(lq), head_dim_qk=_static(dqk), head_dim_v=_static(dv),
         operands_match=operands_match, kv_batch_broadcast=kv_batch_broadcast,
         score_graph=subgraph.graph_module,
-        score_buffers=tuple(_captured(buf, query.get_device()) for buf in score_buffers),
+        score_buffers=_captured_buffers(score_buffers, query.get_device()),
         mask_graph=mask_graph.graph_module,
-        mask_buffers=tuple(_captured(buf, query.get_device()) for buf in mask_buffers),
+        mask_buffers=_captured_buffers(mask_buffers, query.get_device()),
         keys_all_in_blocks=_keys_all_in_blocks(V.graph.current_node, lk),
         block_sizes=(_block_size(kv_block), _block_size(q_block)),
         mask_heads=_static(block_tensors[0].get_size()[1]) if block_tensors[0] is not None else None,
@@ -477,8 +491,8 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
     if problem.keys_all_in_blocks:  # flex_attention's "no block mask": walk the whole sequence
         block_tensors, q_block, kv_block = [None] * 4, 0, 0
     device = query.get_device()
-    score_buffers = kernel_buffers(score_mod_other_buffers, problem.score_buffers, device)
-    mask_buffers = kernel_buffers(mask_mod_other_buffers, problem.mask_buffers, device)
+    score_buffers = [_kernel_buffer(buf, c, device) for buf, c in zip(score_mod_other_buffers, problem.score_buffers)]
+    mask_buffers = [_kernel_buffer(buf, c, device) for buf, c in zip(mask_mod_other_buffers, problem.mask_buffers)]
     return _lower_to_kernel(problem.kernel, query, key, value, float(scale), programs, score_buffers, mask_buffers,
                             block_tensors, kv_block, q_block)
 
@@ -521,21 +535,6 @@ def _grid_reason(kernel: str, query, key, inference: bool = True) -> str | None:
     if not V.graph.sizevars.evaluate_expr(sympy.Le(batch * kv_heads, _MAX_GRID_Z)):
         return f"batch x KV heads exceeds {_MAX_GRID_Z}"
     return None
-
-
-def kernel_buffers(buffers, captured: tuple[Captured, ...], device) -> list:
-    """A mod's captured buffers as its program reads them (`_kernel_buffer`), then its size
-    carriers: for each (slot, dim) of translate.size_carriers, the first elements of that buffer's
-    flat tensor, as many as its symbolic size `dim` (every size is at least 1, so they exist), a
-    view with no copy."""
-    flat = [_kernel_buffer(buf, c, device) for buf, c in zip(buffers, captured)]
-    carriers = []
-    for slot, dim in size_carriers(captured):
-        flat[slot] = ir.ExternKernel.realize_input(flat[slot])  # stored, so the carrier can view it
-        storage, layout = ir.as_storage_and_layout(flat[slot], freeze=True)
-        carriers.append(ir.ReinterpretView(data=storage, layout=ir.FixedLayout(
-            layout.device, layout.dtype, [buffers[slot].get_size()[dim]], [1], layout.offset)))
-    return flat + carriers
 
 
 def _kernel_buffer(buf, captured: Captured, device):

@@ -5,10 +5,10 @@ A mod's graph sees its arguments (score, b, h, q, kv) as 0-d tensors and its cap
 tensors of any rank. The kernel reads each captured buffer as a flat 1-D tensor (`Captured` says
 how: row-major, bool and int64 as int32), so an N-D read `buf[i0, i1, ...]` becomes a load at
 sum(i_d * stride_d), each index wrapped as torch wraps a negative one; a 0-d buffer used as a value
-is a load at 0. A buffer's symbolic sizes come from lengths (`len`): with one, its own length
-divided by its static sizes; with more, each later one from a size carrier (`size_carriers`), a
-view of the buffer's first elements as long as that size, which the lowering passes after the
-buffers. Bool constants (and_masks' `new_ones((), dtype=bool)`) fold away; a bool used as a
+is a load at 0. A symbolic size is read where the mod also captures it as an integer operand
+(Dynamo lifts the sizes of captured tensors into the mod's graph: `SizeOperand`); one more per
+buffer may be symbolic without one, read as the buffer's length (`len`) divided by its other
+sizes. Bool constants (and_masks' `new_ones((), dtype=bool)`) fold away; a bool used as a
 number is 0/1, as in torch. Everything else a program cannot say raises ValueError naming it: the
 lowering then leaves the call to the stock kernel.
 
@@ -37,11 +37,20 @@ KERNEL_DTYPES = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, t
 
 
 @dataclasses.dataclass(frozen=True)
+class SizeOperand:
+    """A symbolic size of a captured buffer whose value the mod also captures, as the integer
+    operand in buffer slot `slot`."""
+
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Captured:
-    """A captured buffer as the program reads it: its dtype and sizes (ints, None where symbolic:
-    the program reads those from lengths, see the module's docstring; the kernel's int32 index
-    arithmetic assumes fewer than 2^31 elements, which only the static part is checked for), or
-    `problem`, why the kernel cannot read it."""
+    """A captured buffer as the program reads it: its dtype and sizes (ints; a SizeOperand where a
+    symbolic size is also an integer operand; None for at most one other symbolic size: the
+    program divides the buffer's length, `len`, by the others; the kernel's int32 index arithmetic
+    assumes fewer than 2^31 elements, which only the static part is checked for), or `problem`,
+    why the kernel cannot read it."""
 
     dtype: torch.dtype | None = None
     shape: tuple = (None,)
@@ -53,28 +62,19 @@ class Captured:
 
 
 def describe(dtype: torch.dtype, shape, on_device: bool = True) -> Captured:
-    """The Captured of a buffer of `dtype` and `shape` (ints, None where symbolic)."""
+    """The Captured of a buffer of `dtype` and `shape` (ints, SizeOperands, None where symbolic)."""
     shape = tuple(shape)
     if not on_device:
         return Captured(problem="is not on the query's device")
     if dtype not in KERNEL_DTYPES:
         names = ", ".join(str(dt).removeprefix("torch.") for dt in KERNEL_DTYPES)
         return Captured(problem=f"has dtype {str(dtype).removeprefix('torch.')} (supported: {names})")
-    numel = math.prod(s for s in shape if s is not None)
+    if shape.count(None) > 1:
+        return Captured(problem=f"has more than one symbolic size that no integer operand holds: {shape}")
+    numel = math.prod(s for s in shape if isinstance(s, int))
     if numel == 0 or numel > INT32_MAX:
         return Captured(problem=f"has {numel} elements")
     return Captured(dtype, shape)
-
-
-def size_carriers(buffers) -> list[tuple[int, int]]:
-    """(buffer slot, dim) of each size carrier the programs over `buffers` (Captureds) read, in
-    the order the lowering appends them after the buffers: every symbolic size of a buffer but
-    its first symbolic one (that one is the buffer's length divided by all the others)."""
-    carriers = []
-    for slot, buf in enumerate(buffers):
-        symbolic = [dim for dim, size in enumerate(buf.shape) if size is None]
-        carriers += [(slot, dim) for dim in symbolic[1:]]
-    return carriers
 
 
 def _captured(buffer) -> Captured:
@@ -163,12 +163,7 @@ class _Translation:
         for i, buf in enumerate(buffers):
             if buf.problem:
                 raise ValueError(f"captured buffer {i} {buf.problem}")
-        self.carriers = {key: len(buffers) + j for j, key in enumerate(size_carriers(buffers))}  # -> tensor slot
-        dtypes = tuple(str(buffers[slot].kernel_dtype).removeprefix("torch.")
-                       for slot in [*range(len(buffers)), *(slot for slot, _ in self.carriers)])
-        if len(dtypes) > sp.MAX_TENSORS:
-            raise ValueError(f"{len(buffers)} captured buffers and {len(self.carriers)} symbolic sizes need "
-                             f"{len(dtypes)} tensors, more than the kernel's {sp.MAX_TENSORS}")
+        dtypes = tuple(str(b.kernel_dtype).removeprefix("torch.") for b in buffers)
         self.dtypes = dtypes
         self.typer = sp.typer(dtypes, mask)
         self.values = dict(zip(placeholders, leaves))
@@ -177,7 +172,7 @@ class _Translation:
         self.steps: list[list] = []
         self.nonneg = {"b", "h", "q", "kv"}
         self.loaded = {}  # _View -> the name of its load (a 0-d buffer read where it is used)
-        self.symbolic = {}  # (buffer slot, dim) -> the step computing that symbolic size
+        self.symbolic = {}  # buffer slot -> the step computing its symbolic size
         self.as_int = {}  # bool step -> its 0/1 int step
         self.made = 0  # steps named by `fresh`
 
@@ -224,13 +219,15 @@ class _Translation:
     def scalar(self, x):
         """A value that is one element: a buffer view indexed down to one (or a 0-d buffer) is loaded."""
         v = self.value(x)
-        if isinstance(v, _View):
-            if v.remaining:
-                raise ValueError(f"captured buffer {v.slot} is used as a tensor of {len(v.remaining)} dims")
-            if v not in self.loaded:
-                self.loaded[v] = self.load(self.fresh(f"t{v.slot}"), v)
-            return self.loaded[v]
-        return v
+        return self.read(v) if isinstance(v, _View) else v
+
+    def read(self, v: _View) -> str:
+        """The one element of a view indexed down to one (or of a 0-d buffer), loaded once."""
+        if v.remaining:
+            raise ValueError(f"captured buffer {v.slot} is used as a tensor of {len(v.remaining)} dims")
+        if v not in self.loaded:
+            self.loaded[v] = self.load(self.fresh(f"t{v.slot}"), v)
+        return self.loaded[v]
 
     def number(self, x):
         """A scalar as a number: a bool counts 0/1, as torch promotes it."""
@@ -275,7 +272,8 @@ class _Translation:
         buf = self.buffers[view.slot]
         flat, terms = 0, []
         for dim, i in view.indices:
-            size, stride = self.size(view.slot, dim, name), self.stride(view.slot, dim, name)
+            # dim 0's size wraps nothing (see below) and no stride holds it
+            size, stride = self.size(view.slot, dim, name) if dim > 0 else None, self.stride(view.slot, dim, name)
             if isinstance(i, int):
                 if dim > 0 and isinstance(size, int) and not -size <= i < size:
                     raise ValueError(f"index {i} is out of range for dim {dim} of captured buffer {view.slot}")
@@ -302,34 +300,26 @@ class _Translation:
         return self.emit(name, "load", tensor, flat)
 
     def size(self, slot: int, dim: int, name: str) -> int | str:
-        """Dim `dim` of a captured buffer: its int, or for a symbolic size (dim > 0; dim 0 needs
-        none) a step made once per program: its carrier's length, or for the buffer's first
-        symbolic size the buffer's length divided by its other sizes."""
+        """Dim `dim` of a captured buffer: its int, or for a symbolic size a step made once per
+        program: its integer operand's value, else the buffer's length divided by its other sizes."""
         shape = self.buffers[slot].shape
-        if shape[dim] is not None or dim == 0:
+        if isinstance(shape[dim], int):
             return shape[dim]
-        if (slot, dim) not in self.symbolic:
-            if (slot, dim) in self.carriers:
-                size = self.emit(self.fresh(name), "len", sp.tensor_name(self.carriers[slot, dim]))
-            else:
-                size = self.emit(self.fresh(name), "len", sp.tensor_name(slot))
-                others = self.product([s if s is not None else self.size(slot, d, name)
-                                       for d, s in enumerate(shape) if d != dim], name)
-                if others != 1:
-                    size = self.emit(self.fresh(name), "floordiv", size, others)
-            self.symbolic[slot, dim] = size
-        return self.symbolic[slot, dim]
+        if isinstance(shape[dim], SizeOperand):
+            return self.read(_View(shape[dim].slot))
+        if slot not in self.symbolic:
+            length = self.emit(self.fresh(name), "len", sp.tensor_name(slot))
+            others = self.product([self.size(slot, d, name) for d in range(len(shape)) if d != dim], name)
+            self.symbolic[slot] = length if others == 1 else self.emit(self.fresh(name), "floordiv", length, others)
+        return self.symbolic[slot]
 
     def stride(self, slot: int, dim: int, name: str) -> int | str:
         """The row-major stride of dim `dim`: an int, or a step where a later size is symbolic."""
-        shape = self.buffers[slot].shape
-        return self.product([s if s is not None else self.size(slot, d, name)
-                             for d, s in enumerate(shape) if d > dim], name)
+        return self.product([self.size(slot, d, name) for d in range(dim + 1, len(self.buffers[slot].shape))], name)
 
     def product(self, factors: list, name: str) -> int | str:
         """The product of ints and int steps: an int when all are ints, else a step."""
-        static = math.prod(f for f in factors if isinstance(f, int))
-        result = static
+        result = math.prod(f for f in factors if isinstance(f, int))
         for f in factors:
             if not isinstance(f, int):
                 result = f if result == 1 else self.emit(self.fresh(name), "mul", result, f)
