@@ -66,6 +66,8 @@ for s in $steps; do
         sweep_gemv) step sweep_gemv 400 python3 benchmarks/sweep_gemv.py quick ;;
         flex_splits) step flex_splits 300 python3 benchmarks/sweep_flex_splits.py ;;
         # transformers families (decode, prefill, training) through our kernels: tiny configs, real head dims
+        # where the families' gpt-oss prefill NaNs and Phi-3 decode crash come from (prints only)
+        diag_families) step diag_families 300 python3 benchmarks/diag_families.py ;;
         families) step families 400 python3 -m pytest -m gpu tests/gpu/test_transformers_families_gpu.py -q -rf -n 8 \
                    -p no:cacheprovider ;;
         # the whole GPU tier; SIGINT at the limit still prints what failed so far (-rf)

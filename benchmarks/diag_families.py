@@ -1,0 +1,140 @@
+"""Where the nineteenth session's two transformers-family GPU failures come from (scratch
+diagnosis for one GPU call; prints, asserts nothing):
+
+- gpt-oss's prefill gave NaN logits for 22 of 1024 tokens with our prefill kernel. Run it compiled
+  with our prefill, enabled without flex kernels, enabled with our grouped GEMM declined, and stock;
+  then our prefill op alone on gpt-oss's attention (sliding window, lse) against fp32.
+- Phi-3's padded decode step crashed in stock Triton codegen (head dim 96 is declined until it
+  passes its GPU tests). Run it stock, enabled with our flex kernels off (the traced padding term
+  alone), and ours with 96/96 allowed.
+
+    python3 benchmarks/diag_families.py    (tests/ on the path; a GPU)
+"""
+import sys
+import traceback
+
+import torch
+
+from inductor_cute.inductor.flex import lowering as flex
+
+sys.path.insert(0, "tests")
+import transformers_families as tf  # noqa: E402
+
+seen = []  # the flex lowering's decline reasons of the current section
+_decide = flex.decline_reason
+
+
+def record(problem):
+    seen.append(_decide(problem))
+    return seen[-1]
+
+
+flex.decline_reason = record
+
+
+def plain_compile_and_run(run):
+    from torch._inductor import config as ic
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    with ic.patch({"fx_graph_cache": False}):
+        r, codes = run_and_get_code(run, torch.compile)
+    torch._dynamo.reset()
+    return r, "\n".join(codes)
+
+
+def section(name, fn):
+    print(f"\n=== {name}", flush=True)
+    seen.clear()
+    try:
+        fn()
+    except Exception as e:
+        print("EXC", type(e).__name__, str(e)[:5000]); traceback.print_exc(limit=-12)
+    print("decline reasons:", seen[:12], flush=True)
+
+
+def phi3_stock():
+    config, model = tf.build("phi3", "flex_attention", "cuda")
+    _, twin = tf.build("phi3", "eager", "cuda")
+    ours, code = plain_compile_and_run(lambda c: tf.decode_logits(twin, config, c(model), 300, 512, "cuda"))
+    ref = tf.decode_logits(twin, config, twin, 300, 512, "cuda")
+    print("stock phi3 padded decode ok; token err max", tf.token_errors(ours, ref).max().item())
+
+
+def phi3_ours_ungated():
+    from inductor_cute.kernels.attention import flex_decode_config, flex_prefill_config
+    flex_decode_config.GPU_UNCHECKED_HEAD_DIMS.clear(); flex_prefill_config.GPU_UNCHECKED_HEAD_DIMS.clear()
+    config, model = tf.build("phi3", "flex_attention", "cuda")
+    _, twin = tf.build("phi3", "eager", "cuda")
+    ours, code = tf.compile_and_run(lambda c: tf.decode_logits(twin, config, c(model), 300, 512, "cuda"))
+    ref = tf.decode_logits(twin, config, twin, 300, 512, "cuda")
+    print("launchers", code.count("FlexDecodeLauncher("), "token err max", tf.token_errors(ours, ref).max().item())
+
+
+def phi3_enabled_flex_off():
+    config, model = tf.build("phi3", "flex_attention", "cuda")
+    _, twin = tf.build("phi3", "eager", "cuda")
+    ours, code = tf.compile_and_run(lambda c: tf.decode_logits(twin, config, c(model), 300, 512, "cuda"),
+                                    flex_decode=False)
+    print("enabled (traced masks), flex off: ok; graphs", code.count("# AOT ID:"))
+
+
+def gptoss(mode):
+    def run():
+        _, model = tf.build("gpt_oss", "flex_attention", "cuda")
+        _, twin = tf.build("gpt_oss", "eager", "cuda")
+        ref = tf.prefill_logits(twin, 512, "cuda")
+        eager_flex = tf.prefill_logits(model, 512, "cuda")
+        if mode == "stock":
+            ours, code = plain_compile_and_run(lambda c: tf.prefill_logits(c(model), 512, "cuda"))
+        else:
+            ours, code = tf.compile_and_run(lambda c: tf.prefill_logits(c(model), 512, "cuda"), **mode)
+        e = tf.token_errors(ours, ref)
+        print(mode, "ref nan", ref.isnan().sum().item(), "eager-flex nan", eager_flex.isnan().sum().item(),
+              "ours nan tokens", ours.isnan().any(-1).sum().item(), "far", int((e > 3e-2).sum()),
+              "eager-flex far", int((tf.token_errors(eager_flex, ref) > 3e-2).sum()),
+              "launchers", code.count("FlexPrefillLauncher("), code.count("FlexDecodeLauncher("),
+              "bmm/mm externs", code.count("extern_kernels.bmm"), code.count("extern_kernels.mm"),
+              "cute gemm", code.count("inductor_cute"))
+        bad = ours.isnan().any(-1).nonzero().tolist()
+        print("nan token positions", bad[:30])
+    return run
+
+
+def gptoss_op():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    import inductor_cute
+    torch.manual_seed(0)
+    for B, H, KH, S, D in [(2, 4, 2, 512, 64), (2, 64, 8, 512, 64)]:
+        q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, KH, S, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, KH, S, D, device="cuda", dtype=torch.bfloat16)
+        def sw(b, h, m, n):  # causal within gpt-oss's tiny sliding window (tf.SLIDING)
+            return (n <= m) & (m - n < tf.SLIDING)
+        bm = create_block_mask(sw, B, None, S, S, device="cuda")
+        f = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True))
+        torch._dynamo.reset()
+        with inductor_cute.enable(flex_prefill=True), torch.no_grad():
+            out, lse = f(q, k, v)
+        ro, rl = flex_attention(q.float(), k.float(), v.float(), block_mask=bm, enable_gqa=True, return_lse=True)
+        print(B, H, S, D, "out nan", out.isnan().sum().item(), "lse nan", lse.isnan().sum().item(),
+              "out err", (out.float() - ro).abs().max().item(), "lse err", (lse - rl).abs().max().item(), "decisions", seen)
+
+
+def gptoss_no_grouped():
+    from inductor_cute.inductor.grouped import lowering as g
+    keep = g.decline_reason
+    g.decline_reason = lambda *a, **k: "diag: grouped off"
+    try:
+        gptoss(dict(flex_decode=False))()
+    finally:
+        g.decline_reason = keep
+
+
+if __name__ == "__main__":
+    section("gptoss enabled, prefill", gptoss(dict(flex_prefill=True)))
+    section("gptoss enabled, flex off", gptoss(dict(flex_decode=False)))
+    section("gptoss enabled, flex off, grouped off", gptoss_no_grouped)
+    section("phi3 stock", phi3_stock)
+    section("phi3 enabled, flex off", phi3_enabled_flex_off)
+    section("gptoss op", gptoss_op)
+    section("phi3 ours (96 ungated)", phi3_ours_ungated)
