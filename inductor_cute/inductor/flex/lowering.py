@@ -358,7 +358,7 @@ def _captured_buffers(buffers, device) -> tuple[Captured, ...]:
     return tuple(_captured(buf, device, operands) for buf in buffers)
 
 
-def _captured(buf, device, size_operands=None) -> Captured:
+def _captured(buf, device, size_operands: dict) -> Captured:
     """How the kernel reads a captured buffer (translate.py): a tensor on `device`, or an integer
     operand (a SymInt, under dynamic shapes), which the lowering hands over as a 1-element tensor.
     `size_operands`: symbolic size -> the SizeOperand that holds it."""
@@ -366,7 +366,7 @@ def _captured(buf, device, size_operands=None) -> Captured:
         shape = [_static(size) for size in buf.get_size()]
         symbolic = [dim for dim, s in enumerate(shape) if s is None]
         for dim in symbolic[1:]:  # the first is read from the buffer's length: no load
-            shape[dim] = (size_operands or {}).get(buf.get_size()[dim])
+            shape[dim] = size_operands.get(buf.get_size()[dim])
         return describe(buf.get_dtype(), shape, buf.get_device() == device)
     if isinstance(buf, (int, sympy.Expr)) and not isinstance(buf, bool) and sympy.sympify(buf).is_integer:
         return describe(torch.int64, ())
