@@ -104,30 +104,38 @@ def run_keeping_code(fn, *args):
         return fn(*args), codes
 
 
+def attend_padded(q, k, v, pad):
+    """flex_attention with a (batch, kv_len) padding mask as transformers captures it, and the lse."""
+    return flex_attention(q, k, v, enable_gqa=True, return_lse=True,
+                          score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf")))
+
+
+def check_padded_steps(compiled, steps):
+    """For each (batch, kv_len, graphs): `compiled` (attend_padded) compiles `graphs` new graphs,
+    each running our kernel, writes every element (the allocator poisoned) and matches fp32."""
+    import inductor_cute
+
+    for batch, kv_len, graphs in steps:
+        q, k, v = rand(batch, 8, 1, 128), rand(batch, 2, kv_len, 128), rand(batch, 2, kv_len, 128)
+        pad = torch.rand(batch, kv_len, device="cuda") > 0.2
+        poison_allocator()
+        with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False):
+            (out, lse), codes = run_keeping_code(compiled, q, k, v, pad)
+        assert sum(c.count(OUR_CALL) for c in codes) == graphs
+        ref, ref_lse = attend_padded(q.float(), k.float(), v.float(), pad)
+        assert not out.isnan().any() and not lse.isnan().any(), "unwritten (poisoned) elements"
+        assert_out_close(out, ref, q.dtype)
+        assert_lse_close(lse, ref_lse)
+
+
 def test_a_padding_mask_of_symbolic_length_runs_our_kernel():
     """An eager generate() recompiles transformers' compiled flex_attention once the KV length
     changes (automatic dynamic: that size alone turns symbolic), its (batch, kv_len) padding mask
     with it: our kernel runs in both graphs, reading the mask's rows at the stride its length gives,
     the second graph serving every later length; every element written and matching fp32."""
-    import inductor_cute
-
-    def attend(q, k, v, pad):
-        return flex_attention(q, k, v, enable_gqa=True, return_lse=True,
-                              score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf")))
-
     torch._dynamo.reset()
-    compiled = torch.compile(attend)
-    for kv_len, graphs in ((1500, 1), (1777, 1), (1901, 0)):  # static, then symbolic, then reused
-        q, k, v = rand(4, 8, 1, 128), rand(4, 2, kv_len, 128), rand(4, 2, kv_len, 128)
-        pad = torch.rand(4, kv_len, device="cuda") > 0.2
-        poison_allocator()
-        with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False):
-            (out, lse), codes = run_keeping_code(compiled, q, k, v, pad)
-        assert sum(c.count(OUR_CALL) for c in codes) == graphs
-        ref, ref_lse = attend(q.float(), k.float(), v.float(), pad)
-        assert not out.isnan().any() and not lse.isnan().any(), "unwritten (poisoned) elements"
-        assert_out_close(out, ref, q.dtype)
-        assert_lse_close(lse, ref_lse)
+    # static, then symbolic, then reused
+    check_padded_steps(torch.compile(attend_padded), [(4, 1500, 1), (4, 1777, 1), (4, 1901, 0)])
     torch._dynamo.reset()
 
 
@@ -135,25 +143,9 @@ def test_a_padding_mask_symbolic_in_batch_and_length_runs_our_kernel():
     """dynamic=True: the mask's batch and length both symbolic; its row stride is the kv_len operand
     Dynamo captures beside it (translate.SizeOperand). One graph serves two batches and lengths,
     every element written and matching fp32."""
-    import inductor_cute
-
-    def attend(q, k, v, pad):
-        return flex_attention(q, k, v, enable_gqa=True, return_lse=True,
-                              score_mod=lambda s, b, h, m, n: torch.where(pad[b, n], s, float("-inf")))
-
     torch._dynamo.reset()
-    compiled = torch.compile(attend, dynamic=True)
-    for batch, kv_len, graphs in ((4, 1500, 1), (3, 1777, 0)):  # no size equal to the batch (duck sizing)
-        q, k, v = rand(batch, 8, 1, 128), rand(batch, 2, kv_len, 128), rand(batch, 2, kv_len, 128)
-        pad = torch.rand(batch, kv_len, device="cuda") > 0.2
-        poison_allocator()
-        with inductor_cute.enable(flex_decode=True), inductor_config.patch(fx_graph_cache=False):
-            (out, lse), codes = run_keeping_code(compiled, q, k, v, pad)
-        assert sum(c.count(OUR_CALL) for c in codes) == graphs
-        ref, ref_lse = attend(q.float(), k.float(), v.float(), pad)
-        assert not out.isnan().any() and not lse.isnan().any(), "unwritten (poisoned) elements"
-        assert_out_close(out, ref, q.dtype)
-        assert_lse_close(lse, ref_lse)
+    # batches 4 and 3: no other size equals them (duck sizing would share a symbol)
+    check_padded_steps(torch.compile(attend_padded, dynamic=True), [(4, 1500, 1), (3, 1777, 0)])
     torch._dynamo.reset()
 
 
