@@ -238,3 +238,49 @@ def test_transformers_imported_after_enable_still_gets_the_padding_check_traced(
     out = subprocess.run([sys.executable, "-c", FAST_ALL_LATE], capture_output=True, text=True,
                          env=dict(os.environ), timeout=300, check=True).stdout
     assert out.split()[-1] == "True"
+
+
+def test_a_padding_mask_padded_in_the_graph_reaches_the_stock_lowering_realized(monkeypatch):
+    # transformers pads its 2-D attention mask to the cache length (constant_pad_nd). Traced, the
+    # BlockMask no longer breaks the graph before flex_attention, so the pad is in its graph; the
+    # stock lowering builds the mask_mod's subgraph before it realizes captured tensors, and
+    # Triton's template code cannot inline the pad (the GPU crashed on Phi-3's padded decode).
+    # With only the tracing on, our flex lowering is installed to realize them first.
+    from torch._inductor import ir
+
+    from inductor_cute.inductor import hooks
+
+    seen, real = [], hooks.stock_lowering
+
+    def spy(op):
+        stock = real(op)
+
+        def lowering(*args):
+            seen.extend(ir.is_storage_and_layout(b) for b in args[-1])
+            return stock(*args)
+        return lowering
+
+    monkeypatch.setattr(hooks, "stock_lowering", spy)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 64, generator=g) for n in (1, 300, 300))
+    attention_mask = torch.ones(2, 260, dtype=torch.bool)
+    attention_mask[0, :30] = False  # left padding
+
+    def attend_padded(q, k, v, attention_mask):
+        keep = torch.nn.functional.pad(attention_mask, (0, k.shape[2] - attention_mask.shape[1]))
+
+        def mask_mod(b, h, m, n):
+            return (n <= 259) & keep[b, n]
+
+        block_mask = create_block_mask(mask_mod, 2, None, 1, 300, device="cpu", _compile=True)
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    no_cache = torch._inductor.config.patch(force_disable_caches=True)
+    with inductor_cute.enable(flex_decode=False), torch.no_grad(), no_cache:
+        torch._dynamo.reset()
+        out = torch.compile(attend_padded)(q, k, v, attention_mask)
+    assert seen == [True]
+    s = (q.double() @ k.double().transpose(-1, -2)) / 8.0
+    allowed = (torch.arange(300) <= 259) & torch.nn.functional.pad(attention_mask, (0, 40))[:, None, None, :]
+    ref = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v.double()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -57,7 +57,7 @@ def test_enable_wraps_the_lowering_and_disable_restores_it():
     from inductor_cute.inductor.install import hook
 
     stock = lowering.lowerings[HOP]
-    with inductor_cute.enable(flex_decode=False):
+    with inductor_cute.enable(flex_decode=False, trace_block_masks=False):
         assert lowering.lowerings[HOP] is stock
     with inductor_cute.enable():  # on by default
         assert lowering.lowerings[HOP] is flex._flex_attention

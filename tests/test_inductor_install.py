@@ -79,17 +79,24 @@ def test_enable_installs_what_its_settings_ask_for(stock):
         assert common.device_codegens["cuda"].scheduling.replaced is stock["cuda codegen"].scheduling
         assert install.stock_lowering(HOP) is stock["flex lowering"]
         assert inductor_config.benchmark_epilogue_fusion is False
-    with inductor_cute.enable(fuse_epilogues=False, flex_decode=False):
+    with inductor_cute.enable(fuse_epilogues=False, flex_decode=False, trace_block_masks=False):
         assert installed() == {"gemm_extern_kernel": True, "gemm_feedback_log": True, "cuda_scheduling": False,
                                "flex_attention_lowering": False, "flex_attention_backward_lowering": False,
                                "grouped_extern_kernel": True,
                                "grouped_mm_autotuning": True, "grouped_mm_lowering": True, "choice_timing": True,
                                "fusion_timing_fused_nodes": True, "fusion_timing_codegened_module": True,
-                               "runtime_tuning_timing": True, "m1_mm_kept": False, "block_mask_tracing": True}
+                               "runtime_tuning_timing": True, "m1_mm_kept": False, "block_mask_tracing": False}
         assert install.stock_lowering(GROUPED_MM) is stock["grouped_mm lowering"]
         assert inductor_config.benchmark_epilogue_fusion == stock["benchmark_epilogue_fusion"]
         with pytest.raises(RuntimeError, match="no lowering of ours"):
             install.stock_lowering(HOP)
+
+
+def test_traced_block_masks_alone_install_the_flex_lowering(stock):
+    # it realizes the captured tensors of the calls the stock lowering gets (test_block_masks.py)
+    with inductor_cute.enable(flex_decode=False):
+        assert installed()["flex_attention_lowering"] and installed()["block_mask_tracing"]
+        assert install.stock_lowering(HOP) is stock["flex lowering"]
 
 
 def test_flex_prefill_alone_installs_the_flex_lowering(stock):
@@ -114,10 +121,11 @@ def test_flex_backward_installs_the_backward_lowering(stock):
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
     inductor_cute.enable(fuse_epilogues=True, flex_decode=True)
     outer = state()
-    inductor_cute.enable(fuse_epilogues=False, flex_decode=False)  # takes the outer's hooks out
+    inductor_cute.enable(fuse_epilogues=False, flex_decode=False, trace_block_masks=False)  # takes hooks out
     assert not installed()["cuda_scheduling"] and not installed()["flex_attention_lowering"]
-    assert V.choices.settings == install.Settings(fuse_epilogues=False, flex_decode=False, group_gemv=True)
-    assert install.active_settings() == install.Settings(group_gemv=True)
+    assert V.choices.settings == install.Settings(fuse_epilogues=False, flex_decode=False, group_gemv=True,
+                                                  trace_block_masks=False)
+    assert install.active_settings() == install.Settings(group_gemv=True, trace_block_masks=False)
     inductor_cute.enable(fuse_epilogues=True, flex_decode=False)
     assert install.active_settings().fuse_epilogues and installed()["cuda_scheduling"]
     inductor_cute.disable()
@@ -245,3 +253,12 @@ def test_pdl_turns_on_inductors_dependent_launch_for_the_enabled_level_only():
             assert inductor_config.triton.enable_pdl is True
         with inductor_cute.enable():
             assert inductor_config.triton.enable_pdl is True
+
+
+def test_choices_factory_gives_what_enable_sets_for_the_same_settings(stock):
+    # a graph cached by an enabled process is found by one that sets the factory directly
+    # (tests/gpu/test_flex_compile_gpu.py: test_fx_cached_graph_runs_in_a_fresh_process)
+    with inductor_cute.enable(flex_decode=True, group_gemv=False):
+        assert inductor_config.inductor_choices_class is install.choices_factory(flex_decode=True)
+    with inductor_cute.enable(flex_decode=True):  # the grouped GEMV pass on: another key
+        assert inductor_config.inductor_choices_class is not install.choices_factory(flex_decode=True)

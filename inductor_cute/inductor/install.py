@@ -90,8 +90,9 @@ HOOKS: tuple[Hook, ...] = (
     FeedbackSaver("gemm_feedback_log", _attr(".gemm.extern", "log_timings")),
     SchedulingWrapper("cuda_scheduling", "cuda", _attr(".gemm.template", "CudaSchedulingConstructor"),
                       when=lambda settings: settings.fuse_epilogues),
+    # (with traced BlockMasks alone too: a call it declines gets its captured tensors realized first)
     LoweringWrapper("flex_attention_lowering", _flex_attention_hop, _attr(".flex.lowering", "_flex_attention"),
-                    when=lambda settings: settings.flex_decode or settings.flex_prefill),
+                    when=lambda s: s.flex_decode or s.flex_prefill or s.trace_block_masks),
     # training graphs: the backward HOP of a call our forward took (flex/backward.py; the same decision)
     LoweringWrapper("flex_attention_backward_lowering", _flex_attention_backward_hop,
                     _attr(".flex.backward", "_flex_attention_backward"), when=lambda settings: settings.flex_backward),

@@ -63,9 +63,11 @@ class _FlexBackwardCall(_lowering._FlexCall):
 
 
 def _flex_attention_backward(*args, **kwargs):
+    captured = ()
     try:  # torch 2.11 and 2.13 pass these 14 by position; another count is a decision failure, not a crash
         (query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, _joint_graph, block_mask, scale,
          kernel_options, score_mod_other_buffers, mask_mod_other_buffers) = args
+        captured = (*score_mod_other_buffers, *mask_mod_other_buffers)
         problem = None if V.graph.cpp_wrapper else _lowering._problem(
             query, key, value, fw_graph, block_mask, scale, kernel_options, score_mod_other_buffers,
             mask_mod_other_buffers)
@@ -83,6 +85,7 @@ def _flex_attention_backward(*args, **kwargs):
         from ..hooks import stock_lowering
 
         log.debug("inductor-cute: flex_attention backward left to the stock lowering: %s", reason)
+        _lowering.realized(captured)  # as for the forward (a pad the partitioner recomputes here)
         return stock_lowering(_HOP)(*args, **kwargs)
     _lowering.add_guards(problem, query)
     log.info("inductor-cute: flex_attention backward %s runs our kernels (score program %r, mask program %r%s)",

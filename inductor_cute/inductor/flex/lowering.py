@@ -482,7 +482,7 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
 
         log.debug("inductor-cute: flex_attention left to the stock lowering: %s", reason)
         return stock_lowering(_HOP)(query, key, value, subgraph, block_mask, scale, kernel_options,
-                                    score_mod_other_buffers, mask_mod_other_buffers)
+                                    realized(score_mod_other_buffers), realized(mask_mod_other_buffers))
     add_guards(problem, query)
     log.info("inductor-cute: flex_attention %s runs our %s kernel (score program %r, mask program %r%s)",
              list(query.get_size()), problem.kernel, *programs, "" if problem.keys_all_in_blocks else ", a block mask")
@@ -495,6 +495,18 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
     mask_buffers = [_kernel_buffer(buf, c, device) for buf, c in zip(mask_mod_other_buffers, problem.mask_buffers)]
     return _lower_to_kernel(problem.kernel, query, key, value, float(scale), programs, score_buffers, mask_buffers,
                             block_tensors, kv_block, q_block)
+
+
+def realized(captured: tuple) -> tuple:
+    """The captured tensors, realized into buffers, for the stock lowering. It builds a mod's
+    subgraph from them before it realizes them, so a tensor the same graph computes is inlined
+    into the template; Triton's template code cannot inline a `constant_pad_nd` (ops.masked:
+    "'function' object has no attribute 'graph'", torch 2.11). transformers pads its 2-D attention
+    mask so, and a BlockMask traced into the graph (block_masks.py) keeps that pad in the graph."""
+    for buf in captured:
+        if isinstance(buf, ir.TensorBox):
+            buf.realize()
+    return captured
 
 
 def add_guards(problem: FlexProblem, query) -> None:
