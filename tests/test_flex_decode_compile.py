@@ -284,6 +284,15 @@ def test_spec_spells_problem_and_config_and_reads_back():
     assert from_params(s.kwargs) == (problem, default_config(problem))
 
 
+def test_query_row_copies_stop_at_each_rows_end():
+    # the query tile's cp.async stretches (16 bytes a thread) must tile every row exactly: at 96
+    # columns a 64-column stretch read 32 columns of the next row into the next row of sQ
+    for dqk, _ in HEAD_DIMS:
+        threads = fdc.q_copy_threads_per_row(dqk)
+        assert dqk % (threads * 8) == 0 and 128 % threads == 0, dqk
+    assert fdc.q_copy_threads_per_row(96) == 4 and fdc.q_copy_threads_per_row(128) == 8
+
+
 def test_packed_gqa_rows_map_to_query_heads_and_positions_and_back():
     from inductor_cute.kernels.attention.pack_gqa import PackGQA
 

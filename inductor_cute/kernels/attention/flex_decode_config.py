@@ -15,6 +15,7 @@ back in the kernel module's build).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ...runtime.arch import SUPPORTED
@@ -71,6 +72,13 @@ class FlexDecodeProblem:
 def pack_factor(problem: FlexDecodeProblem) -> int:
     """Query heads whose rows share one CTA (PackGQA's group)."""
     return 1 if problem.gqa_unpacked else problem.q_per_kv
+
+
+def q_copy_threads_per_row(head_dim_qk: int) -> int:
+    """Threads that copy one stretch of a query row into shared memory, 16 bytes each: 8 (64
+    columns), 4 where 64 does not divide the row (32 and 96 columns). A stretch running past the
+    row's end read the next row and wrote into the next row of sQ: 96/96 under GQA failed on the GPU."""
+    return math.gcd(8, head_dim_qk // 8)
 
 
 def unpacks_gqa(mask_heads: int, q_per_kv: int) -> bool:

@@ -66,7 +66,7 @@ from .block_sparse import BlockSparse, deal_over_splits
 from .combine import SplitCombine
 from .fake_operands import CUTE_DTYPES
 from .flex_decode_config import (ROWS, FlexDecodeConfig, FlexDecodeProblem, config_error, from_params, pack_factor,
-                                 smem_bytes)
+                                 q_copy_threads_per_row, smem_bytes)
 from .mask import ScoreMods, mask_past_end
 from .pack_gqa import PackGQA
 from .softmax import online_softmax, softmax_finalize, softmax_state
@@ -288,7 +288,7 @@ class FlexDecodeSm90:
         the last query keep stale data: their outputs are never written."""
         vec = 8
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
-        tpr = min(8, self.dqk // vec)  # threads per 64-column stretch of a row (32 columns: 4)
+        tpr = q_copy_threads_per_row(self.dqk)
         copy = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((self.consumer_threads // tpr, tpr), order=(1, 0)),
                                        cute.make_layout((1, vec)))
         thr = copy.get_slice(ctid)
