@@ -167,3 +167,24 @@ def test_transformers_qwen3_moe_experts_are_fused(cpu_counts_as_cuda):
     assert "torch.ops.inductor_cute.grouped_mm_gated.default(" in "\n".join(codes)
     out, want = (o[0] if isinstance(o, tuple) else o for o in (out, want))
     torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+
+
+def test_the_patterns_register_under_torch_2_11s_init_once_fakemode(cpu_counts_as_cuda, monkeypatch):
+    # torch 2.11's init_once_fakemode calls the function with the device by position (2.13 passes it
+    # only to a function naming it); the GPU machine's torch is 2.11, and the pass failed there
+    from torch._inductor import pattern_matcher
+
+    calls = []
+
+    def init_once_fakemode_2_11(fn):
+        def lazy_init(input_device=None):
+            calls.append(input_device)
+            with torch._subclasses.FakeTensorMode():
+                return fn(input_device)
+        return lazy_init
+
+    monkeypatch.setattr(pattern_matcher, "init_once_fakemode", init_once_fakemode_2_11)
+    monkeypatch.setattr(gate, "_PATTERNS", None)
+    x, w, offs = inputs()
+    gm = traced(transformers_experts, x, w, offs)
+    assert gate.fuse_grouped_gates(gm.graph) == 1 and calls == [None]

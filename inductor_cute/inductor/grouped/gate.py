@@ -160,7 +160,7 @@ def _register_patterns() -> None:
     from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, init_once_fakemode, register_replacement
 
     @init_once_fakemode
-    def register():
+    def register(input_device=None):  # torch 2.11 passes it by position; 2.13 only to a function naming it
         global _PATTERNS
         patterns = PatternMatcherPass(pass_name="inductor_cute_grouped_gate")
         example = [torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16),
