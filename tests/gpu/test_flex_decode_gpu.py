@@ -252,7 +252,7 @@ def test_unsupported_inputs_are_refused_in_one_line():
     with pytest.raises(UnsupportedError, match="strides"):
         k = rand(1, 8, 16, 129)[..., :128]  # rows 129 elements apart: not 16-byte aligned
         ops.flex_decode(q, k, k)
-    with pytest.raises(UnsupportedError, match="^flex_decode: score_mod: score step slope: load from unknown"):
+    with pytest.raises(UnsupportedError, match="^flex_decode: score_mod: score step slope: load of unknown tensor"):
         ops.flex_decode(q, rand(1, 8, 16, 128), rand(1, 8, 16, 128), score_mod=ALIBI)
     with pytest.raises(UnsupportedError, match="float64 is not supported"):
         ops.flex_decode(q, rand(1, 8, 16, 128), rand(1, 8, 16, 128), score_mod=ALIBI,
