@@ -323,22 +323,20 @@ def test_shared_memory_fits_and_matches_the_kernel_layout(monkeypatch):
 
 
 @pytest.mark.parametrize("dims", [(96, 96), (64, 32)])
-def test_head_dims_not_yet_run_compile_without_local_memory(monkeypatch, dims):
-    # Phi-3/3.5-mini's 96 (192-byte rows, 64-byte swizzles) and PyTorch's tests' 64/32: offered
-    # once their GPU tests pass
-    monkeypatch.setattr(fpc, "GPU_UNCHECKED_HEAD_DIMS", set())
+def test_head_dims_96_and_64_32_compile_without_local_memory(dims):
+    # Phi-3/3.5-mini's 96 (192-byte rows, 64-byte swizzles) and PyTorch's tests' 64/32
     compiled = compile_spec(spec(FlexPrefillProblem(*dims, "bfloat16", mask_program=CAUSAL, sparse_block=128)),
                             "sm_90a", keep_ptx=True)
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", compiled.ptxas_report)
 
 
-def test_unsupported_problems_and_configs_are_named():
+def test_unsupported_problems_and_configs_are_named(monkeypatch):
     assert "dtype float32" in unsupported_reason(128, 128, "float32")
     assert unsupported_reason(256, 256, "bfloat16") is None and unsupported_reason(192, 128, "bfloat16") is None
     assert "head dims 128/192" in unsupported_reason(128, 192, "bfloat16")  # O is staged in Q's buffer
     assert "head dims 80/80" in unsupported_reason(80, 80, "bfloat16")
-    assert "96/96 (qk/v) are not yet checked on a GPU" in unsupported_reason(96, 96, "bfloat16")
+    assert unsupported_reason(96, 96, "bfloat16") is None and unsupported_reason(64, 32, "bfloat16") is None
     assert unsupported_reason(64, 64, "float16") is None
     p = FlexPrefillProblem(128, 128, "bfloat16")
     assert "stages must be at least 2" in config_error(FlexPrefillConfig(128, 1), p)
@@ -362,6 +360,8 @@ def test_unsupported_problems_and_configs_are_named():
     assert sparse_block_reason(128, 128, 128) is None and sparse_block_reason(256, 512, 128) is None
     assert "KV block" in sparse_block_reason(64, 128, 128)
     assert "query block" in sparse_block_reason(128, 64, 128)
+    monkeypatch.setattr(fpc, "GPU_UNCHECKED_HEAD_DIMS", {(96, 96)})  # a kernel not yet run on a GPU is refused
+    assert "96/96 (qk/v) are not yet checked on a GPU" in unsupported_reason(96, 96, "bfloat16")
 
 
 def test_spec_spells_problem_and_config_and_reads_back():

@@ -85,9 +85,8 @@ def test_a_symbolic_query_length_picks_its_kernel_at_the_hint(plain, hopper):
 
 DECLINED = {
     "head dim 80": (dict(head_dim_qk=80, head_dim_v=80),
-                    "head dims 80/80 (qk/v) are not supported (supported: 64/64, 128/128, 192/128, 256/256)"),
-    "head dim 96 (not yet run on a GPU)": (dict(head_dim_qk=96, head_dim_v=96),
-                                           "head dims 96/96 (qk/v) are not yet checked on a GPU"),
+                    "head dims 80/80 (qk/v) are not supported (supported: 64/64, 128/128, 192/128, 256/256, "
+                    "96/96, 64/32)"),
     "absorbed MLA 576/512 (decode only)": (dict(head_dim_qk=576, head_dim_v=512), "head dims 576/512 (qk/v) are not"),
     "float32": (dict(dtypes=(torch.float32,) * 3), "dtype float32 is not supported (use bfloat16 or float16)"),
     # a real one on the GPU only: flex_attention has no backward on the CPU
@@ -199,15 +198,15 @@ def test_prefill_alone_leaves_decoding_calls_stock(cpu_accepted, decisions):
         ("decode", "flex_decode is off (enable(flex_decode=True) offers our decode kernel)"), ("prefill", None)]
 
 
-@pytest.mark.parametrize("case", ["head dim 96", "float32"])
+@pytest.mark.parametrize("case", ["head dim 80", "float32"])
 def test_unsupported_calls_are_declined_and_logged(cpu_accepted, decisions, caplog, case):
-    dim, dtype = (96, torch.bfloat16) if case == "head dim 96" else (64, torch.float32)  # 96: not yet checked
+    dim, dtype = (80, torch.bfloat16) if case == "head dim 80" else (64, torch.float32)
     q, k, v = qkv(batch=1, q_len=200, kv_len=200, dim=dim, dtype=dtype)
     with caplog.at_level(logging.DEBUG, logger=flex.__name__):
         out, code = compiled(flex_attention, q, k, v, enable_gqa=True, flex_prefill=True)
     (_, reason), = decisions
-    assert reason == ("head dims 96/96 (qk/v) are not yet checked on a GPU"
-                      if case == "head dim 96" else "dtype float32 is not supported (use bfloat16 or float16)")
+    assert reason == {"head dim 80": DECLINED["head dim 80"][1],
+                      "float32": "dtype float32 is not supported (use bfloat16 or float16)"}[case]
     assert f"left to the stock lowering: {reason}" in caplog.text
     assert OUR_PREFILL_CALL not in code
     torch.testing.assert_close(out, flex_attention(q, k, v, enable_gqa=True), atol=2e-2, rtol=2e-2)
