@@ -96,6 +96,7 @@ def test_traced_block_masks_alone_install_the_flex_lowering(stock):
     # it realizes the captured tensors of the calls the stock lowering gets (test_block_masks.py)
     with inductor_cute.enable(flex_decode=False):
         assert installed()["flex_attention_lowering"] and installed()["block_mask_tracing"]
+        assert installed()["flex_attention_backward_lowering"]  # the stock backward builds them so too
         assert install.stock_lowering(HOP) is stock["flex lowering"]
 
 
@@ -107,7 +108,9 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
         assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0-tbm1-gate0")
     with inductor_cute.enable():
         assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False, group_gemv=True)
-        assert not installed()["flex_attention_backward_lowering"]  # training through our kernels is opt-in
+        # training through our kernels is opt-in: the backward lowering, installed for traced masks'
+        # captures, declines (test_flex_backward_lowering.py: "opt-in: enable(flex_backward=True)")
+        assert not V.choices.settings.flex_backward and installed()["flex_attention_backward_lowering"]
 
 
 def test_flex_backward_installs_the_backward_lowering(stock):

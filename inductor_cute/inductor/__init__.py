@@ -4,7 +4,9 @@
     inductor_cute.enable()              # or: with inductor_cute.enable(): ...
     torch.compile(model, mode="max-autotune")
 
-For people who configure Inductor directly, the same two settings `enable()` makes:
+For people who configure Inductor directly, our mm/addmm/bmm choices are two settings (enable()
+also installs the flex_attention and grouped_mm lowerings and graph passes, and its settings enter
+the factory's cache-key tag, so its graphs are cached apart from these):
 
     torch._inductor.config.inductor_choices_class = inductor_cute.inductor.choices_factory()
     torch._inductor.config.max_autotune_gemm_backends = "ATEN,TRITON,ICUTE"

@@ -95,7 +95,8 @@ HOOKS: tuple[Hook, ...] = (
                     when=lambda s: s.flex_decode or s.flex_prefill or s.trace_block_masks),
     # training graphs: the backward HOP of a call our forward took (flex/backward.py; the same decision)
     LoweringWrapper("flex_attention_backward_lowering", _flex_attention_backward_hop,
-                    _attr(".flex.backward", "_flex_attention_backward"), when=lambda settings: settings.flex_backward),
+                    _attr(".flex.backward", "_flex_attention_backward"),
+                    when=lambda s: s.flex_backward or s.trace_block_masks),
     # torch._grouped_mm: our configs join the stock lowering's autotuning (grouped/lowering.py)
     GROUPED_KERNEL,
     AttributeWrapper("grouped_mm_autotuning", "torch._inductor.kernel.mm_grouped", "autotune_select_algorithm",
