@@ -6,7 +6,8 @@ hiding a tile's first block and epilogue pay at 8 blocks per tile?).
     python3 benchmarks/prefill_levers.py
 
 Per case: the device's default config, then with poly_exps 4, 8, 12 and 16 of each row's 32
-values per KV block, overlap_tiles, and both (where the config fits the case), device times from
+values per KV block, overlap_tiles, and both, persistent CTAs with and without dynamic_tiles
+(where the config fits the case), device times from
 bench.timing (interleaved), TFLOP/s of the unmasked work and the output's largest difference from
 the default's. Not a bench suite: no record is written; the perf notes keep the numbers.
 """
@@ -26,7 +27,9 @@ from flex_backward_speed import CAUSAL, LISTS, causal_block_mask  # (benchmarks/
 
 VARIANTS = {"default": {}, **{f"poly_exps {n}": dict(poly_exps=n) for n in (4, 8, 12, 16)},
             "overlap_tiles": dict(overlap_tiles=True),
-            "overlap_tiles poly_exps 8": dict(overlap_tiles=True, poly_exps=8)}
+            "overlap_tiles poly_exps 8": dict(overlap_tiles=True, poly_exps=8),
+            # issue 13's MLA lever: persistent CTAs that claim causal tiles longest first
+            "persistent": dict(persistent_ctas=-1), "dynamic_tiles": dict(persistent_ctas=-1, dynamic_tiles=True)}
 # (name, batch, query heads, KV heads, length, head dims, causal): issue 13's d64 case, then two
 # whose softmax is a smaller share of the block (d128, MLA)
 CASES = [
@@ -45,7 +48,9 @@ def run_case(name, b, hq, hkv, s, dims, causal):
     problem = fpc.FlexPrefillProblem(d, dv, "bfloat16", mask_program=CAUSAL if causal else "",
                                      sparse_block=128 if causal else 0)
     base = fpc.default_config(problem, sm_count(0))
-    configs = {label: dataclasses.replace(base, **changes) for label, changes in VARIANTS.items()}
+    ctas = sm_count(0)  # -1 above: one CTA per SM
+    configs = {label: dataclasses.replace(base, **{k: ctas if v == -1 else v for k, v in changes.items()})
+               for label, changes in VARIANTS.items()}
     configs = {label: c for label, c in configs.items() if fpc.config_error(c, problem) is None}
     fns = {label: (lambda c=c: flex_prefill(q, k, v, config=c, **kwargs)) for label, c in configs.items()}
     reference = fns["default"]().float()
