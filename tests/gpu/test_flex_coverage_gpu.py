@@ -11,7 +11,10 @@ import copy
 import pytest
 import torch
 from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
+
+import inductor_cute
 
 from .test_flex_compile_gpu import (OUR_CALL, assert_lse_close, assert_out_close, compiled_run,  # noqa: F401
                                     fresh_compile)
@@ -159,7 +162,6 @@ def test_transformers_llama_decode_step_runs_our_kernel(padded, trace_block_mask
     step is one graph (the BlockMask built in it, padded or not), also under CUDA graphs (none skipped; three
     replays, the position advancing, each matching SDPA)."""
     from torch._dynamo.utils import counters
-    from torch._inductor.utils import run_and_get_code
 
     import inductor_cute
 
@@ -323,3 +325,31 @@ def test_what_the_kernel_cannot_take_goes_to_the_stock_lowering():
     torch._dynamo.reset()  # head dims 96/96: no kernel variant
     q96, k96 = rand(B, HQ, 1, 96), rand(B, HKV, KV, 96)
     check_stock(q96, k96, rand(B, HKV, KV, 96), score_mod=alibi_exp2(HQ))
+
+
+@pytest.mark.parametrize("flex_decode", [False, True], ids=["our flex off", "head dim 80 declined"])
+def test_a_mask_padded_in_the_graph_reaches_the_stock_triton_kernel(flex_decode):
+    # transformers pads its 2-D attention mask to the cache length; with the BlockMask traced the
+    # pad sits in flex_attention's graph, and the stock lowering inlined it into its Triton
+    # template, which crashed ('function' object has no attribute 'graph': Phi-3's padded decode,
+    # H100). Our lowering realizes captured tensors before it hands a call to the stock one
+    # (CPU twin: tests/test_block_masks.py)
+    q, k, v = rand(2, 8, 1, 80), rand(2, 2, KV, 80), rand(2, 2, KV, 80)
+    attention_mask = torch.ones(2, SEEN + 1, dtype=torch.bool, device="cuda")
+    attention_mask[0, :37] = False  # left padding
+
+    def attend(q, k, v, attention_mask):
+        keep = torch.nn.functional.pad(attention_mask, (0, KV - attention_mask.shape[1]))
+
+        def mask_mod(b, h, m, n):
+            return (n <= SEEN) & keep[b, n]
+
+        block_mask = create_block_mask(mask_mod, 2, None, 1, KV, device="cuda", _compile=True)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    torch._dynamo.reset()
+    with inductor_cute.enable(flex_decode=flex_decode), inductor_config.patch(fx_graph_cache=False), torch.no_grad():
+        out, codes = run_and_get_code(torch.compile(attend), q, k, v, attention_mask)
+    assert OUR_CALL not in "\n".join(codes)
+    ref = attend(q.float(), k.float(), v.float(), attention_mask)
+    assert (out.float() - ref).abs().max().item() < 2e-2
