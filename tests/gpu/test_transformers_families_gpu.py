@@ -59,19 +59,27 @@ def assert_ours_where_taken(name, phase, code, decisions):
 def test_a_padded_decode_step(decisions, name):
     config, model = tf.build(name, "flex_attention", "cuda")
     _, twin = tf.build(name, "eager", "cuda")
-    ours, code = tf.compile_and_run(lambda compile: tf.decode_logits(twin, config, compile(model), 300, 512, "cuda"))
+    with tf.routing_recorded(twin) as routing:
+        ref = tf.decode_logits(twin, config, twin, 300, 512, "cuda")
+    with tf.routing_pinned(model, routing):
+        ours, code = tf.compile_and_run(
+            lambda compile: tf.decode_logits(twin, config, compile(model), 300, 512, "cuda"))
     assert code.count("# AOT ID:") == 1
     assert_ours_where_taken(name, "decode", code, decisions)
-    tf.assert_tokens_agree(name, ours, tf.decode_logits(twin, config, twin, 300, 512, "cuda"))
+    tf.assert_tokens_agree(ours, ref)
 
 
 @pytest.mark.parametrize("name", sorted(tf.FAMILIES))
 def test_a_prefill(decisions, name):
     _, model = tf.build(name, "flex_attention", "cuda")
-    ours, code = tf.compile_and_run(lambda compile: tf.prefill_logits(compile(model), 512, "cuda"), flex_prefill=True)
-    assert_ours_where_taken(name, "prefill", code, decisions)
     _, twin = tf.build(name, "eager", "cuda")
-    tf.assert_tokens_agree(name, ours, tf.prefill_logits(twin, 512, "cuda"))
+    with tf.routing_recorded(twin) as routing:
+        ref = tf.prefill_logits(twin, 512, "cuda")
+    with tf.routing_pinned(model, routing):
+        ours, code = tf.compile_and_run(lambda compile: tf.prefill_logits(compile(model), 512, "cuda"),
+                                        flex_prefill=True)
+    assert_ours_where_taken(name, "prefill", code, decisions)
+    tf.assert_tokens_agree(ours, ref)
 
 
 @pytest.mark.parametrize("name", sorted(tf.FAMILIES))
