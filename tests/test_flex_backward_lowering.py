@@ -291,6 +291,13 @@ def test_training_calls_are_declined_with_the_reason(training_problem, hopper, c
     assert reason in decline_reason(dataclasses.replace(training_problem, **change))
 
 
+def test_head_dims_not_yet_checked_on_a_gpu_keep_training_stock(training_problem, hopper, monkeypatch):
+    from inductor_cute.kernels.attention import flex_backward_config as fbc
+
+    monkeypatch.setattr(fbc, "GPU_UNCHECKED_HEAD_DIMS", {(64, 64)})  # the problem's head dims
+    assert decline_reason(training_problem) == "backward: head dims 64/64 are not yet checked on a GPU"
+
+
 def test_a_training_step_with_k_and_v_shared_by_the_query_batches_runs_our_kernels(cpu_training, decisions):
     # one K/V of batch 1 for every query batch (PyTorch's tests make such calls): dk and dv of
     # batch 1 sum over the query batches, as autograd of the broadcast does

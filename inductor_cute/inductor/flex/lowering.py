@@ -212,7 +212,7 @@ def _training_reason(p: FlexProblem) -> str | None:
     problem = fbc.unsupported_reason(p.head_dim_qk, p.head_dim_v, DTYPE_NAMES.get(p.dtypes[0], str(p.dtypes[0])))
     if problem:
         return f"backward: {problem}"
-    if (p.head_dim_qk, p.head_dim_v) not in fbc.GPU_CHECKED_HEAD_DIMS:
+    if (p.head_dim_qk, p.head_dim_v) in fbc.GPU_UNCHECKED_HEAD_DIMS:
         return f"backward: head dims {p.head_dim_qk}/{p.head_dim_v} are not yet checked on a GPU"
     if not p.keys_all_in_blocks:
         kv_block_size, q_block_size = p.block_sizes
