@@ -96,10 +96,8 @@ def _flex_attention_backward(*args, **kwargs):
     if problem.keys_all_in_blocks:  # flex_attention's "no block mask": every key of every query
         lists, kv_block, q_block = [None] * 8, 0, 0
     device = query.get_device()
-    score_buffers = [_lowering._kernel_buffer(buf, c, device)
-                     for buf, c in zip(score_mod_other_buffers, problem.score_buffers)]
-    mask_buffers = [_lowering._kernel_buffer(buf, c, device)
-                    for buf, c in zip(mask_mod_other_buffers, problem.mask_buffers)]
+    score_buffers = _lowering.kernel_buffers(score_mod_other_buffers, problem.score_buffers, device)
+    mask_buffers = _lowering.kernel_buffers(mask_mod_other_buffers, problem.mask_buffers, device)
     from torch._inductor.lowering import lowerings
 
     lse = lowerings[torch.ops.aten.mul.Tensor](logsumexp, 1 / LOG2E)  # the HOP's log2 units -> natural log

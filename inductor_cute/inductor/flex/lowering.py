@@ -20,7 +20,7 @@ our backward can differentiate) cover the backward kernel's limits too, so both 
 both the stock ones. (A score_mod whose captured tensor needs a gradient is seen by the backward's
 lowering alone: it takes the stock backward, which reads our forward's out and lse as its own.)
 The mods' graphs are translated by translate.py; their captured buffers (of any rank, bool and
-int64 included) and integer operands reach the kernel flattened and converted by `_kernel_buffer`.
+int64 included) and integer operands reach the kernel flattened and converted by `kernel_buffers`.
 Torch-version differences are confined to `_block_mask_fields` and `_backward_lists`.
 """
 
@@ -491,8 +491,8 @@ def _flex_attention(query, key, value, subgraph, block_mask, scale, kernel_optio
     if problem.keys_all_in_blocks:  # flex_attention's "no block mask": walk the whole sequence
         block_tensors, q_block, kv_block = [None] * 4, 0, 0
     device = query.get_device()
-    score_buffers = [_kernel_buffer(buf, c, device) for buf, c in zip(score_mod_other_buffers, problem.score_buffers)]
-    mask_buffers = [_kernel_buffer(buf, c, device) for buf, c in zip(mask_mod_other_buffers, problem.mask_buffers)]
+    score_buffers = kernel_buffers(score_mod_other_buffers, problem.score_buffers, device)
+    mask_buffers = kernel_buffers(mask_mod_other_buffers, problem.mask_buffers, device)
     return _lower_to_kernel(problem.kernel, query, key, value, float(scale), programs, score_buffers, mask_buffers,
                             block_tensors, kv_block, q_block)
 
@@ -547,6 +547,11 @@ def _grid_reason(kernel: str, query, key, inference: bool = True) -> str | None:
     if not V.graph.sizevars.evaluate_expr(sympy.Le(batch * kv_heads, _MAX_GRID_Z)):
         return f"batch x KV heads exceeds {_MAX_GRID_Z}"
     return None
+
+
+def kernel_buffers(buffers, captured: tuple[Captured, ...], device) -> list:
+    """A mod's captured buffers as the kernel reads them (`_kernel_buffer`), in order."""
+    return [_kernel_buffer(buf, c, device) for buf, c in zip(buffers, captured)]
 
 
 def _kernel_buffer(buf, captured: Captured, device):
