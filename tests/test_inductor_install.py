@@ -1,6 +1,9 @@
 """inductor/install.py on the CPU: what enable() changes in torch, and that disable() puts back
 exactly that, however calls nest and whatever a `with` block raises."""
 
+import concurrent.futures
+import contextvars
+
 import pytest
 import torch
 from torch._inductor import config as inductor_config
@@ -231,8 +234,33 @@ def test_this_threads_choices_follow_the_config(stock):
         assert V.choices.uuid() == inductor_config.inductor_choices_class().uuid()
     with inductor_config.patch(inductor_choices_class=install.choices_factory(flex_decode=True)):
         assert V.choices.settings == install.Settings(flex_decode=True)  # the config set directly after disable()
-    install._drop_thread_choices()  # Inductor keeps what it built: rebuild it from the stock config
-    assert not isinstance(V.choices, CuteChoices)
+    assert not isinstance(V.choices, CuteChoices)  # rebuilt from the stock config
+
+
+def test_another_threads_choices_follow_the_config(stock):
+    """A thread that compiled once (autograd's, which compiles backward graphs) builds its V.choices
+    again after each enable() and disable(): it neither keeps an earlier enable()'s settings nor
+    offers our choices after disable()."""
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:  # one thread, kept between calls
+        def settings():
+            # in this thread's context: torch 2.13's config values are context variables, which a
+            # thread does not inherit (torch carries them to the compile of a backward graph)
+            context = contextvars.copy_context()
+            return worker.submit(context.run, lambda: getattr(V.choices, "settings", None)).result()
+
+        assert settings() is None  # stock, built before enable()
+        with inductor_cute.enable(flex_backward=True):
+            assert settings() == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True)
+        assert settings() is None
+        with inductor_cute.enable(flex_backward=False):
+            assert settings() == install.Settings(flex_decode=True, flex_backward=False, group_gemv=True)
+        assert settings() is None
+
+
+def test_a_handler_the_user_set_is_kept(stock):
+    mine = CuteChoices(settings=install.Settings(fuse_epilogues=True))
+    with V.set_choices_handler(mine), inductor_cute.enable():
+        assert V.choices is mine
 
 
 def test_settings_enter_the_factorys_tag():

@@ -32,6 +32,7 @@ from .hooks import (AttributeWrapper, DecompositionWrapper, FeedbackSaver, Hook,
                     SchedulingWrapper, _attr)
 from .hooks import stock_lowering  # noqa: F401  (public here too)
 from .settings import Settings, active_settings  # noqa: F401  (public here too)
+from .thread_choices import follow_config
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         _restore(saved)
         raise
     _saved.append(saved)
-    _drop_thread_choices()
+    follow_config()  # every thread's V.choices is rebuilt from the config just set
     return _Enabled()
 
 
@@ -302,7 +303,7 @@ def _restore(saved: _Saved) -> None:
         setattr(config, key, value)
     for h in reversed(HOOKS):
         _set(h, h.name in saved.installed)
-    _drop_thread_choices()
+    follow_config()  # every thread's V.choices is rebuilt from the config just set
 
 
 def _set(h: Hook, installed: bool) -> None:
@@ -320,24 +321,3 @@ def is_enabled() -> bool:
     factory = config.inductor_choices_class
     ours = getattr(factory, "func", factory) is CuteChoices
     return ours and BACKEND_TOKEN in config.max_autotune_gemm_backends.upper()
-
-
-def _drop_thread_choices() -> None:
-    """Make this thread's next compile build V.choices from `config.inductor_choices_class` again.
-
-    Inductor builds V.choices once per thread, from the config, and keeps it in a thread-local. The
-    public `V.set_choices_handler` can only put another instance there, which would then ignore every
-    later change of the config (an enable() with other settings, the config set directly after
-    disable()). torch 2.11 and 2.13 offer no public way to drop it, so we delete the entry that the
-    lazy default (`virtualized._choices_default`) creates. Other threads keep theirs."""
-    from torch._inductor import virtualized
-
-    key = getattr(getattr(virtualized, "_choices", None), "_key", None)
-    if key is None:  # a torch without that entry: pin an instance made from the config now
-        from torch._inductor import config
-        from torch._inductor.choices import InductorChoices
-
-        factory = config.inductor_choices_class
-        virtualized.V.set_choices_handler(factory() if factory is not None else InductorChoices())
-    elif hasattr(virtualized.threadlocal, key):
-        delattr(virtualized.threadlocal, key)
