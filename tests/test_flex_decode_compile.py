@@ -229,8 +229,7 @@ def test_score_program_configs_are_validated():
         flex_decode_spec(128, 128, "bfloat16", 8, score_program=ALIBI, score_dtypes=("float64",))
 
 
-def test_default_configs_fit_and_keep_bytes_in_flight(monkeypatch):
-    monkeypatch.setattr(fdc, "GPU_UNCHECKED_HEAD_DIMS", set())  # their configs too
+def test_default_configs_fit_and_keep_bytes_in_flight():
     for (dqk, dv), (kv_block, wgs) in HEAD_DIMS.items():
         problem = FlexDecodeProblem(dqk, dv, "bfloat16", 8)
         cfg = default_config(problem)
@@ -242,9 +241,8 @@ def test_default_configs_fit_and_keep_bytes_in_flight(monkeypatch):
     assert default_config(FlexDecodeProblem(64, 64, "bfloat16", 1)).stages >= 6
 
 
-def test_head_dims_96_compile_without_local_memory(monkeypatch):
-    # Phi-3/3.5-mini's heads: 192-byte rows, 64-byte swizzles; offered once its GPU tests pass
-    monkeypatch.setattr(fdc, "GPU_UNCHECKED_HEAD_DIMS", set())
+def test_head_dims_96_compile_without_local_memory():
+    # Phi-3/3.5-mini's heads: 192-byte rows, 64-byte swizzles
     compiled = compile_spec(flex_decode_spec(96, 96, "bfloat16", 4, False), "sm_90a", keep_ptx=True)
     assert "ld.local" not in compiled.ptx and "st.local" not in compiled.ptx
     assert len(re.findall(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
@@ -254,7 +252,7 @@ def test_head_dims_96_compile_without_local_memory(monkeypatch):
 def test_unsupported_problems_are_named_in_one_line():
     assert "dtype float32" in unsupported_reason(128, 128, "float32")
     assert "head dims 80/80" in unsupported_reason(80, 80, "bfloat16")
-    assert "96/96 (qk/v) are not yet checked on a GPU" in unsupported_reason(96, 96, "bfloat16")
+    assert unsupported_reason(96, 96, "bfloat16") is None  # passed its GPU tests
     assert "query length 65" in unsupported_reason(128, 128, "bfloat16", 8, 65)
     assert "at least 1" in unsupported_reason(128, 128, "bfloat16", 0)
     for reason in (unsupported_reason(80, 80, "bfloat16"), unsupported_reason(128, 128, "int8")):

@@ -172,7 +172,6 @@ DECLINED = {
     "float32": dict(dtypes=(torch.float32,) * 3),
     "mixed dtypes": dict(dtypes=(torch.bfloat16, torch.float16, torch.float16)),
     "head dim 80": dict(head_dim_qk=80, head_dim_v=80),
-    "head dim 96 (not yet run on a GPU)": dict(head_dim_qk=96, head_dim_v=96),
     "query length 65": dict(q_len=65),
     "6 heads on 4 KV heads": dict(heads=6, kv_heads=4),
     "symbolic heads": dict(heads=None),
