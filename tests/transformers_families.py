@@ -112,11 +112,11 @@ def train_step(model, forward, tokens: int, device="cpu", packed: bool = False) 
     return torch.cat([loss.detach().float().view(1), grads.norm().view(1)])
 
 
-def compile_and_run(run, **switches):
-    """run(torch.compile) with inductor-cute enabled (`switches`), no FX-graph or autograd cache;
-    (result, output code of every graph). On the CPU the C++ kernels are left unvectorized:
-    vectorized, torch 2.13's C++ code for a sliding window's traced block mask does not compile (a
-    VecMask<int> and a VecMask<float> in one `?:`; stock's, CPU only)."""
+def compile_and_run(run, stock: bool = False, **switches):
+    """run(torch.compile) with inductor-cute enabled (`switches`; not at all with `stock`), no
+    FX-graph or autograd cache; (result, output code of every graph). On the CPU the C++ kernels
+    are left unvectorized: vectorized, torch 2.13's C++ code for a sliding window's traced block
+    mask does not compile (a VecMask<int> and a VecMask<float> in one `?:`; stock's, CPU only)."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
@@ -124,7 +124,8 @@ def compile_and_run(run, **switches):
     import inductor_cute
 
     torch._dynamo.reset()
-    with inductor_cute.enable(**switches), inductor_config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}), \
+    with contextlib.nullcontext() if stock else inductor_cute.enable(**switches), \
+            inductor_config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}), \
             functorch_config.patch(enable_autograd_cache=False):
         result, codes = run_and_get_code(run, torch.compile)
     torch._dynamo.reset()
@@ -172,11 +173,15 @@ def token_errors(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (ours - ref).abs().amax(-1).flatten() / ref.abs().max()
 
 
-def assert_tokens_agree(ours: torch.Tensor, ref: torch.Tensor, tol: float = 3e-2) -> None:
+def far_tokens(ours: torch.Tensor, ref: torch.Tensor, tol: float = 3e-2) -> int:
+    return int((token_errors(ours, ref) > tol).sum())
+
+
+def assert_tokens_agree(ours: torch.Tensor, ref: torch.Tensor, tol: float = 3e-2, allowed: int = 0) -> None:
     """Every token's logits agree within `tol` of the largest. In a MoE family, run `ours` with
     the reference's routing pinned (routing_pinned): unpinned, a router's near-tie that rounding
     turns the other way sends a token to other experts (on the H100, gpt-oss's 1024-token prefill
     had 17 such tokens with eager flex_attention, 22-29 compiled, with our kernels or without)."""
     errors = token_errors(ours, ref)
     far = int((errors > tol).sum())
-    assert far == 0, f"{far} of {errors.numel()} tokens differ by up to {errors.max():.3g}"
+    assert far <= allowed, f"{far} of {errors.numel()} tokens differ by up to {errors.max():.3g} ({allowed} allowed)"
