@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import decomposition, lowering, select_algorithm
+from torch._inductor.choices import InductorChoices
 from torch._inductor.codegen import common
 from torch._inductor.kernel import mm_grouped
 from torch._inductor.runtime.triton_heuristics import CachingAutotuner
@@ -251,16 +252,24 @@ def test_another_threads_choices_follow_the_config(stock):
         assert settings() is None  # stock, built before enable()
         with inductor_cute.enable(flex_backward=True):
             assert settings() == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True)
+            with inductor_cute.enable(flex_backward=False):  # no use of V.choices in between
+                assert settings() == install.Settings(flex_decode=True, flex_backward=False, group_gemv=True)
+            assert settings() == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True)
         assert settings() is None
-        with inductor_cute.enable(flex_backward=False):
-            assert settings() == install.Settings(flex_decode=True, flex_backward=False, group_gemv=True)
+        with inductor_cute.enable(fuse_epilogues=True):
+            assert settings() == install.Settings(fuse_epilogues=True, flex_decode=True, group_gemv=True)
         assert settings() is None
 
 
-def test_a_handler_the_user_set_is_kept(stock):
-    mine = CuteChoices(settings=install.Settings(fuse_epilogues=True))
-    with V.set_choices_handler(mine), inductor_cute.enable():
+@pytest.mark.parametrize("handler", ["ours", "stock", "the one Inductor built"])
+def test_a_handler_the_user_set_is_kept(stock, handler):
+    mine = {"ours": lambda: CuteChoices(settings=install.Settings(fuse_epilogues=True)),
+            "stock": InductorChoices, "the one Inductor built": lambda: V.choices}[handler]()
+    with V.set_choices_handler(mine):
+        with inductor_cute.enable(flex_backward=True):
+            assert V.choices is mine
         assert V.choices is mine
+    assert V.choices is not mine or handler == "the one Inductor built"
 
 
 def test_settings_enter_the_factorys_tag():
