@@ -13,7 +13,8 @@ pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 2e-4}
 SHAPES = [(1, 1000, 1000), (7, 3000, 1000), (65, 1000, 3000), (127, 3000, 1000), (1000, 1000, 3000),
-          (3000, 3000, 1000), (8191, 1000, 1000)]
+          (3000, 3000, 1000), (8191, 1000, 1000),
+          (4096, 8, 2048), (7, 8, 2048), (4093, 128, 2048)]  # MoE routers: 8 and 128 experts (16-byte rows)
 ODD_K = [(1000, 1000, 7), (1000, 3000, 63), (136, 1000, 65), (3000, 1000, 127)]
 ACTS = {"identity": lambda x: x, "relu": F.relu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_erf": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
