@@ -20,6 +20,7 @@ from inductor_cute.inductor.flex import lowering as flex
 from inductor_cute.inductor.flex import prefill
 from inductor_cute.inductor.flex.lowering import decline_reason  # the real one: `decisions` patches the module's
 from inductor_cute.inductor.flex.runtime import FlexDecodeLauncher, FlexPrefillLauncher
+from inductor_cute.kernels.attention.flex_prefill_config import HEAD_DIMS
 from inductor_cute.kernels.common.programs import score as sp
 
 HOP = torch.ops.higher_order.flex_attention
@@ -88,8 +89,15 @@ def _stand_in(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, 
 
 
 def _prefill_stand_in(*args):
-    """The prefill op's contract: the decode op's (`_stand_in`), its programs checked by the prefill host."""
-    return _stand_in(*args, operands=host_prefill._program_operands)
+    """The prefill op's contract: the decode op's (`_stand_in`), its programs checked by the prefill
+    host, a block mask walked as the prefill host walks it (finer blocks than the kernel's coarsened)."""
+    q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, *block_mask, kv_block_size, q_block_size = args
+    if block_mask[0] is not None:
+        kv_block = HEAD_DIMS[(q.shape[-1], v.shape[-1])]
+        block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size = host_prefill._walked_block_mask(
+            tuple(block_mask), mask_mod or None, mask_tensors, kv_block_size, q_block_size, kv_block, q.device)
+    return _stand_in(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, *block_mask, kv_block_size,
+                     q_block_size, operands=host_prefill._program_operands)
 
 
 @functools.cache

@@ -124,12 +124,15 @@ def test_block_masks_by_the_prefill_kernels_limits(decisions, hopper):
     per_head = prefill_problem(decisions, block_mask=create_block_mask(causal, None, 8, 200, 200, device="cpu"))
     assert per_head.mask_heads == 8 and decline_reason(per_head) is None
     assert decline_reason(dataclasses.replace(per_head, q_len=2)) is None  # the decode kernel runs it unpacked
-    small = dataclasses.replace(problem, block_sizes=(64, 128))
-    assert decline_reason(small) == "block mask: block mask KV block size 64 is not a multiple of the kernel's " \
-                                    "KV block 128"
-    assert decline_reason(dataclasses.replace(small, head_dim_qk=256, head_dim_v=256)) is None  # kv_block 64
-    assert decline_reason(dataclasses.replace(problem, block_sizes=(128, 64))) == \
-        "block mask: block mask query block size 64 is not a multiple of the kernel's 128 query rows"
+    # finer blocks than the kernel's are walked coarsened, with one more mask tensor, in inference graphs
+    for sizes in ((64, 128), (128, 64), (64, 64), (32, 16)):
+        assert decline_reason(dataclasses.replace(problem, block_sizes=sizes)) is None
+    assert decline_reason(dataclasses.replace(problem, block_sizes=(96, 128))) == \
+        "block mask: block mask KV block size 96 is not a multiple of the kernel's KV block 128"
+    assert decline_reason(dataclasses.replace(problem, block_sizes=(128, 96))) == \
+        "block mask: block mask query block size 96 is not a multiple of the kernel's 128 query rows"
+    assert decline_reason(dataclasses.replace(problem, block_sizes=(64, 128), mask_buffers=(None,) * 4)) == \
+        "block mask: 128 x 64 blocks (queries x keys) take a mask tensor, and the mask_mod has all 4"
     assert decline_reason(dataclasses.replace(problem, block_sizes=(128, 256))) is None
     assert decline_reason(dataclasses.replace(problem, mask_heads=2)) == "a block mask of 2 heads for 8 query heads"
 
@@ -160,6 +163,14 @@ def test_masks_with_captured_tensors_and_per_head_blocks(cpu_accepted, decisions
     q, k, v = qkv(batch=2, heads=8, kv_heads=2, q_len=1000, kv_len=1000, dtype=torch.float16)
     block_mask = create_block_mask(mask_mod, 2, 8, 1000, 1000, device="cpu", BLOCK_SIZE=256)
     taken_and_matching(decisions, q, k, v, prefill=True, block_mask=block_mask, scale=0.2)
+
+
+@pytest.mark.parametrize("block_size", [64, (64, 128), (128, 32)])
+def test_finer_block_masks_than_the_kernels(cpu_accepted, decisions, block_size):
+    """BLOCK_SIZE 64 (and mixed): walked at the kernel's blocks by the host (the stand-in runs its walk)."""
+    q, k, v = qkv(batch=2, heads=4, kv_heads=2, q_len=300, kv_len=300, dtype=torch.bfloat16)
+    block_mask = create_block_mask(sliding_window, 2, None, 300, 300, device="cpu", BLOCK_SIZE=block_size)
+    taken_and_matching(decisions, q, k, v, prefill=True, block_mask=block_mask)
 
 
 def test_queries_shorter_than_the_keys(cpu_accepted, decisions):

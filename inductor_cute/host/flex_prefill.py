@@ -74,6 +74,29 @@ def _block_mask_operands(block_mask: tuple, batch: int, heads: int, q_len: int, 
     return [t.to(torch.int32).contiguous() for t in (num, idx, full_num, full_idx)]
 
 
+def _walked_block_mask(block_mask: tuple, mask_mod, mask_tensors, kv_block_size: int, q_block_size: int,
+                       kv_block: int, device) -> tuple:
+    """(block mask, mask_mod, mask_tensors, KV and query block sizes) as the kernel walks them: as
+    given, or coarsened to the kernel's blocks with the fine blocks' states as one more mask tensor
+    (kernels/attention/block_states.py) where the mask's blocks divide the kernel's."""
+    from ..kernels.attention.block_states import with_block_states
+    from ..kernels.attention.flex_prefill_config import block_mask_reason, block_walk
+    from .flex_blocks import coarsened
+
+    walk = block_walk(kv_block_size, q_block_size, kv_block)
+    num, idx = block_mask[:2]
+    if walk is None or walk == (kv_block_size, q_block_size) or num is None or idx is None:
+        return block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size  # checked as they are
+    problem = block_mask_reason(kv_block_size, q_block_size, kv_block, len(mask_tensors))
+    if problem:
+        raise UnsupportedError(f"{NAME}: block mask: {problem}")
+    mask_mod, _, _ = _program_operands(mask_mod, mask_tensors, device, "mask")  # checked before it grows
+    lists, states = coarsened(block_mask, walk[1] // q_block_size, walk[0] // kv_block_size)
+    mask_mod = with_block_states(mask_mod, len(mask_tensors), q_block_size, kv_block_size, num.shape[0] > 1,
+                                 num.shape[1] > 1)
+    return lists, mask_mod, (*mask_tensors, states), *walk
+
+
 def _operand(t: torch.Tensor) -> torch.Tensor:
     """`t` (4-D) as TMA needs it: unit last stride, other strides multiples of 8 elements, a
     16-byte aligned start (modes of extent 1 get a packed stride); else a contiguous copy."""
@@ -105,7 +128,8 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     A BlockMask's tensors (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices; (Z, H,
     Qb[, C]) as torch builds them, Z in (1, B), H in (1, Hq)) restrict each query block's keys to
     its blocks; the mask program runs on the partial blocks only (on all keys without block
-    tensors). kv_block_size must be a multiple of 128 and q_block_size of 128. Causal attention is
+    tensors). kv_block_size and q_block_size: multiples of 128, or divisors of 128 (such a mask is
+    walked in 128 x 128 blocks, exactly: host/flex_blocks.py). Causal attention is
     a block mask with a causal mask program. `config`: a FlexPrefillConfig instead of the
     default one (benchmarks and tests; a config that cannot run the problem is refused).
     """
@@ -118,17 +142,19 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         raise UnsupportedError(f"{NAME}: {problem}")
     if fpc.m_blocks(q_len) * heads * batch > MAX_TILES:
         raise UnsupportedError(f"{NAME}: {fpc.m_blocks(q_len) * heads * batch} tiles exceed the grid limit")
-    program, score_dtypes, score_slots = _program_operands(score_mod, score_tensors, q.device, "score")
-    mask_program, mask_dtypes, mask_slots = _program_operands(mask_mod, mask_tensors, q.device, "mask")
     if config is None:  # the default of persistent CTAs (64/64, 128/128) needs this device's SM count
         config = _device_default_config(dqk, dv, DTYPE_NAMES[q.dtype], q.device.index)
     kv_block = config.kv_block
     block_mask = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     sparse_block, sparse_q_block, block_slots = 0, fpc.M_BLOCK, [None] * 4
     if any(t is not None for t in block_mask):
+        block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size = _walked_block_mask(
+            block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size, kv_block, q.device)
         block_slots = _block_mask_operands(block_mask, batch, heads, q_len, kv_block_size, q_block_size, kv_block,
                                            q.device)
         sparse_block, sparse_q_block = kv_block_size, q_block_size
+    program, score_dtypes, score_slots = _program_operands(score_mod, score_tensors, q.device, "score")
+    mask_program, mask_dtypes, mask_slots = _program_operands(mask_mod, mask_tensors, q.device, "mask")
 
     out = torch.empty(batch, heads, q_len, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(batch, heads, q_len, device=q.device, dtype=torch.float32)

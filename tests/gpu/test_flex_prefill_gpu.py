@@ -169,6 +169,45 @@ def test_document_mask_with_a_captured_tensor():
                      lambda b, h, m, n: doc[m] == doc[n], DOCUMENT, (doc,))
 
 
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("q_block,kv_block", [(64, 64), (64, 128), (128, 64), (32, 32)])
+def test_finer_block_masks_walked_at_the_kernels_blocks(dqk, dv, q_block, kv_block):
+    """create_block_mask(BLOCK_SIZE=(q, kv)) of blocks finer than the kernel's: coarsened by the host,
+    the fine blocks' states read by the mask program (host/flex_blocks.py). A document-causal mask
+    with a captured tensor, lengths off every block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = (torch.arange(1100, device="cuda") // 250).to(torch.int32)
+
+    def doc_causal(b, h, m, n):
+        return (doc[m] == doc[n]) & (m >= n)
+
+    program = sp.dumps([["qd", "load", "t0", "q"], ["kd", "load", "t0", "kv"], ["same", "eq", "qd", "kd"],
+                        ["c", "ge", "q", "kv"], ["o", "and", "same", "c"]])
+    q, k, v = rand(2, 4, 1000, dqk), rand(2, 2, 1100, dqk), rand(2, 2, 1100, dv)
+    bm = create_block_mask(doc_causal, 2, None, 1000, 1100, device="cuda", BLOCK_SIZE=(q_block, kv_block))
+    blocks = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    keep = sp.reference_keep((2, 4, 1000, 1100), program, (doc,), blocks, kv_block, q_block, device="cuda")
+    check(q, k, v, keep=keep, mask_mod=program, mask_tensors=(doc,), kv_num_blocks=blocks[0], kv_indices=blocks[1],
+          full_kv_num_blocks=blocks[2], full_kv_indices=blocks[3], kv_block_size=kv_block, q_block_size=q_block)
+
+
+def test_block_lists_alone_of_finer_blocks():
+    """Random 64 x 64 block lists and no mask_mod (BlockMask.from_kv_blocks's pure block sparsity):
+    a coarse block mixes kept and skipped fine blocks, and only the kept ones may count."""
+    from inductor_cute.host.flex_blocks import _as_lists
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    states = torch.randint(0, 3, (1, 4, 8, 9), device="cuda", generator=g)
+    num, idx = _as_lists(states == 1)
+    full_num, full_idx = _as_lists(states == 2)
+    q, k, v = rand(1, 4, 500, 128), rand(1, 4, 560, 128), rand(1, 4, 560, 128)
+    blocks = (num, idx, full_num, full_idx)
+    keep = sp.reference_keep((1, 4, 500, 560), "", (), blocks, 64, 64, device="cuda")
+    check(q, k, v, keep=keep, kv_num_blocks=num, kv_indices=idx, full_kv_num_blocks=full_num,
+          full_kv_indices=full_idx, kv_block_size=64, q_block_size=64)
+
+
 def test_rows_with_nothing_to_attend():
     # batch 1 keeps no key at all: its rows are out 0, lse -inf
     check_block_mask(rand(2, 4, 300, 128), rand(2, 4, 1200, 128), rand(2, 4, 1200, 128),

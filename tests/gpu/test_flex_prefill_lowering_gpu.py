@@ -123,6 +123,12 @@ def test_prefill_runs_our_kernel_and_matches(case):
     run_and_check(batch, heads, kv_heads, q_len, kv_len, dqk, dv, dtype, score_mod, mask_mod)
 
 
+@pytest.mark.parametrize("block_size", [64, (64, 128), (128, 32)])
+def test_finer_block_masks_run_our_kernel_and_match(block_size):
+    """BlockMasks of (query, key) blocks finer than the kernel's 128 x 128: walked coarsened."""
+    run_and_check(2, 8, 2, 700, 900, 128, 128, mask_mod=sliding_window, block_size=block_size)
+
+
 def test_document_mask_over_a_captured_tensor():
     doc_ids = (torch.arange(1500, device="cuda") // 400).to(torch.int32)  # four documents, one partial
 

@@ -165,6 +165,39 @@ def sparse_block_reason(kv_block_size: int, q_block_size: int, kv_block: int) ->
     return None
 
 
+def block_walk(kv_block_size: int, q_block_size: int, kv_block: int) -> tuple[int, int] | None:
+    """The (KV, query) block sizes at which the kernel walks a BlockMask of these sizes: the mask's
+    own where sparse_block_reason allows them, the kernel's (kv_block, M_BLOCK) where the mask's
+    divide those (its lists coarsened, block_states.py keeps it exact); None when neither."""
+    def walk(size: int, tile: int) -> int | None:
+        if size > 0 and size % tile == 0:
+            return size
+        return tile if size > 0 and tile % size == 0 else None
+
+    kv, q = walk(kv_block_size, kv_block), walk(q_block_size, M_BLOCK)
+    return None if kv is None or q is None else (kv, q)
+
+
+def block_mask_reason(kv_block_size: int, q_block_size: int, kv_block: int, mask_tensors: int,
+                      training: bool = False) -> str | None:
+    """Why the kernel cannot walk a BlockMask of these sizes beside a mask_mod of `mask_tensors`
+    captured tensors; None when it can. Finer blocks than the kernel's take one more mask tensor,
+    and only the forward walks them (the backward kernels walk a mask as given)."""
+    from ..common.programs.score import MAX_TENSORS
+
+    walk = block_walk(kv_block_size, q_block_size, kv_block)
+    if walk is None:
+        return sparse_block_reason(kv_block_size, q_block_size, kv_block)
+    if walk == (kv_block_size, q_block_size):
+        return None
+    if training:
+        return f"{q_block_size} x {kv_block_size} blocks (queries x keys) in a training graph"
+    if mask_tensors >= MAX_TENSORS:
+        return (f"{q_block_size} x {kv_block_size} blocks (queries x keys) take a mask tensor, and the mask_mod has "
+                f"all {MAX_TENSORS}")
+    return None
+
+
 def problem_error(p: FlexPrefillProblem) -> str | None:
     """Why a problem cannot be compiled (sizes, or programs not in canonical form); None if it can."""
     problem = unsupported_reason(p.head_dim_qk, p.head_dim_v, p.dtype_name)

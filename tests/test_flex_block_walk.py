@@ -1,0 +1,124 @@
+"""BlockMasks of finer blocks than the prefill kernel's, on the CPU: the lists coarsened to the
+kernel's 128 x 128 blocks (host/flex_blocks.py) with the fine blocks' states read by one more mask
+program term (kernels/attention/block_states.py) keep exactly the keys the fine mask keeps, by the
+stock kernels' rule (full blocks keep every key, partial ones ask the mask_mod, the rest none),
+whatever the lists hold: random lists, lists inconsistent with the mask_mod, no mask_mod, no full
+lists, a mask of one batch or head, lengths off the blocks. GPU runs: test_flex_prefill_gpu.py."""
+
+import pytest
+import torch
+
+from inductor_cute.errors import UnsupportedError
+from inductor_cute.host import flex_prefill as host_prefill
+from inductor_cute.host.flex_blocks import _as_lists, coarsened, fine_states
+from inductor_cute.kernels.attention.block_states import FULL, PARTIAL, with_block_states
+from inductor_cute.kernels.attention.flex_prefill_config import block_mask_reason, block_walk
+from inductor_cute.kernels.common.programs import score as sp
+
+CAUSAL = '[["c","ge","q","kv"]]'
+# a document mask reading the ids as t0; one step is named like the added term's, which must step aside
+DOCUMENT = ('[["a","load","t0","q"],["blk","load","t0","kv"],["c","eq","a","blk"],["d","ge","q","kv"],'
+            '["e","and","c","d"]]')
+
+
+def random_lists(z, h, q_blocks, kv_blocks, with_full: bool, seed: int):
+    """Random (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), a block's state drawn
+    from skipped / partial / full; the lists padded with junk past each count, as torch leaves them."""
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randint(0, 3 if with_full else 2, (z, h, q_blocks, kv_blocks), generator=g)
+    num, idx = _as_lists(states == PARTIAL)
+    full_num, full_idx = _as_lists(states == FULL) if with_full else (None, None)
+    return num, idx, full_num, full_idx
+
+
+def kept(shape, mask_text, tensors, block_mask, kv_block, q_block):
+    return sp.reference_keep(shape, mask_text, tensors, block_mask, kv_block, q_block)
+
+
+CASES = {  # (z, h) of the mask, batch, heads, q_len, kv_len, (q block, kv block), mask program, with full lists
+    "64x64 causal full lists": ((2, 3), 2, 3, 300, 300, (64, 64), CAUSAL, True),
+    "64x64 no mask_mod": ((2, 3), 2, 3, 300, 500, (64, 64), "", True),
+    "64x64 no full lists": ((1, 3), 2, 3, 257, 333, (64, 64), CAUSAL, False),
+    "32x64 one mask head": ((2, 1), 2, 4, 200, 260, (32, 64), CAUSAL, True),
+    "64x128 document, one batch": ((1, 2), 3, 2, 390, 390, (64, 128), DOCUMENT, True),
+    "128x64 kv only": ((2, 2), 2, 2, 300, 400, (128, 64), "", False),
+    "16x32": ((1, 1), 1, 1, 100, 150, (16, 32), CAUSAL, True),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_coarsened_lists_and_the_states_term_keep_what_the_fine_mask_keeps(case):
+    (z, h), batch, heads, q_len, kv_len, (q_block, kv_block), mask_text, with_full = case
+    ids = (torch.arange(max(q_len, kv_len)) // 97).to(torch.int32)
+    tensors = (ids,) if "t0" in mask_text else ()
+    fine = random_lists(z, h, -(-q_len // q_block), -(-kv_len // kv_block), with_full, seed=q_len + kv_len)
+    walk = block_walk(kv_block, q_block, 128)
+    assert walk == (max(kv_block, 128), max(q_block, 128))
+    lists, states = coarsened(fine, walk[1] // q_block, walk[0] // kv_block)
+    assert (lists[2] is None) == (not with_full)
+    program = with_block_states(mask_text, len(tensors), q_block, kv_block, z > 1, h > 1)
+    sp.loads(program, tuple(str(t.dtype).removeprefix("torch.") for t in (*tensors, states)), mask=True)  # valid
+    shape = (batch, heads, q_len, kv_len)
+    want = kept(shape, mask_text, tensors, fine, kv_block, q_block)
+    got = kept(shape, program, (*tensors, states), lists, walk[0], walk[1])
+    assert torch.equal(got, want)
+    assert 0 < int(want.sum()) < want.numel()  # the case keeps some keys and drops others
+
+
+def test_a_coarse_block_is_full_only_where_every_fine_block_is():
+    # one query block of 128 rows as two of 64; three KV blocks of 128 as six of 64
+    states = torch.tensor([[[[FULL, FULL, FULL, PARTIAL, 0, 0], [FULL, FULL, FULL, 0, 0, 0]]]])
+    fine = (*_as_lists(states == PARTIAL), *_as_lists(states == FULL))
+    assert torch.equal(fine_states(*fine), states.to(torch.int32))
+    (num, idx, full_num, full_idx), _ = coarsened(fine, 2, 2)
+    assert full_num.tolist() == [[[1]]] and full_idx[0, 0, 0, :1].tolist() == [0]
+    assert num.tolist() == [[[1]]] and idx[0, 0, 0, :1].tolist() == [1]  # block 2 is skipped
+
+
+def test_the_walk_and_its_limits():
+    assert block_walk(128, 128, 128) == (128, 128) and block_walk(256, 512, 128) == (256, 512)
+    assert block_walk(64, 64, 128) == (128, 128) and block_walk(128, 64, 64) == (128, 128)
+    assert block_walk(96, 128, 128) is None and block_walk(128, 96, 128) is None and block_walk(0, 128, 128) is None
+    assert block_mask_reason(64, 64, 128, 3) is None and block_mask_reason(128, 128, 128, 4, training=True) is None
+    assert "training graph" in block_mask_reason(64, 128, 128, 0, training=True)
+    assert "mask tensor" in block_mask_reason(128, 64, 128, 4)
+    assert "KV block size 96" in block_mask_reason(96, 128, 128, 0)
+
+
+def test_the_host_walks_a_fine_mask_at_the_kernels_blocks():
+    fine = random_lists(1, 2, 4, 5, True, seed=0)
+    cpu = torch.device("cpu")
+    lists, mask_mod, tensors, kv_block, q_block = host_prefill._walked_block_mask(fine, CAUSAL, (), 64, 64, 128, cpu)
+    assert (kv_block, q_block) == (128, 128) and len(tensors) == 1 and lists[0].shape == (1, 2, 2)
+    assert sp.canonical(mask_mod, ("int32",), mask=True) == mask_mod
+    assert host_prefill._walked_block_mask(fine, CAUSAL, (), 128, 128, 128, cpu)[1] == CAUSAL  # as given
+    with pytest.raises(UnsupportedError, match="mask tensor"):
+        host_prefill._walked_block_mask(fine, DOCUMENT, (torch.zeros(4, dtype=torch.int32),) * 4, 64, 64, 128, cpu)
+    with pytest.raises(UnsupportedError, match="mask_mod: .* not JSON"):
+        host_prefill._walked_block_mask(fine, "causal", (), 64, 64, 128, cpu)
+
+
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128), (64, 64)])
+@pytest.mark.parametrize("per_batch_and_head", [False, True])
+def test_the_kernel_compiles_the_walked_mask_program_without_local_memory(dims, per_batch_and_head):
+    """A document mask's program with the states term (two captured tensors, four or six loads per
+    element) on the device defaults of the head dims (persistent CTAs with early exponentials at
+    128/128, split K/V rings at 192/128, two Q buffers at 64/64): no spills, WGMMAs not serialized."""
+    import re
+
+    from inductor_cute.kernels.attention.flex_prefill_config import FlexPrefillProblem, default_config, spec
+    from inductor_cute.runtime.compiler import compile_spec
+
+    program = sp.canonical(with_block_states(DOCUMENT, 1, 64, 64, per_batch_and_head, per_batch_and_head),
+                           ("int32", "int32"), mask=True)
+    problem = FlexPrefillProblem(*dims, "bfloat16", mask_program=program, mask_dtypes=("int32", "int32"),
+                                 sparse_block=128)
+    compiled = compile_spec(spec(problem, default_config(problem, num_sms=132)), "sm_90a", keep_ptx=True)
+    assert "serialized" not in compiled.ptxas_report
+    if dims == (64, 64) and per_batch_and_head:
+        # at the 168-register cap, persistent CTAs with two Q buffers spill a word around the term
+        # (a plain config does not): a mask of fine blocks per batch and per head, at head dim 64 only
+        assert re.search(r"\b[48] bytes spill stores, [48] bytes spill loads", compiled.ptxas_report)
+        return
+    assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", compiled.ptxas_report)
+    assert "ld.local" not in compiled.ptx
