@@ -73,11 +73,14 @@ for s in $steps; do
         # the twenty-second session's fixes at their first GPU run: V.choices rebuilt in autograd's thread
         # (the backward lowering file in one process: its first tests enable flex_backward, a later one
         # not), the prefill lowering's unsupported head dim, Phi-3 decode through our 96/96 kernel, gpt-oss
-        # prefill against stock's drift
+        # prefill against stock's drift, prefill masks of finer blocks (walked coarsened), MoE router GEMMs
         fixes) step fixes_backward 300 python3 -m pytest -m gpu -q -rf -p no:cacheprovider -p no:xdist \
                    tests/gpu/test_flex_backward_lowering_gpu.py
             step fixes 300 python3 -m pytest -m gpu -q -rf -n 8 -p no:cacheprovider \
-                   tests/gpu/test_flex_prefill_lowering_gpu.py tests/gpu/test_transformers_families_gpu.py ;;
+                   tests/gpu/test_flex_prefill_lowering_gpu.py tests/gpu/test_transformers_families_gpu.py \
+                   tests/gpu/test_flex_prefill_gpu.py::test_finer_block_masks_walked_at_the_kernels_blocks \
+                   tests/gpu/test_flex_prefill_gpu.py::test_block_lists_alone_of_finer_blocks \
+                   "tests/gpu/test_gemm_gpu.py::test_layouts_dtypes_and_sizes" ;;
         # the whole GPU tier; SIGINT at the limit still prints what failed so far (-rf). On an H100 it
         # ran past 490 s at 93% (twenty-first session): all_kernels + all_compiled split it in two calls
         all) step all 470 python3 -m pytest -m gpu tests/gpu -q -rf -n 14 -p no:cacheprovider ;;
