@@ -95,7 +95,8 @@ def _prefill_stand_in(*args):
     if block_mask[0] is not None:
         kv_block = HEAD_DIMS[(q.shape[-1], v.shape[-1])]
         block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size = host_prefill._walked_block_mask(
-            tuple(block_mask), mask_mod or None, mask_tensors, kv_block_size, q_block_size, kv_block, q.device)
+            tuple(block_mask), mask_mod or None, mask_tensors, kv_block_size, q_block_size, kv_block,
+            (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
     return _stand_in(q, k, v, scale, score_mod, score_tensors, mask_mod, mask_tensors, *block_mask, kv_block_size,
                      q_block_size, operands=host_prefill._program_operands)
 

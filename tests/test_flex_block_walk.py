@@ -21,14 +21,25 @@ DOCUMENT = ('[["a","load","t0","q"],["blk","load","t0","kv"],["c","eq","a","blk"
             '["e","and","c","d"]]')
 
 
-def random_lists(z, h, q_blocks, kv_blocks, with_full: bool, seed: int):
+def random_lists(z, h, q_blocks, kv_blocks, with_full: bool, seed: int, width=None):
     """Random (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), a block's state drawn
-    from skipped / partial / full; the lists padded with junk past each count, as torch leaves them."""
+    from skipped / partial / full, the lists `width` wide (the block count by default; torch allows
+    narrower ones) with whatever argsort leaves past each count."""
     g = torch.Generator().manual_seed(seed)
     states = torch.randint(0, 3 if with_full else 2, (z, h, q_blocks, kv_blocks), generator=g)
+    if width is not None and width < kv_blocks:
+        states[..., width:] = 0  # nothing a narrower list could name
     num, idx = _as_lists(states == PARTIAL)
     full_num, full_idx = _as_lists(states == FULL) if with_full else (None, None)
+    if width is not None:
+        idx, full_idx = idx[..., :width], None if full_idx is None else full_idx[..., :width]
     return num, idx, full_num, full_idx
+
+
+def walked(fine, shape, q_block, kv_block, mask_text="", tensors=()):
+    """What the host hands the kernel for this fine mask: (lists, program, tensors, KV block, query block)."""
+    return host_prefill._walked_block_mask(fine, mask_text or None, tensors, kv_block, q_block, 128, shape,
+                                           torch.device("cpu"))
 
 
 def kept(shape, mask_text, tensors, block_mask, kv_block, q_block):
@@ -52,25 +63,42 @@ def test_coarsened_lists_and_the_states_term_keep_what_the_fine_mask_keeps(case)
     ids = (torch.arange(max(q_len, kv_len)) // 97).to(torch.int32)
     tensors = (ids,) if "t0" in mask_text else ()
     fine = random_lists(z, h, -(-q_len // q_block), -(-kv_len // kv_block), with_full, seed=q_len + kv_len)
-    walk = block_walk(kv_block, q_block, 128)
-    assert walk == (max(kv_block, 128), max(q_block, 128))
-    lists, states = coarsened(fine, walk[1] // q_block, walk[0] // kv_block)
-    assert (lists[2] is None) == (not with_full)
-    program = with_block_states(mask_text, len(tensors), q_block, kv_block, z > 1, h > 1)
-    sp.loads(program, tuple(str(t.dtype).removeprefix("torch.") for t in (*tensors, states)), mask=True)  # valid
     shape = (batch, heads, q_len, kv_len)
+    lists, program, walked_tensors, kv_walk, q_walk = walked(fine, shape, q_block, kv_block, mask_text, tensors)
+    assert (kv_walk, q_walk) == (max(kv_block, 128), max(q_block, 128))
+    dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in walked_tensors)
+    assert sp.canonical(program, dtypes, mask=True) == program
     want = kept(shape, mask_text, tensors, fine, kv_block, q_block)
-    got = kept(shape, program, (*tensors, states), lists, walk[0], walk[1])
+    got = kept(shape, program, walked_tensors, lists, kv_walk, q_walk)
     assert torch.equal(got, want)
     assert 0 < int(want.sum()) < want.numel()  # the case keeps some keys and drops others
+
+
+@pytest.mark.parametrize("width", [2, 9])
+def test_lists_narrower_or_wider_than_the_blocks(width):
+    """torch lets a BlockMask's lists be narrower than its KV blocks (from_kv_blocks with explicit
+    lengths): blocks past the lists are never kept. Wider lists' extra entries and entries naming
+    no block count for nothing."""
+    fine = random_lists(1, 2, 5, 6, True, seed=width, width=min(width, 6))
+    if width > 6:  # wider, each row's count one more, its last entry naming no block (7, then -1)
+        num, idx, full_num, full_idx = fine
+        idx = torch.cat([idx, torch.full((1, 2, 5, 3), 7, dtype=torch.int32)], -1)
+        full_idx = torch.cat([full_idx, torch.full((1, 2, 5, 3), -1, dtype=torch.int32)], -1)
+        idx.scatter_(-1, num.long().unsqueeze(-1), 7)
+        full_idx.scatter_(-1, full_num.long().unsqueeze(-1), -1)
+        fine = (num + 1, idx, full_num + 1, full_idx)
+    shape = (1, 2, 300, 380)
+    lists, program, tensors, kv_walk, q_walk = walked(fine, shape, 64, 64, CAUSAL)
+    want = kept(shape, CAUSAL, (), fine, 64, 64)
+    assert torch.equal(kept(shape, program, tensors, lists, kv_walk, q_walk), want)
 
 
 def test_a_coarse_block_is_full_only_where_every_fine_block_is():
     # one query block of 128 rows as two of 64; three KV blocks of 128 as six of 64
     states = torch.tensor([[[[FULL, FULL, FULL, PARTIAL, 0, 0], [FULL, FULL, FULL, 0, 0, 0]]]])
     fine = (*_as_lists(states == PARTIAL), *_as_lists(states == FULL))
-    assert torch.equal(fine_states(*fine), states.to(torch.int32))
-    (num, idx, full_num, full_idx), _ = coarsened(fine, 2, 2)
+    assert torch.equal(fine_states(*fine, 6), states.to(torch.int32))
+    (num, idx, full_num, full_idx), _ = coarsened(fine, 6, 2, 2)
     assert full_num.tolist() == [[[1]]] and full_idx[0, 0, 0, :1].tolist() == [0]
     assert num.tolist() == [[[1]]] and idx[0, 0, 0, :1].tolist() == [1]  # block 2 is skipped
 
@@ -87,15 +115,22 @@ def test_the_walk_and_its_limits():
 
 def test_the_host_walks_a_fine_mask_at_the_kernels_blocks():
     fine = random_lists(1, 2, 4, 5, True, seed=0)
-    cpu = torch.device("cpu")
-    lists, mask_mod, tensors, kv_block, q_block = host_prefill._walked_block_mask(fine, CAUSAL, (), 64, 64, 128, cpu)
+    shape = (1, 2, 250, 300)
+    lists, mask_mod, tensors, kv_block, q_block = walked(fine, shape, 64, 64, CAUSAL)
     assert (kv_block, q_block) == (128, 128) and len(tensors) == 1 and lists[0].shape == (1, 2, 2)
-    assert sp.canonical(mask_mod, ("int32",), mask=True) == mask_mod
-    assert host_prefill._walked_block_mask(fine, CAUSAL, (), 128, 128, 128, cpu)[1] == CAUSAL  # as given
-    with pytest.raises(UnsupportedError, match="mask tensor"):
-        host_prefill._walked_block_mask(fine, DOCUMENT, (torch.zeros(4, dtype=torch.int32),) * 4, 64, 64, 128, cpu)
-    with pytest.raises(UnsupportedError, match="mask_mod: .* not JSON"):
-        host_prefill._walked_block_mask(fine, "causal", (), 64, 64, 128, cpu)
+    assert tensors[0][:3].tolist() == [5, 0, 20]  # kv blocks, no batch stride, the head stride
+    cpu = torch.device("cpu")
+    assert host_prefill._walked_block_mask(fine, CAUSAL, (), 128, 128, 128, shape, cpu)[1] == CAUSAL  # as given
+    refused = {
+        "mask tensor": lambda: walked(fine, shape, 64, 64, DOCUMENT, (torch.zeros(4, dtype=torch.int32),) * 4),
+        "mask_mod: .* not JSON": lambda: walked(fine, shape, 64, 64, "causal"),
+        "do not cover 300 queries": lambda: walked(fine, (1, 2, 300, 300), 64, 64, CAUSAL),  # 4 blocks of 64
+        "full_kv_num_blocks and full_kv_indices together": lambda: walked((*fine[:3], None), shape, 64, 64),
+        "int32 index": lambda: walked(fine, (1, 2, 250, 2**35), 64, 64),
+    }
+    for message, call in refused.items():
+        with pytest.raises(UnsupportedError, match=message):
+            call()
 
 
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128), (64, 64)])

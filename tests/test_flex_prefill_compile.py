@@ -572,10 +572,11 @@ def test_host_refuses_what_the_kernel_cannot_take(host_on_cpu):
         (lambda: flex_prefill(q, q, q, kv_num_blocks=num), "needs kv_num_blocks and kv_indices"),
         (lambda: flex_prefill(q, q, q, kv_num_blocks=num[..., :2], kv_indices=idx[:, :, :2]), "do not cover 300"),
         (lambda: flex_prefill(q, q, q, kv_num_blocks=num, kv_indices=idx, kv_block_size=96), "KV block 128"),
-        (lambda: flex_prefill(q, q, q, kv_num_blocks=num, kv_indices=idx, q_block_size=96), "query block size 96"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num, kv_indices=idx, q_block_size=160), "query block size 160"),
         # finer blocks are walked coarsened with one more mask tensor: not beside four of the mask_mod's
-        (lambda: flex_prefill(q, q, q, kv_num_blocks=num, kv_indices=idx, q_block_size=64, mask_mod=CAUSAL,
-                              mask_tensors=(num.flatten(),) * 4), "take a mask tensor"),
+        (lambda: flex_prefill(q, q, q, kv_num_blocks=num.repeat(1, 1, 2), kv_indices=idx.repeat(1, 1, 2, 1),
+                              q_block_size=64, mask_mod=CAUSAL, mask_tensors=(num.flatten(),) * 4),
+         "take a mask tensor"),
         (lambda: flex_prefill(q, q, q, mask_mod=SOFTCAP), "mask_mod: "),
     ]
     for call, message in cases:

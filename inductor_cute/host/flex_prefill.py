@@ -43,12 +43,10 @@ def _device_default_config(head_dim_qk: int, head_dim_v: int, dtype_name: str, d
 _program_operands = functools.partial(_score_mod_operands, name=NAME)
 
 
-def _block_mask_operands(block_mask: tuple, batch: int, heads: int, q_len: int, kv_block_size: int,
-                         q_block_size: int, kv_block: int, device) -> list:
-    """The kernel's four block-mask arguments (int32, contiguous; without full blocks, zero counts
-    over kv_indices) from (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)."""
-    from ..kernels.attention.flex_prefill_config import sparse_block_reason
-
+def _checked_lists(block_mask: tuple, batch: int, heads: int, q_len: int, q_block_size: int, device) -> tuple:
+    """The BlockMask's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) after every
+    check that does not depend on how the kernel walks them; without full blocks, zero counts over
+    kv_indices."""
     num, idx, full_num, full_idx = block_mask
     if num is None or idx is None or (full_num is None) != (full_idx is None):
         raise UnsupportedError(f"{NAME}: a block mask needs kv_num_blocks and kv_indices, and full_kv_num_blocks "
@@ -61,9 +59,6 @@ def _block_mask_operands(block_mask: tuple, batch: int, heads: int, q_len: int, 
                 t.dtype not in (torch.int32, torch.int64) or t.shape[:3] != num.shape or 0 in t.shape:
             raise UnsupportedError(f"{NAME}: {name} must be a non-empty {dim}-D int32 tensor on {device} "
                                    f"sharing kv_num_blocks' (batch, heads, query blocks) dims")
-    problem = sparse_block_reason(kv_block_size, q_block_size, kv_block)
-    if problem:
-        raise UnsupportedError(f"{NAME}: {problem}")
     z, h, q_blocks = num.shape
     if z not in (1, batch) or h not in (1, heads):
         raise UnsupportedError(f"{NAME}: the block mask has (batch, heads) ({z}, {h}); expected 1 or ({batch}, "
@@ -71,29 +66,47 @@ def _block_mask_operands(block_mask: tuple, batch: int, heads: int, q_len: int, 
     if q_blocks * q_block_size < q_len:
         raise UnsupportedError(f"{NAME}: the block mask's {q_blocks} query blocks of {q_block_size} do not cover "
                                f"{q_len} queries")
-    return [t.to(torch.int32).contiguous() for t in (num, idx, full_num, full_idx)]
+    return num, idx, full_num, full_idx
+
+
+def _block_mask_operands(block_mask: tuple, batch: int, heads: int, q_len: int, kv_block_size: int,
+                         q_block_size: int, kv_block: int, device) -> list:
+    """The kernel's four block-mask arguments (int32, contiguous) from the BlockMask's lists."""
+    from ..kernels.attention.flex_prefill_config import sparse_block_reason
+
+    lists = _checked_lists(block_mask, batch, heads, q_len, q_block_size, device)
+    problem = sparse_block_reason(kv_block_size, q_block_size, kv_block)
+    if problem:
+        raise UnsupportedError(f"{NAME}: {problem}")
+    return [t.to(torch.int32).contiguous() for t in lists]
 
 
 def _walked_block_mask(block_mask: tuple, mask_mod, mask_tensors, kv_block_size: int, q_block_size: int,
-                       kv_block: int, device) -> tuple:
+                       kv_block: int, shape: tuple, device) -> tuple:
     """(block mask, mask_mod, mask_tensors, KV and query block sizes) as the kernel walks them: as
     given, or coarsened to the kernel's blocks with the fine blocks' states as one more mask tensor
-    (kernels/attention/block_states.py) where the mask's blocks divide the kernel's."""
+    (kernels/attention/block_states.py) where the mask's blocks divide the kernel's. `shape`:
+    (batch, query heads, q_len, kv_len)."""
     from ..kernels.attention.block_states import with_block_states
     from ..kernels.attention.flex_prefill_config import block_mask_reason, block_walk
-    from .flex_blocks import coarsened
+    from .flex_blocks import coarsened, states_fit
 
     walk = block_walk(kv_block_size, q_block_size, kv_block)
-    num, idx = block_mask[:2]
-    if walk is None or walk == (kv_block_size, q_block_size) or num is None or idx is None:
+    if walk is None or walk == (kv_block_size, q_block_size):
         return block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size  # checked as they are
+    batch, heads, q_len, kv_len = shape
+    fine = _checked_lists(block_mask, batch, heads, q_len, q_block_size, device)
     problem = block_mask_reason(kv_block_size, q_block_size, kv_block, len(mask_tensors))
     if problem:
         raise UnsupportedError(f"{NAME}: block mask: {problem}")
+    kv_blocks = -(-kv_len // kv_block_size)
+    if not states_fit(fine[0].shape, kv_blocks):
+        raise UnsupportedError(f"{NAME}: block mask: {fine[0].shape} x {kv_blocks} blocks of {q_block_size} x "
+                               f"{kv_block_size} exceed the int32 index of their states")
     mask_mod, _, _ = _program_operands(mask_mod, mask_tensors, device, "mask")  # checked before it grows
-    lists, states = coarsened(block_mask, walk[1] // q_block_size, walk[0] // kv_block_size)
-    mask_mod = with_block_states(mask_mod, len(mask_tensors), q_block_size, kv_block_size, num.shape[0] > 1,
-                                 num.shape[1] > 1)
+    lists, states = coarsened(fine, kv_blocks, walk[1] // q_block_size, walk[0] // kv_block_size)
+    z, h = fine[0].shape[:2]
+    mask_mod = with_block_states(mask_mod, len(mask_tensors), q_block_size, kv_block_size, z > 1, h > 1)
     return lists, mask_mod, (*mask_tensors, states), *walk
 
 
@@ -149,7 +162,8 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     sparse_block, sparse_q_block, block_slots = 0, fpc.M_BLOCK, [None] * 4
     if any(t is not None for t in block_mask):
         block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size = _walked_block_mask(
-            block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size, kv_block, q.device)
+            block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size, kv_block, (batch, heads, q_len, seq),
+            q.device)
         block_slots = _block_mask_operands(block_mask, batch, heads, q_len, kv_block_size, q_block_size, kv_block,
                                            q.device)
         sparse_block, sparse_q_block = kv_block_size, q_block_size
