@@ -270,6 +270,8 @@ def test_a_handler_the_user_set_is_kept(stock, handler):
             assert V.choices is mine
         assert V.choices is mine
     assert V.choices is not mine or handler == "the one Inductor built"
+    with inductor_cute.enable():  # the user's context is over: what it put back follows the config again
+        assert isinstance(V.choices, CuteChoices) and V.choices is not mine
 
 
 def test_settings_enter_the_factorys_tag():

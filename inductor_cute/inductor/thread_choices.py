@@ -12,6 +12,7 @@ other than today's is built again on its next use, in whichever thread. An insta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -38,7 +39,8 @@ def follow_config() -> None:
     def built_by_default():
         factory, value = _build()  # the config read once: the record must name what built it
         setattr(virtualized.threadlocal, key, value)
-        _remember(_built_from, value, factory)
+        if _weak(value):  # else it is kept as it is: _stale cannot tell who built it
+            _built_from[value] = factory
         return value
 
     @functools.wraps(lookup)
@@ -49,8 +51,24 @@ def follow_config() -> None:
     setter = type(virtualized.V).set_choices_handler
 
     def set_choices_handler(value):
-        _remember(_set_on_purpose, value)
-        return setter(value)
+        """Set `value` as torch does; it is the setter's until the returned context exits (for
+        good, without a `with`). Then the instance put back, which may be `value` itself (one
+        Inductor built), is judged like any other."""
+        restore = setter(value)
+        added = value not in _set_on_purpose if _weak(value) else False
+        if added:
+            _set_on_purpose.add(value)
+
+        @contextlib.contextmanager
+        def scoped():
+            try:
+                with restore:
+                    yield
+            finally:
+                if added:
+                    _set_on_purpose.discard(value)
+
+        return scoped()
 
     current._inductor_cute = True
     choices._default = built_by_default
@@ -71,14 +89,14 @@ def _stale(value) -> bool:
     return built_from is not config.inductor_choices_class
 
 
-def _remember(table, value, *data) -> None:
+def _weak(value) -> bool:
+    """Whether `value` can be held by weak reference (and hashed): the records above need both."""
     try:
-        if data:
-            table[value] = data[0]
-        else:
-            table.add(value)
-    except TypeError:  # no weak references to it: it is kept as it is
-        pass
+        weakref.ref(value)
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _build() -> tuple:
