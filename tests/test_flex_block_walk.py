@@ -124,7 +124,7 @@ def test_the_host_walks_a_fine_mask_at_the_kernels_blocks():
     refused = {
         "mask tensor": lambda: walked(fine, shape, 64, 64, DOCUMENT, (torch.zeros(4, dtype=torch.int32),) * 4),
         "mask_mod: .* not JSON": lambda: walked(fine, shape, 64, 64, "causal"),
-        "do not cover 300 queries": lambda: walked(fine, (1, 2, 300, 300), 64, 64, CAUSAL),  # 4 blocks of 64
+        "do not cover 300": lambda: walked(fine, (1, 2, 300, 300), 64, 64, CAUSAL),  # 4 blocks of 64
         "full_kv_num_blocks and full_kv_indices together": lambda: walked((*fine[:3], None), shape, 64, 64),
         "int32 index": lambda: walked(fine, (1, 2, 250, 2**35), 64, 64),
     }

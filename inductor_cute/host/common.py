@@ -168,3 +168,35 @@ def attention_shapes(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if kv_heads == 0 or heads % kv_heads:
         raise UnsupportedError(f"{name}: {heads} query heads are not a multiple of {kv_heads} KV heads")
     return batch, heads, q_len, dqk, kv_heads, kv_len, dv, shared_kv
+
+
+BLOCK_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
+def block_lists(entry: str, lists: tuple, device, names: tuple = BLOCK_LISTS, cover: tuple | None = None) -> tuple:
+    """A BlockMask's (counts, indices, full counts, full indices), named `names`, after the checks
+    every kernel's entry `entry` makes: counts and indices given, the full ones together or not at
+    all, 3-D counts and 4-D indices of int32 or int64 on `device` sharing the counts' (batch,
+    heads, blocks) dims; with `cover` (batch, heads, rows, row block), a batch and a head dim of 1
+    or those, and blocks that cover the rows. Without full lists, zero counts over the indices."""
+    num, idx, full_num, full_idx = lists
+    if num is None or idx is None or (full_num is None) != (full_idx is None):
+        raise UnsupportedError(f"{entry}: a block mask needs {names[0]} and {names[1]}, and {names[2]} and "
+                               f"{names[3]} together or not at all")
+    if full_num is None:
+        full_num, full_idx = torch.zeros_like(num), idx
+    for name, t, dim in zip(names, (num, idx, full_num, full_idx), (3, 4, 3, 4)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.device != device or \
+                t.dtype not in (torch.int32, torch.int64) or t.shape[:3] != num.shape or 0 in t.shape:
+            raise UnsupportedError(f"{entry}: {name} must be a non-empty {dim}-D int32 tensor on {device} sharing "
+                                   f"{names[0]}' (batch, heads, blocks) dims")
+    if cover is not None:
+        batch, heads, rows, row_block = cover
+        z, h, blocks = num.shape
+        if z not in (1, batch) or h not in (1, heads):
+            raise UnsupportedError(f"{entry}: the block mask has (batch, heads) ({z}, {h}); expected 1 or ({batch}, "
+                                   f"{heads}) each")
+        if blocks * row_block < rows:
+            raise UnsupportedError(f"{entry}: {names[0]} has {blocks} blocks of {row_block}, which do not cover {rows}")
+    return num, idx, full_num, full_idx
+

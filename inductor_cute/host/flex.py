@@ -10,7 +10,7 @@ import torch
 from ..errors import UnsupportedError
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
-from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, check_cuda, sm_count, stream_scratch
+from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, block_lists, check_cuda, sm_count, stream_scratch
 from .gemm import _alias, _in_place
 
 
@@ -67,18 +67,7 @@ def _block_mask_operands(block_mask: tuple, kv_block_size: int, q_block_size: in
     over kv_indices) from (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)."""
     from ..kernels.attention.flex_decode_config import sparse_block_reason
 
-    num, idx, full_num, full_idx = block_mask
-    if num is None or idx is None or (full_num is None) != (full_idx is None):
-        raise UnsupportedError("flex_decode: a block mask needs kv_num_blocks and kv_indices, and full_kv_num_blocks "
-                               "and full_kv_indices together or not at all")
-    if full_num is None:
-        full_num, full_idx = torch.zeros_like(num), idx
-    for name, t, dim in (("kv_num_blocks", num, 3), ("kv_indices", idx, 4), ("full_kv_num_blocks", full_num, 3),
-                         ("full_kv_indices", full_idx, 4)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.device != device or \
-                t.dtype not in (torch.int32, torch.int64) or t.shape[:3] != num.shape or 0 in t.shape:
-            raise UnsupportedError(f"flex_decode: {name} must be a non-empty {dim}-D int32 tensor on {device} "
-                                   f"sharing kv_num_blocks' (batch, heads, query blocks) dims")
+    num, idx, full_num, full_idx = block_lists("flex_decode", block_mask, device)
     problem = sparse_block_reason(kv_block_size, kv_block, q_block_size, q_len)
     if problem:
         raise UnsupportedError(f"flex_decode: {problem}")

@@ -16,7 +16,7 @@ from ..errors import UnsupportedError
 from ..kernels.common.programs import score_grad
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
-from .common import DTYPE_NAMES, attention_shapes, check_cuda
+from .common import DTYPE_NAMES, attention_shapes, block_lists, check_cuda
 from .flex import _score_mod_operands
 from .flex_prefill import _operand
 
@@ -44,23 +44,7 @@ def _block_lists(names: tuple[str, ...], lists: tuple, batch: int, heads: int, r
     """One of a BlockMask's two list sets (num, indices, full_num, full_indices), named `names`,
     whose row blocks of `row_block` must cover `rows`: int32 and contiguous, zero full counts over
     the indices when the full lists are absent."""
-    num, idx, full_num, full_idx = lists
-    if num is None or idx is None or (full_num is None) != (full_idx is None):
-        raise UnsupportedError(f"{NAME}: a block mask needs {names[0]} and {names[1]}, and {names[2]} and "
-                               f"{names[3]} together or not at all")
-    if full_num is None:
-        full_num, full_idx = torch.zeros_like(num), idx
-    for name, t, dim in zip(names, (num, idx, full_num, full_idx), (3, 4, 3, 4)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.device != device or \
-                t.dtype not in (torch.int32, torch.int64) or t.shape[:3] != num.shape or 0 in t.shape:
-            raise UnsupportedError(f"{NAME}: {name} must be a non-empty {dim}-D int32 tensor on {device} sharing "
-                                   f"{names[0]}' (batch, heads, blocks) dims")
-    z, h, blocks = num.shape
-    if z not in (1, batch) or h not in (1, heads):
-        raise UnsupportedError(f"{NAME}: the block mask has (batch, heads) ({z}, {h}); expected 1 or ({batch}, "
-                               f"{heads}) each")
-    if blocks * row_block < rows:
-        raise UnsupportedError(f"{NAME}: {names[0]} has {blocks} blocks of {row_block}, which do not cover {rows}")
+    num, idx, full_num, full_idx = block_lists(NAME, lists, device, names, (batch, heads, rows, row_block))
     return [t.to(torch.int32).contiguous() for t in (num, idx, full_num, full_idx)]
 
 

@@ -13,7 +13,7 @@ import torch
 from ..errors import UnsupportedError
 from ..kernels.common.units import LOG2E
 from ..runtime import get_kernel
-from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, check_cuda, sm_count, stream_scratch
+from .common import ALIGN_BYTES, DTYPE_NAMES, attention_shapes, block_lists, check_cuda, sm_count, stream_scratch
 from .flex import _score_mod_operands
 
 NAME = "flex_prefill"
@@ -43,38 +43,12 @@ def _device_default_config(head_dim_qk: int, head_dim_v: int, dtype_name: str, d
 _program_operands = functools.partial(_score_mod_operands, name=NAME)
 
 
-def _checked_lists(block_mask: tuple, batch: int, heads: int, q_len: int, q_block_size: int, device) -> tuple:
-    """The BlockMask's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) after every
-    check that does not depend on how the kernel walks them; without full blocks, zero counts over
-    kv_indices."""
-    num, idx, full_num, full_idx = block_mask
-    if num is None or idx is None or (full_num is None) != (full_idx is None):
-        raise UnsupportedError(f"{NAME}: a block mask needs kv_num_blocks and kv_indices, and full_kv_num_blocks "
-                               "and full_kv_indices together or not at all")
-    if full_num is None:
-        full_num, full_idx = torch.zeros_like(num), idx
-    for name, t, dim in (("kv_num_blocks", num, 3), ("kv_indices", idx, 4), ("full_kv_num_blocks", full_num, 3),
-                         ("full_kv_indices", full_idx, 4)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.device != device or \
-                t.dtype not in (torch.int32, torch.int64) or t.shape[:3] != num.shape or 0 in t.shape:
-            raise UnsupportedError(f"{NAME}: {name} must be a non-empty {dim}-D int32 tensor on {device} "
-                                   f"sharing kv_num_blocks' (batch, heads, query blocks) dims")
-    z, h, q_blocks = num.shape
-    if z not in (1, batch) or h not in (1, heads):
-        raise UnsupportedError(f"{NAME}: the block mask has (batch, heads) ({z}, {h}); expected 1 or ({batch}, "
-                               f"{heads}) each")
-    if q_blocks * q_block_size < q_len:
-        raise UnsupportedError(f"{NAME}: the block mask's {q_blocks} query blocks of {q_block_size} do not cover "
-                               f"{q_len} queries")
-    return num, idx, full_num, full_idx
-
-
 def _block_mask_operands(block_mask: tuple, batch: int, heads: int, q_len: int, kv_block_size: int,
                          q_block_size: int, kv_block: int, device) -> list:
     """The kernel's four block-mask arguments (int32, contiguous) from the BlockMask's lists."""
     from ..kernels.attention.flex_prefill_config import sparse_block_reason
 
-    lists = _checked_lists(block_mask, batch, heads, q_len, q_block_size, device)
+    lists = block_lists(NAME, block_mask, device, cover=(batch, heads, q_len, q_block_size))
     problem = sparse_block_reason(kv_block_size, q_block_size, kv_block)
     if problem:
         raise UnsupportedError(f"{NAME}: {problem}")
@@ -95,7 +69,7 @@ def _walked_block_mask(block_mask: tuple, mask_mod, mask_tensors, kv_block_size:
     if walk is None or walk == (kv_block_size, q_block_size):
         return block_mask, mask_mod, mask_tensors, kv_block_size, q_block_size  # checked as they are
     batch, heads, q_len, kv_len = shape
-    fine = _checked_lists(block_mask, batch, heads, q_len, q_block_size, device)
+    fine = block_lists(NAME, block_mask, device, cover=(batch, heads, q_len, q_block_size))
     problem = block_mask_reason(kv_block_size, q_block_size, kv_block, len(mask_tensors))
     if problem:
         raise UnsupportedError(f"{NAME}: block mask: {problem}")
