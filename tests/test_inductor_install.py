@@ -3,6 +3,7 @@ exactly that, however calls nest and whatever a `with` block raises."""
 
 import concurrent.futures
 import contextvars
+import threading
 
 import pytest
 import torch
@@ -272,6 +273,51 @@ def test_a_handler_the_user_set_is_kept(stock, handler):
     assert V.choices is not mine or handler == "the one Inductor built"
     with inductor_cute.enable():  # the user's context is over: what it put back follows the config again
         assert isinstance(V.choices, CuteChoices) and V.choices is not mine
+
+
+def test_pins_count_per_thread_and_end_with_their_context(stock):
+    mine = InductorChoices()
+    with V.set_choices_handler(mine):
+        with V.set_choices_handler(mine):  # the same instance twice: the outer pin outlives the inner
+            pass
+        with inductor_cute.enable():
+            assert V.choices is mine
+    with pytest.raises(ValueError):  # a pin ends with its context however the context ends
+        with V.set_choices_handler(mine):
+            raise ValueError
+    with inductor_cute.enable():
+        assert isinstance(V.choices, CuteChoices)
+
+    # another thread's pin of the same instance is that thread's: ours does not keep it here
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:
+        entered, release = threading.Event(), threading.Event()
+
+        def pin_there():
+            with V.set_choices_handler(mine):
+                entered.set()
+                release.wait(10)
+
+        pinned = worker.submit(pin_there)
+        entered.wait(10)
+        with V.set_choices_handler(mine):
+            pass
+        with inductor_cute.enable():
+            assert isinstance(V.choices, CuteChoices)
+        release.set()
+        pinned.result()
+
+
+def test_a_permanent_pin_is_kept(stock):
+    mine = InductorChoices()
+    pin = V.set_choices_handler(mine)  # without a `with`: for good, as long as its context is not used
+    for _ in range(2):
+        with inductor_cute.enable():
+            assert V.choices is mine
+    with pin:  # the context used at last: its exit puts the handler before back and ends the pin
+        pass
+    assert V.choices is not mine
+    with inductor_cute.enable():
+        assert isinstance(V.choices, CuteChoices)
 
 
 def test_settings_enter_the_factorys_tag():

@@ -32,7 +32,7 @@ from .hooks import (AttributeWrapper, DecompositionWrapper, FeedbackSaver, Hook,
                     SchedulingWrapper, _attr)
 from .hooks import stock_lowering  # noqa: F401  (public here too)
 from .settings import Settings, active_settings  # noqa: F401  (public here too)
-from .thread_choices import follow_config
+from .thread_choices import track_thread_choices
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +286,6 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         _restore(saved)
         raise
     _saved.append(saved)
-    follow_config()  # every thread's V.choices is rebuilt from the config just set
     return _Enabled()
 
 
@@ -303,7 +302,6 @@ def _restore(saved: _Saved) -> None:
         setattr(config, key, value)
     for h in reversed(HOOKS):
         _set(h, h.name in saved.installed)
-    follow_config()  # every thread's V.choices is rebuilt from the config just set
 
 
 def _set(h: Hook, installed: bool) -> None:
@@ -321,3 +319,9 @@ def is_enabled() -> bool:
     factory = config.inductor_choices_class
     ours = getattr(factory, "func", factory) is CuteChoices
     return ours and BACKEND_TOKEN in config.max_autotune_gemm_backends.upper()
+
+
+# From this import on, each thread's V.choices follows the config (thread_choices.py). A handler set
+# before it is unknown: one of the stock class is then taken for one Inductor built, and rebuilt
+# under enable().
+track_thread_choices()
