@@ -107,8 +107,7 @@ def test_the_walk_and_its_limits():
     assert block_walk(128, 128, 128) == (128, 128) and block_walk(256, 512, 128) == (256, 512)
     assert block_walk(64, 64, 128) == (128, 128) and block_walk(128, 64, 64) == (128, 128)
     assert block_walk(96, 128, 128) is None and block_walk(128, 96, 128) is None and block_walk(0, 128, 128) is None
-    assert block_mask_reason(64, 64, 128, 3) is None and block_mask_reason(128, 128, 128, 4, training=True) is None
-    assert "training graph" in block_mask_reason(64, 128, 128, 0, training=True)
+    assert block_mask_reason(64, 64, 128, 3) is None and block_mask_reason(128, 128, 128, 4) is None
     assert "mask tensor" in block_mask_reason(128, 64, 128, 4)
     assert "KV block size 96" in block_mask_reason(96, 128, 128, 0)
 

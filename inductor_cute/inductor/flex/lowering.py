@@ -260,7 +260,7 @@ def _block_mask_reason(p: FlexProblem) -> str | None:
         return f"a block mask of {p.mask_heads} heads for {p.heads} query heads"
     if p.kernel == "prefill":  # one CTA per query head: any mask heads, any GQA ratio
         problem = fpc.block_mask_reason(kv_block_size, q_block_size, fpc.HEAD_DIMS[(p.head_dim_qk, p.head_dim_v)],
-                                        len(p.mask_buffers), training=not p.inference)
+                                        len(p.mask_buffers))
         return f"block mask: {problem}" if problem else None
     kv_block = fdc.kv_block_for(p.head_dim_qk, p.head_dim_v, kv_block_size)
     problem = fdc.sparse_block_reason(kv_block_size, kv_block, q_block_size, p.q_len)

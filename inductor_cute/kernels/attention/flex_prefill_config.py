@@ -178,11 +178,11 @@ def block_walk(kv_block_size: int, q_block_size: int, kv_block: int) -> tuple[in
     return None if kv is None or q is None else (kv, q)
 
 
-def block_mask_reason(kv_block_size: int, q_block_size: int, kv_block: int, mask_tensors: int,
-                      training: bool = False) -> str | None:
+def block_mask_reason(kv_block_size: int, q_block_size: int, kv_block: int, mask_tensors: int) -> str | None:
     """Why the kernel cannot walk a BlockMask of these sizes beside a mask_mod of `mask_tensors`
-    captured tensors; None when it can. Finer blocks than the kernel's take one more mask tensor,
-    and only the forward walks them (the backward kernels walk a mask as given)."""
+    captured tensors; None when it can. Finer blocks than the kernel's take one more mask tensor.
+    (A training graph never gets here with them: the backward kernels walk a mask as given, and
+    the lowering's training check refuses finer blocks first.)"""
     from ..common.programs.score import MAX_TENSORS
 
     walk = block_walk(kv_block_size, q_block_size, kv_block)
@@ -190,8 +190,6 @@ def block_mask_reason(kv_block_size: int, q_block_size: int, kv_block: int, mask
         return sparse_block_reason(kv_block_size, q_block_size, kv_block)
     if walk == (kv_block_size, q_block_size):
         return None
-    if training:
-        return f"{q_block_size} x {kv_block_size} blocks (queries x keys) in a training graph"
     if mask_tensors >= MAX_TENSORS:
         return (f"{q_block_size} x {kv_block_size} blocks (queries x keys) take a mask tensor, and the mask_mod has "
                 f"all {MAX_TENSORS}")
