@@ -21,6 +21,8 @@ import threading
 from torch._inductor import config, virtualized
 from torch._inductor.choices import InductorChoices
 
+from .gemm.choices import CuteChoices
+
 _thread = threading.local()  # built: (the instance the default built here, its config value); pins: below
 
 
@@ -93,8 +95,6 @@ def _stale(value) -> bool:
         return factory is not config.inductor_choices_class
     # an instance built before tracking began (or put back by a context it outlived): stale where
     # it is what the stock default builds without a config, or a CuteChoices of other settings
-    from .gemm.choices import CuteChoices
-
     factory = config.inductor_choices_class
     if type(value) is InductorChoices:
         return factory is not None
