@@ -30,16 +30,6 @@ def record(problem):
 flex.decline_reason = record
 
 
-def plain_compile_and_run(run):
-    from torch._inductor import config as ic
-    from torch._inductor.utils import run_and_get_code
-    torch._dynamo.reset()
-    with ic.patch({"fx_graph_cache": False}):
-        r, codes = run_and_get_code(run, torch.compile)
-    torch._dynamo.reset()
-    return r, "\n".join(codes)
-
-
 def section(name, fn):
     print(f"\n=== {name}", flush=True)
     seen.clear()
@@ -58,10 +48,7 @@ def gptoss(mode):
             ref = tf.prefill_logits(twin, 512, "cuda")
         with tf.routing_pinned(model, routing):
             eager_flex = tf.prefill_logits(model, 512, "cuda")
-            if mode == "stock":
-                ours, code = plain_compile_and_run(lambda c: tf.prefill_logits(c(model), 512, "cuda"))
-            else:
-                ours, code = tf.compile_and_run(lambda c: tf.prefill_logits(c(model), 512, "cuda"), **mode)
+            ours, code = tf.compile_and_run(lambda c: tf.prefill_logits(c(model), 512, "cuda"), **mode)
         e = tf.token_errors(ours, ref)
         far = (e > 3e-2).nonzero().flatten().tolist()
         print(mode, "pinned: far", len(far), "max", e.max().item(), "at", far[:24],
@@ -93,10 +80,7 @@ def gptoss_layers(mode):
             ref = hidden(twin)
         with tf.routing_pinned(model, routing):
             eager_flex = hidden(model)
-            if mode == "stock":
-                ours, _ = plain_compile_and_run(lambda c: hidden(c(model)))
-            else:
-                ours, _ = tf.compile_and_run(lambda c: hidden(c(model)), **mode)
+            ours, _ = tf.compile_and_run(lambda c: hidden(c(model)), **mode)
         print(mode, "eager flex per layer (far tokens, max):", far_per_layer(eager_flex, ref))
         print(mode, "compiled per layer (far tokens, max):", far_per_layer(ours, ref), flush=True)
     return run
@@ -133,9 +117,9 @@ def gptoss_no_grouped():
 
 
 if __name__ == "__main__":
-    section("gptoss layers, stock", gptoss_layers("stock"))
+    section("gptoss layers, stock", gptoss_layers(dict(stock=True)))
     section("gptoss layers, our prefill", gptoss_layers(dict(flex_prefill=True)))
-    section("gptoss stock", gptoss("stock"))
+    section("gptoss stock", gptoss(dict(stock=True)))
     section("gptoss enabled, flex off", gptoss(dict(flex_decode=False)))
     section("gptoss enabled, flex off, grouped off", gptoss_no_grouped)
     section("gptoss enabled, prefill", gptoss(dict(flex_prefill=True)))
