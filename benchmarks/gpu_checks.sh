@@ -74,9 +74,10 @@ for s in $steps; do
         # (the backward lowering file in one process: its first tests enable flex_backward, a later one
         # not), the prefill lowering's unsupported head dim, Phi-3 decode through our 96/96 kernel, gpt-oss
         # prefill against stock's drift, prefill masks of finer blocks (walked coarsened), MoE router GEMMs
-        fixes) step fixes_backward 300 python3 -m pytest -m gpu -q -rf -p no:cacheprovider -p no:xdist \
-                   tests/gpu/test_flex_backward_lowering_gpu.py
-            step fixes 300 python3 -m pytest -m gpu -q -rf -n 8 -p no:cacheprovider \
+        # (fixes_backward and fixes are independent: two gpu_checks.sh processes may run them side by side)
+        fixes_backward) step fixes_backward 300 python3 -m pytest -m gpu -q -rf -p no:cacheprovider -p no:xdist \
+                   tests/gpu/test_flex_backward_lowering_gpu.py ;;
+        fixes) step fixes 300 python3 -m pytest -m gpu -q -rf -n 8 -p no:cacheprovider \
                    tests/gpu/test_flex_prefill_lowering_gpu.py tests/gpu/test_transformers_families_gpu.py \
                    tests/gpu/test_flex_prefill_gpu.py::test_finer_block_masks_walked_at_the_kernels_blocks \
                    tests/gpu/test_flex_prefill_gpu.py::test_block_lists_alone_of_finer_blocks \
@@ -98,6 +99,9 @@ for s in $steps; do
         model_masked) INDUCTOR_CUTE_MODEL_ATTENTION_MASK=1 INDUCTOR_CUTE_MODEL_LAYERS=4 step model_masked 540 \
                    python3 -m inductor_cute bench models --match "${CASE:-llama3-8b decode B8 KV8192 cg}" \
                    --out "$OUT/models-masked" ;;
+        # issue 14's MoE block (Qwen3-30B-A3B shapes): forward at 4096 and 16384 tokens, a training step
+        moe_block) step moe_block 560 python3 -m inductor_cute bench models --match moe-block --out "$OUT/moe-block" ;;
+        grouped_quick) step grouped_quick 560 python3 -m inductor_cute bench grouped_gemm --quick --out "$OUT/grouped" ;;
         # issue 11's per-call host cost and dynamic-M suites (whole suites, records to $OUT/<suite>)
         host|gemm_dynamic) step "$s" 500 python3 -m inductor_cute bench "$s" --out "$OUT/$s" ;;
         # where the host time of the host suite's GEMV case goes (cProfile of ours and stock)

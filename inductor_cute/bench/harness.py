@@ -177,6 +177,8 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
         t = result["times_us"]
         _progress("    " + ", ".join(f"{b} {t[b] if t[b] is not None else '-'} us" for b in rec.BACKENDS)
                   + f" (bound {result['bound_us']} us)")
+        if result["notes"]:  # in the log as each case ends: a run cut short by a time limit keeps them
+            _progress("    notes: " + result["notes"])
         del case
         fault = _sticky_cuda_error()
         if fault:  # the process's CUDA context is lost: record what was measured, and say why it ends
