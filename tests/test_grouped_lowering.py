@@ -95,6 +95,20 @@ def test_benchmark_offsets_are_made_valid():
         assert fixed.tolist() == [4, 8, 13] and fixed.dtype == torch.int32
 
 
+def test_routed_offsets_spread_the_even_split():
+    even = torch.arange(1, 129, dtype=torch.int32) * 256  # what torch gives autotuning: 256 rows each
+    routed = runtime.routed_offsets(even, 8)
+    sizes = torch.diff(routed, prepend=routed.new_zeros(1))
+    assert routed.dtype == torch.int32 and routed[-1] == 128 * 256 and bool((sizes >= 0).all())
+    assert bool((routed[:-1] % 8 == 0).all())  # ends rounded as torch rounds them
+    assert 200 < sizes.min() < 240 and 270 < sizes.max() < 320  # a balanced router's spread, about 16 rows
+    assert torch.equal(routed, runtime.routed_offsets(even, 8))  # seeded: every choice meets the same
+    # the last end stays the total (rows past it unrouted) even when it is no multiple of 8
+    odd = runtime.routed_offsets(torch.tensor([50, 101], dtype=torch.int32), 8)
+    assert odd[-1] == 101 and 0 <= odd[0] <= 101 and odd[0] % 8 == 0
+    assert runtime.routed_offsets(None, 8) is None
+
+
 # ---- the stock lowering on real Inductor IR (fake CUDA tensors on the CPU)
 
 def _all_compiled(specs, *args, **kwargs):
@@ -171,6 +185,19 @@ def test_our_configs_join_the_stock_choices(fn, w_shape, major):
     assert [c.kwargs["config"] for c in ours(choices)] == [runtime.as_tuple(cfg) for cfg in want]
     assert len(choices) == len(stock_choices) + len(want) and all(c.problem == problem for c in ours(choices))
     assert kwargs.keys() == stock_kwargs.keys() and 2 in kwargs["input_gen_fns"]  # valid offsets for everyone
+
+
+def test_every_choice_is_timed_on_routed_offsets_when_ours_join(monkeypatch):
+    (_, stock_kwargs), = lower(moe_up, MOE_SPECS, enabled=False)[0]
+    (_, kwargs), = lower(moe_up, MOE_SPECS)[0]
+    even = torch.tensor([64, 128, 192, 256], dtype=torch.int32)  # the stock generator's answer
+    monkeypatch.setattr(mm_grouped, "create_offsets", lambda *args: even)
+    assert torch.equal(stock_kwargs["input_gen_fns"][2](None), even)
+    assert torch.equal(kwargs["input_gen_fns"][2](None), runtime.routed_offsets(even, 8))
+    assert not torch.equal(runtime.routed_offsets(even, 8), even)
+    # without choices of ours the stock timing inputs stay
+    (_, declined_kwargs), = lower(moe_up, MOE_SPECS, configs=[])[0]
+    assert torch.equal(declined_kwargs["input_gen_fns"][2](None), even)
 
 
 def test_our_choices_are_bound_to_the_stock_input_nodes_and_layout():

@@ -13,8 +13,9 @@ nothing. So inductor/install.py installs two hooks: `grouped_mm_lowering` wraps 
 announces a call in this thread (`_pending`), and `joining_select` stands in for the
 `autotune_select_algorithm` that mm_grouped.py looks up at each call: when a call was announced, it
 appends our choices for the lowering's own (realized) input nodes and output layout, then calls
-the real one with everything else unchanged. Without an announcement (another lowering of that
-module, our backend not requested) it only passes the call through.
+the real one with everything else unchanged but the offsets every choice is timed on: routed group
+sizes instead of the stock even split (`_with_routed_offsets`). Without an announcement (another
+lowering of that module, our backend not requested) it only passes the call through.
 
 Which calls we serve is `decline_reason(GroupedCall)`: plain values, testable without a graph. A
 call we decline gets no choice of ours and the stock behaviour, with the reason logged.
@@ -291,12 +292,28 @@ def joining_select(select):
                     from torch._inductor.select_algorithm import TritonTemplateCaller
 
                     choices = [c for c in choices if not isinstance(c, TritonTemplateCaller)]
+                if ours:
+                    kwargs = _with_routed_offsets(kwargs, input_nodes)
                 choices = [*choices, *ours]
             except Exception as e:  # our choices are optional: never fail the user's compile
                 log.warning("inductor-cute offers nothing for %s: %s", name, first_line(e))
         return select(name, choices, input_nodes, layout, *args, **kwargs)
 
     return select_with_ours
+
+
+def _with_routed_offsets(kwargs: dict, input_nodes) -> dict:
+    """`kwargs` with the offsets' input generator (input 2: [a, b, offs]) timing every choice on
+    routed group sizes instead of the stock even split (runtime.routed_offsets says why)."""
+    gens = kwargs.get("input_gen_fns") or {}
+    even = gens.get(2)
+    if even is None or len(input_nodes) != 3:
+        return kwargs
+    from .runtime import routed_offsets
+
+    alignment = max(1, 16 // input_nodes[0].get_dtype().itemsize)  # torch's rounding of the ends
+    routed = functools.wraps(even)(lambda node: routed_offsets(even(node), alignment))
+    return {**kwargs, "input_gen_fns": {**gens, 2: routed}}
 
 
 def _argument(args: tuple, kwargs: dict, index: int, name: str):
