@@ -9,8 +9,12 @@ block's two grouped GEMMs (Qwen3-30B-A3B: up (T*8, 2048) x (128, 2048, 1536), do
 
     python3 benchmarks/grouped_routing.py
 
+Every config is timed twice: as offered, and with overlap_last (a group's last row tile moved back
+to end at the group's last row and stored whole by TMA, instead of per-element predicated stores).
 Device time in us per (case, offsets, config); see docs/perf-notes.md (MoE block).
 """
+
+import dataclasses
 
 import torch
 
@@ -49,6 +53,8 @@ def main() -> None:
             b = weight.detach().transpose(1, 2)
             a = torch.randn(tokens * 8, k, device="cuda", dtype=torch.bfloat16)
             configs = candidates(PROBLEM, tokens * 8, n, k, 128, sms)
+            # each also with its groups' last row tiles moved back and stored whole (overlap_last)
+            configs += [dataclasses.replace(c, overlap_last=True) for c in configs if not c.overlap_last]
             precompile([spec(PROBLEM, c, sms) for c in configs])
             for name, sizes in routing.items():
                 offs = offsets_of(sizes)

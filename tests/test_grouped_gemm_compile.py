@@ -24,6 +24,9 @@ VARIANTS = {
     "gated-silu": (GroupedProblem("bfloat16", "bfloat16", "k", "k", "silu"), GroupedConfig(128, 256, 64, 4, 2)),
     "gated-gelu-n-major-2x1": (GroupedProblem("bfloat16", "bfloat16", "k", "n", "gelu_tanh"),
                                GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)),
+    "overlap-last-2x1": (K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True)),
+    "overlap-last-gated-64x128": (GroupedProblem("bfloat16", "bfloat16", "k", "k", "silu"),
+                                  GroupedConfig(64, 128, 64, 8, 1, overlap_last=True)),
 }
 
 
@@ -194,3 +197,17 @@ def test_gated_half_tiles_address_each_stage_as_the_whole_tile_does():
         for major in ("k", "n"):
             compare(tile_n, major)
     assert mismatches and all(bad == 0 for _, _, bad in mismatches), mismatches
+
+
+def test_overlap_last_is_a_kernel_of_its_own_offered_once_gpu_checked(monkeypatch):
+    from inductor_cute.kernels.gemm import grouped_config
+
+    assert "overlap_last" not in GroupedConfig().as_params()  # older specs keep their keys
+    assert spec(K_MAJOR, GroupedConfig(overlap_last=True)).name != spec(K_MAJOR, GroupedConfig()).name
+    assert "overlap-last" in GroupedConfig(overlap_last=True).describe()
+    monkeypatch.setattr(grouped_config, "OVERLAP_LAST_GPU_CHECKED", False)
+    assert not any(c.overlap_last for c in candidates(K_MAJOR, 32768, 1536, 2048, groups=128))
+    monkeypatch.setattr(grouped_config, "OVERLAP_LAST_GPU_CHECKED", True)
+    cands = candidates(K_MAJOR, 32768, 1536, 2048, groups=128)
+    assert cands and all(c.overlap_last for c in cands) and len(set(cands)) == len(cands)
+    assert default_config(K_MAJOR, 32768, 1536, 2048, groups=128).overlap_last

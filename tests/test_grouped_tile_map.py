@@ -96,3 +96,37 @@ def test_a_2x1_cluster_pairs_row_tiles_of_the_same_weight_columns():
     got = reference_tiles([300], 256, 128, 128, MAX_GROUPS, (2, 1))
     assert [(m, n) for _, m, n, _, _ in got] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)]
     assert [first < end for _, _, _, first, end in got] == [True, True, True, False] * 2
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cluster_mn", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_overlap_last_stores_whole_tiles_that_cover_every_row(name, cluster_mn, tile_m):
+    """With overlap_last the stored tiles of a group of tile_m rows or more are all whole and lie
+    inside the group, and together cover its rows; a smaller group keeps its one partial tile at
+    its first row; the same tiles are visited (m, n and the idle peers unchanged)."""
+    sizes, n, tile_n = CASES[name], 384, 128
+    plain = reference_tiles(ends_of(sizes), n, tile_m, tile_n, MAX_GROUPS, cluster_mn)
+    got = reference_tiles(ends_of(sizes), n, tile_m, tile_n, MAX_GROUPS, cluster_mn, overlap_last=True)
+    assert [t[:3] for t in got] == [t[:3] for t in plain]
+    starts = [0, *ends_of(sizes)]
+    for (g, _, n_tile, first, end), (_, _, _, plain_first, _) in zip(got, plain):
+        row0 = starts[g]
+        if plain_first >= end:  # a peer past the group's rows: stores nothing, as before
+            assert first == plain_first
+        elif end - row0 >= tile_m:
+            assert row0 <= first and first + tile_m <= end  # whole, inside the group
+        else:
+            assert first == row0 == plain_first  # the group's one partial tile
+    for g, rows in enumerate(sizes):
+        for n_tile in range(-(-n // tile_n)):
+            covered = set()
+            for _, _, _, first, end in (t for t in got if t[0] == g and t[2] == n_tile and t[3] < t[4]):
+                covered |= set(range(first, min(first + tile_m, end)))
+            assert covered == set(range(starts[g], starts[g] + rows))
+
+
+def test_overlap_last_moves_only_a_groups_last_tile_back():
+    # 300 rows from row 1000 in 128-row tiles: 1000, 1128, then 1172 (not 1256), overlapping 84 rows
+    got = reference_tiles([1000, 1300], 128, 128, 128, MAX_GROUPS, overlap_last=True)
+    assert [first for g, _, _, first, _ in got if g == 1] == [1000, 1128, 1172]

@@ -115,8 +115,47 @@ def test_large_moe_shape_in_clusters():
         check(sizes, 7168, 4096, config=config)
 
 
+# overlap_last: a group's last row tile moved back to end at the group's last row (whole TMA
+# stores, rows of the tile before it stored twice); plain, in both cluster shapes, 64-row tiles
+OVERLAP = [GroupedConfig(128, 256, 64, 4, 2, overlap_last=True), GroupedConfig(128, 128, 64, 6, 2, overlap_last=True),
+           GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True),
+           GroupedConfig(128, 256, 64, 4, 2, cluster_n=2, overlap_last=True),
+           GroupedConfig(64, 256, 64, 5, 1, overlap_last=True)]
+
+
+@pytest.mark.parametrize("layout", ["k", "n"])
+@pytest.mark.parametrize("config", OVERLAP, ids=lambda c: c.describe().replace(" ", "-"))
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_overlap_last_configs(name, config, layout):
+    check(SIZES[name], 512, 384, layout, config=config, seed=5)
+    check([3, 130, 0, 277], 1000, 40, config=config)
+    check([100, 0, 300], 256, 264, tokens=700, config=config)  # rows past the offsets stay poisoned
+
+
+@pytest.mark.parametrize("config", OVERLAP[:3], ids=lambda c: c.describe().replace(" ", "-"))
+def test_overlap_last_stores_the_values_of_the_unmoved_tile(config):
+    """The rows a moved last tile stores again are bit-identical to those of the tile before it:
+    the same rows computed at another place in a tile. Against the same rows in a group of whole
+    tiles (384 rows: nothing moves) and the plain config's results."""
+    g = torch.Generator(device=DEV).manual_seed(9)
+    a = torch.randn(384, 1024, device=DEV, generator=g).bfloat16()
+    b = weights(1, 1024, 512, "k", seed=9)
+    whole = grouped_mm(a, b, offsets([384]), config=config)
+    plain = grouped_mm(a, b, offsets([300]), config=GroupedConfig(128, 256, 64, 4, 2))
+    moved = grouped_mm(a, b, offsets([300]), config=config)  # last tile: rows 172..299
+    assert torch.equal(moved[:300], whole[:300]) and torch.equal(moved[:300], plain[:300])
+
+
+def test_overlap_last_on_a_routed_moe_shape():
+    sizes = torch.bincount(torch.randint(128, (32768,), generator=torch.Generator().manual_seed(2)),
+                           minlength=128).tolist()  # 256 rows per group, give or take 16
+    for config in OVERLAP[:3]:
+        check(sizes, 2048, 1536, config=config)
+
+
 GATED_CONFIGS = [None, GroupedConfig(128, 128, 64, 6, 2), GroupedConfig(64, 128, 64, 8, 1),
-                 GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2)]
+                 GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2),
+                 GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True)]
 
 
 def check_gated(sizes, k, f, layout="k", activation="silu", tokens=None, config=None, seed=0):

@@ -15,6 +15,8 @@ through ops.grouped_mm with the launcher's config, parsed once; the offsets stay
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...host import grouped_gemm as host_grouped
@@ -25,7 +27,7 @@ MODULE = __name__  # what generated output code imports
 
 def as_tuple(config: GroupedConfig) -> tuple:
     """A config as plain values for output code and autotuning keys; GroupedConfig(*t) undoes it."""
-    return tuple(config.as_params().values())
+    return dataclasses.astuple(config)  # every field in order (as_params leaves some out)
 
 
 class GroupedLauncher:

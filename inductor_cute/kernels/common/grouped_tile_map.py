@@ -62,6 +62,20 @@ def tile_in_group(local, rows, tile_m: int, ceil_div=None):
     return local % tiles_m, local // tiles_m
 
 
+def tile_first_row(row0, row_end, m, tile_m: int, overlap_last: bool, minimum=min, maximum=max, select=None):
+    """The first row of tile `m` of the group of rows [row0, row_end): row0 + m * tile_m, except,
+    with `overlap_last`, for the group's last tile when it would end past row_end: that one starts
+    tile_m rows before row_end (overlapping the tile before it, whose rows it computes and stores
+    again with the same values), so that every tile of a group of tile_m rows or more is whole and
+    stored by TMA. A group of fewer rows keeps its one partial tile; tiles past the group's rows
+    (a cluster's peers) keep their place."""
+    first = row0 + m * tile_m
+    if not overlap_last:
+        return first
+    select = select or (lambda cond, a, b: a if cond else b)
+    return select(first < row_end, minimum(first, maximum(row0, row_end - tile_m)), first)
+
+
 def tile_counts(ends: list[int], tiles_n: int, tile_m: int) -> list[int]:
     """Work units per group from cumulative group ends (a negative size counts as empty)."""
     starts = [0] + list(ends[:-1])
@@ -76,11 +90,12 @@ def prefix_table(ends: list[int], tiles_n: int, tile_m: int) -> list[int]:
 
 
 def reference_tiles(ends: list[int], n: int, tile_m: int, tile_n: int, max_groups: int,
-                    cluster_mn: tuple[int, int] = (1, 1)):
+                    cluster_mn: tuple[int, int] = (1, 1), overlap_last: bool = False):
     """Every CTA tile's (group, m, n, first row, row end), work unit after work unit and CTA after
     CTA of the cluster (M fastest), by the kernel's arithmetic in plain Python: for CPU tests and
     host-side planning. With clusters, tiles past a group's rows (first row >= row end) or past
-    N (n * tile_n >= n) are the CTAs that store nothing."""
+    N (n * tile_n >= n) are the CTAs that store nothing. First rows as `tile_first_row` places
+    them."""
     cm, cn = cluster_mn
     tiles_n = -(-n // tile_n)
     prefix = prefix_table(ends, -(-tiles_n // cn), tile_m * cm)  # blocks of cn column tiles
@@ -92,7 +107,8 @@ def reference_tiles(ends: list[int], n: int, tile_m: int, tile_n: int, max_group
         for j in range(cn):
             for i in range(cm):
                 m = bm * cm + i
-                out.append((g, m, bn * cn + j, rows_end[g] + m * tile_m, rows_end[g + 1]))
+                first = tile_first_row(rows_end[g], rows_end[g + 1], m, tile_m, overlap_last)
+                out.append((g, m, bn * cn + j, first, rows_end[g + 1]))
     return out
 
 
@@ -138,6 +154,15 @@ class GroupedTileMap:
     def rows(self, group):
         """[first, end) rows of `group` in the stacked tokens."""
         return cute.arch.make_warp_uniform(self.sEnds[group]), cute.arch.make_warp_uniform(self.sEnds[group + 1])
+
+    def tile_rows(self, tile: TileCoord, tokens, overlap_last: bool):
+        """(first row, end row) of `tile`: its first row as `tile_first_row` places it in its group's
+        rows, the end the group's, neither past `tokens` (offsets past the tokens store nothing
+        there). Producer and consumers both ask here, so A's rows and the stored rows agree."""
+        row0, row_end = self.rows(tile.group)
+        row_end = cutlass.min(row_end, tokens)
+        first = tile_first_row(row0, row_end, tile.m, self.tile_m, overlap_last, cutlass.min, cutlass.max, _select)
+        return cute.arch.make_warp_uniform(first), row_end
 
 
 @cute.jit

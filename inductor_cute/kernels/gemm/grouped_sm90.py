@@ -19,7 +19,11 @@ through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`)
   * B is one descriptor over (N, K, E); the group is the batch index.
   * the epilogue stores whole tiles with TMA; a tile that ends past its group's last row (the
     group's last row of tiles) stores from registers with per-element row/column predicates,
-    since a TMA store clips only at the tensor's edge, not at the group's.
+    since a TMA store clips only at the tensor's edge, not at the group's. With config
+    overlap_last such a tile starts tile_m rows before the group's end instead (when the group
+    has that many rows): it recomputes rows of the tile before it and stores them again, the
+    same values, and every tile of the group is stored whole (routed groups measured 5-60%
+    slower than even ones with the predicated stores: grouped_routing.py).
   * clusters (config cluster_m x cluster_n, at most 2 CTAs): the CTAs of a cluster take one block
     of tiles of one group (the tile map's work unit), so the two row tiles of a 2x1 cluster
     multicast halves of their shared weight tile to each other, and the two column tiles of a
@@ -222,9 +226,9 @@ class GroupedHopperGemm(HopperGemm):
                 work = scheduler.first()
                 while scheduler.valid(work):
                     tile = scheduler.tile(work)
-                    row0, _ = tiles.rows(tile.group)
-                    # the group's rows from its first; rows past its end are read but never stored
-                    gA = cute.local_tile(cute.domain_offset((row0, 0), tA), (tm, tk), (tile.m, None))
+                    # the tile's rows from its first; rows past its group's end are read but never stored
+                    first_row, _ = tiles.tile_rows(tile, mD.shape[0], self.grouped_cfg.overlap_last)
+                    gA = cute.local_tile(cute.domain_offset((first_row, 0), tA), (tm, tk), (0, None))
                     # each CTA of a 1x2 cluster loads half of the shared token rows into both
                     tAsA, tAgA = cpasync.tma_partition(tma_a, cta_coord[1], cute.make_layout(cn),
                                                        cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
@@ -302,9 +306,7 @@ class GroupedHopperGemm(HopperGemm):
                     release_state.advance()
 
                 # ---- epilogue, one (64 * tile_wgs x 32) subtile at a time
-                row0, row_end = tiles.rows(tile.group)
-                row_end = cutlass.min(row_end, mD.shape[0])  # offsets past the tokens write nothing there
-                first_row = row0 + tile.m * tm
+                first_row, row_end = tiles.tile_rows(tile, mD.shape[0], self.grouped_cfg.overlap_last)
                 first_col = tile.n * out_tn
                 # a cluster peer's tile past its group's rows or past N: nothing to store
                 if first_row < row_end and first_col < n_cols:
@@ -344,10 +346,11 @@ class GroupedHopperGemm(HopperGemm):
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
-          cluster_m=1, cluster_n=1, gate="", prefetch=0, num_sms=SM_COUNT):
+          cluster_m=1, cluster_n=1, gate="", prefetch=0, overlap_last=False, num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major, gate)
-    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch)
+    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch,
+                        overlap_last)
     err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)
