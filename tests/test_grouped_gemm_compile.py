@@ -205,9 +205,32 @@ def test_overlap_last_is_a_kernel_of_its_own_offered_once_gpu_checked(monkeypatc
     assert "overlap_last" not in GroupedConfig().as_params()  # older specs keep their keys
     assert spec(K_MAJOR, GroupedConfig(overlap_last=True)).name != spec(K_MAJOR, GroupedConfig()).name
     assert "overlap-last" in GroupedConfig(overlap_last=True).describe()
+    from inductor_cute.kernels.gemm import grouped_sm90
+
+    kernel, _ = grouped_sm90.build(**spec(K_MAJOR, GroupedConfig(overlap_last=True)).kwargs)
+    assert kernel.grouped_cfg.overlap_last  # the spec's field reaches the kernel
     monkeypatch.setattr(grouped_config, "OVERLAP_LAST_GPU_CHECKED", False)
     assert not any(c.overlap_last for c in candidates(K_MAJOR, 32768, 1536, 2048, groups=128))
     monkeypatch.setattr(grouped_config, "OVERLAP_LAST_GPU_CHECKED", True)
     cands = candidates(K_MAJOR, 32768, 1536, 2048, groups=128)
     assert cands and all(c.overlap_last for c in cands) and len(set(cands)) == len(cands)
     assert default_config(K_MAJOR, 32768, 1536, 2048, groups=128).overlap_last
+
+
+def test_overlap_last_changes_the_tile_rows_in_the_ptx():
+    plain = compile_spec(spec(K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)), "sm_90a", keep_ptx=True)
+    moved = compile_spec(spec(*VARIANTS["overlap-last-2x1"]), "sm_90a", keep_ptx=True)
+    # the first row's min/max against the group's end, in producer and consumers
+    count = lambda ptx: len(re.findall(r"\b(min|max)\.s32\b", ptx))  # noqa: E731
+    assert count(moved.ptx) >= count(plain.ptx) + 2
+
+
+def test_config_tuples_of_every_version_restore():
+    """Output code holds a config as a plain tuple (inductor/grouped/runtime.as_tuple); tuples of
+    the versions before prefetch (7 fields) and before overlap_last (8) restore too."""
+    from inductor_cute.inductor.grouped.runtime import GroupedLauncher, as_tuple
+
+    for cfg in (GroupedConfig(), GroupedConfig(prefetch=8), GroupedConfig(cluster_m=2, overlap_last=True)):
+        assert GroupedLauncher(as_tuple(cfg))._config == cfg
+    assert GroupedLauncher((128, 128, 64, 6, 2, 2, 1))._config == GroupedConfig(128, 128, 64, 6, 2, 2, 1)
+    assert GroupedLauncher((128, 256, 64, 4, 2, 2, 1, 8))._config.prefetch == 8

@@ -200,6 +200,19 @@ def test_every_choice_is_timed_on_routed_offsets_when_ours_join(monkeypatch):
     assert torch.equal(declined_kwargs["input_gen_fns"][2](None), even)
 
 
+def test_a_failure_while_joining_leaves_the_stock_call_as_it_was(monkeypatch):
+    from inductor_cute.inductor.grouped import lowering as grouped_lowering
+
+    (stock_choices, stock_kwargs), = lower(moe_up, MOE_SPECS, enabled=False)[0]
+
+    def broken(*args):
+        raise RuntimeError("no offsets")
+
+    monkeypatch.setattr(grouped_lowering, "_with_routed_offsets", broken)
+    (choices, kwargs), = lower(moe_up, MOE_SPECS)[0]
+    assert [str(c) for c in choices] == [str(c) for c in stock_choices] and kwargs.keys() == stock_kwargs.keys()
+
+
 def test_our_choices_are_bound_to_the_stock_input_nodes_and_layout():
     (choices, _), = lower(moe_up, MOE_SPECS)[0]
     aten, *mine = choices

@@ -130,3 +130,13 @@ def test_overlap_last_moves_only_a_groups_last_tile_back():
     # 300 rows from row 1000 in 128-row tiles: 1000, 1128, then 1172 (not 1256), overlapping 84 rows
     got = reference_tiles([1000, 1300], 128, 128, 128, MAX_GROUPS, overlap_last=True)
     assert [first for g, _, _, first, _ in got if g == 1] == [1000, 1128, 1172]
+
+
+def test_overlap_last_cuts_the_group_rows_at_the_tokens():
+    # offsets past the 1100 tokens: the kernel stores nothing past them, and a moved tile ends at
+    # the last token (972..1099), not at the group's end; a group cut below a tile keeps its row0
+    got = reference_tiles([1000, 1300], 128, 128, 128, MAX_GROUPS, overlap_last=True, tokens=1100)
+    assert [(first, end) for g, _, _, first, end in got if g == 1] == [(1000, 1100), (1128, 1100), (1256, 1100)]
+    got = reference_tiles([700, 1300], 128, 128, 128, MAX_GROUPS, overlap_last=True, tokens=1100)
+    assert [(first, end) for g, _, _, first, end in got if g == 1][:4] == [(700, 1100), (828, 1100), (956, 1100),
+                                                                          (972, 1100)]

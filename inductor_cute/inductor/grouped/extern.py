@@ -37,6 +37,11 @@ class CuteGroupedCaller(CuteGemmCaller):
     def __str__(self) -> str:
         return f"inductor_cute_grouped_mm({self.description})"
 
+    def hash_key(self) -> str:
+        # the timing inputs are part of what a cached timing means: a change of them re-tunes
+        # (a cache hit needs every choice's entry, so the stock choices are timed again too)
+        return f"{super().hash_key()}-offsets-{runtime.ROUTED_OFFSETS_VERSION}"
+
     def benchmark(self, *args, out):
         # The stock lowering gives select_algorithm an even split for offs (input_gen_fns), but a
         # path that ignores input_gen_fns (autotuning in a subprocess, some torch versions' fusion

@@ -15,7 +15,9 @@ announces a call in this thread (`_pending`), and `joining_select` stands in for
 appends our choices for the lowering's own (realized) input nodes and output layout, then calls
 the real one with everything else unchanged but the offsets every choice is timed on: routed group
 sizes instead of the stock even split (`_with_routed_offsets`). Without an announcement (another
-lowering of that module, our backend not requested) it only passes the call through.
+lowering of that module, our backend not requested) it only passes the call through. (Inductor's
+autotuning cache then holds the stock choices' routed timings too: a later stock compile of the
+same shapes that finds every choice cached reuses them.)
 
 Which calls we serve is `decline_reason(GroupedCall)`: plain values, testable without a graph. A
 call we decline gets no choice of ours and the stock behaviour, with the reason logged.
@@ -287,14 +289,16 @@ def joining_select(select):
         if offer is not None:
             _pending.offer = None
             try:
+                joined, joined_kwargs = choices, kwargs
                 ours = grouped_choices(input_nodes, layout, offer.has_bias)
                 if ours and _m_robust_only(input_nodes, layout, offer.has_bias):
                     from torch._inductor.select_algorithm import TritonTemplateCaller
 
-                    choices = [c for c in choices if not isinstance(c, TritonTemplateCaller)]
+                    joined = [c for c in choices if not isinstance(c, TritonTemplateCaller)]
                 if ours:
-                    kwargs = _with_routed_offsets(kwargs, input_nodes)
-                choices = [*choices, *ours]
+                    joined_kwargs = _with_routed_offsets(kwargs, input_nodes)
+                # taken together, only once all of it worked: a failure leaves the stock call as it was
+                choices, kwargs = [*joined, *ours], joined_kwargs
             except Exception as e:  # our choices are optional: never fail the user's compile
                 log.warning("inductor-cute offers nothing for %s: %s", name, first_line(e))
         return select(name, choices, input_nodes, layout, *args, **kwargs)

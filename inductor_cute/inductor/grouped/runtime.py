@@ -78,6 +78,9 @@ def valid_offsets(offs: torch.Tensor, tokens: int) -> torch.Tensor:
     return even.to(device=offs.device, dtype=offs.dtype)
 
 
+ROUTED_OFFSETS_VERSION = 1  # in our choices' autotuning cache keys (extern.py): raise it when routed_offsets changes
+
+
 def routed_offsets(even: torch.Tensor | None, alignment: int) -> torch.Tensor | None:
     """Offsets for timing choices, from the even split torch's lowering makes (its create_offsets:
     every group the same size, a multiple of `alignment` rows): the same groups and total with the

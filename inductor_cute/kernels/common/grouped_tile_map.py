@@ -90,12 +90,13 @@ def prefix_table(ends: list[int], tiles_n: int, tile_m: int) -> list[int]:
 
 
 def reference_tiles(ends: list[int], n: int, tile_m: int, tile_n: int, max_groups: int,
-                    cluster_mn: tuple[int, int] = (1, 1), overlap_last: bool = False):
+                    cluster_mn: tuple[int, int] = (1, 1), overlap_last: bool = False, tokens: int | None = None):
     """Every CTA tile's (group, m, n, first row, row end), work unit after work unit and CTA after
     CTA of the cluster (M fastest), by the kernel's arithmetic in plain Python: for CPU tests and
     host-side planning. With clusters, tiles past a group's rows (first row >= row end) or past
     N (n * tile_n >= n) are the CTAs that store nothing. First rows as `tile_first_row` places
-    them."""
+    them, in group rows cut at `tokens` where given (as the kernel cuts them: offsets past the
+    tokens)."""
     cm, cn = cluster_mn
     tiles_n = -(-n // tile_n)
     prefix = prefix_table(ends, -(-tiles_n // cn), tile_m * cm)  # blocks of cn column tiles
@@ -107,8 +108,9 @@ def reference_tiles(ends: list[int], n: int, tile_m: int, tile_n: int, max_group
         for j in range(cn):
             for i in range(cm):
                 m = bm * cm + i
-                first = tile_first_row(rows_end[g], rows_end[g + 1], m, tile_m, overlap_last)
-                out.append((g, m, bn * cn + j, first, rows_end[g + 1]))
+                end = rows_end[g + 1] if tokens is None else min(rows_end[g + 1], tokens)
+                first = tile_first_row(rows_end[g], end, m, tile_m, overlap_last)
+                out.append((g, m, bn * cn + j, first, end))
     return out
 
 

@@ -208,8 +208,8 @@ def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None =
 OVERLAP_LAST_GPU_CHECKED = False
 
 
-def _overlapping(cfg: GroupedConfig) -> GroupedConfig:
-    return dataclasses.replace(cfg, overlap_last=True) if OVERLAP_LAST_GPU_CHECKED else cfg
+def _overlapping(cfg: GroupedConfig | None) -> GroupedConfig | None:
+    return dataclasses.replace(cfg, overlap_last=True) if cfg is not None and OVERLAP_LAST_GPU_CHECKED else cfg
 
 
 # Cluster configs join the candidates (and the default) once their GPU tests have passed:

@@ -13,16 +13,19 @@ through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`)
     grouped_tile_map.py). The grid is one wave of clusters, sized from an upper bound of the work
     units (cluster blocks of tiles) known on the host (`max_work_units`); surplus clusters find
     no work.
-  * A is one TMA descriptor over all tokens: a tile's rows start at the group's first row
-    (`domain_offset`), so a tile that ends past its group reads the next group's rows (or zeros
-    past the last token) into accumulator rows that are never written.
+  * A is one TMA descriptor over all tokens: a tile's rows start at its first row in the group
+    (`domain_offset`; `GroupedTileMap.tile_rows`, asked by producer and consumers alike), so a
+    tile that ends past its group reads the next group's rows (or zeros past the last token)
+    into accumulator rows that are never written.
   * B is one descriptor over (N, K, E); the group is the batch index.
   * the epilogue stores whole tiles with TMA; a tile that ends past its group's last row (the
     group's last row of tiles) stores from registers with per-element row/column predicates,
     since a TMA store clips only at the tensor's edge, not at the group's. With config
     overlap_last such a tile starts tile_m rows before the group's end instead (when the group
     has that many rows): it recomputes rows of the tile before it and stores them again, the
-    same values, and every tile of the group is stored whole (routed groups measured 5-60%
+    same values (two CTAs may store those rows at once: benign only because the values are
+    bit-identical, so an epilogue that reads or accumulates into the output cannot use it), and
+    every tile of the group is stored whole (routed groups measured 5-60%
     slower than even ones with the predicated stores: grouped_routing.py).
   * clusters (config cluster_m x cluster_n, at most 2 CTAs): the CTAs of a cluster take one block
     of tiles of one group (the tile map's work unit), so the two row tiles of a 2x1 cluster
