@@ -135,3 +135,26 @@ def test_each_runner_is_checked_on_its_own_output_not_on_a_reused_buffer(monkeyp
     assert "MISMATCH: triton output has non-finite values" in result["notes"]
     assert "inductor_cute output" not in result["notes"]
     assert result["times_us"]["inductor_cute"] == 1.0 and result["times_us"]["triton"] is None
+
+
+def test_a_run_killed_between_cases_leaves_its_record_so_far(monkeypatch, no_gpu_needed, capsys):
+    """A time limit kills the process, not an exception: after each case the record so far is on
+    disk, marked unfinished (with the case notes in the log); the finished run drops the mark."""
+    seen = []
+
+    def run_case(case, ceilings):
+        if case.name == "case 3":  # what a kill at this point leaves on disk
+            seen.append(__import__("json").loads(next(no_gpu_needed.glob("fake-*.json")).read_text()))
+        return {"name": case.name, "params": {}, "flops": 1e9, "bytes": 1e6, "bound_us": 1.0,
+                "times_us": {"inductor_cute": 1.0, "triton": 2.0, "aten": None}, "notes": f"{case.name} note"}
+
+    monkeypatch.setattr(harness, "run_case", run_case)
+    record, _ = run(monkeypatch, no_gpu_needed, [None, None, None])
+    (partial,) = seen
+    assert [c["name"] for c in partial["cases"]] == ["case 1", "case 2"]
+    assert partial["env"]["unfinished"] == "written after case 2 of 3"
+    assert "unfinished" not in record["env"]
+    assert "unfinished" not in __import__("json").loads(next(no_gpu_needed.glob("fake-*.json")).read_text())["env"]
+    log = capsys.readouterr()
+    assert "notes: case 2 note" in log.err + log.out
+    assert "Unfinished: written after case 2 of 3" in rec.markdown(partial)

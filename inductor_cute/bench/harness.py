@@ -179,12 +179,16 @@ def run_suite(name: str, quick: bool = False, out_dir: str = "benchmarks/results
                   + f" (bound {result['bound_us']} us)")
         if result["notes"]:  # in the log as each case ends: a run cut short by a time limit keeps them
             _progress("    notes: " + result["notes"])
+        # the record so far, marked unfinished: a run killed at a time limit leaves what it measured
+        record["env"]["unfinished"] = f"written after case {i} of {len(cases)}"
+        rec.write(record, out_dir, with_plot=False)
         del case
         fault = _sticky_cuda_error()
         if fault:  # the process's CUDA context is lost: record what was measured, and say why it ends
             record["env"]["aborted"] = f"after case {i} of {len(cases)} ({result['name']}): {fault}"
             _progress(f"    stopping: {fault}")
             break
+    record["env"].pop("unfinished", None)
     if hasattr(suite, "host_overhead") and not record["env"].get("aborted"):
         record["host_overhead_us"] = {k: round(host_overhead_us(fn), 2) for k, fn in suite.host_overhead().items()}
     paths = rec.write(record, out_dir)

@@ -140,6 +140,8 @@ def markdown(record: dict) -> str:
              *([f"Partial run: only cases whose name contains {env['case_filter']!r}.", ""]
                if env.get("case_filter") else []),
              *([f"Aborted {env['aborted']}.", ""] if env.get("aborted") else []),
+             *([f"Unfinished: {env['unfinished']} (the run stopped or is still going).", ""]
+               if env.get("unfinished") else []),
              "| case | bound us | inductor_cute us | triton us | aten us | vs triton | vs aten | roofline | notes |",
              "|---|---|---|---|---|---|---|---|---|"]
     vs_triton, vs_aten = speedups(record, "triton"), speedups(record, "aten")
@@ -193,15 +195,17 @@ def plot(record: dict, path: Path) -> bool:
     return True
 
 
-def write(record: dict, out_dir: str | os.PathLike) -> list[Path]:
+def write(record: dict, out_dir: str | os.PathLike, with_plot: bool = True) -> list[Path]:
     """Write <suite>-<gpu>-<yyyymmdd>.json/.md/.png under out_dir; returns the paths written. Says on
-    stderr when the PNG is left out, and why."""
+    stderr when the PNG is left out, and why (not when `with_plot` is False: a run's progress)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{record['suite']}-{gpu_slug(record['env']['gpu'])}-{record['created'][:10].replace('-', '')}"
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
     paths[0].write_text(json.dumps(record, indent=1) + "\n")
     paths[1].write_text(markdown(record))
+    if not with_plot:
+        return paths
     if plot(record, out / f"{stem}.png"):
         paths.append(out / f"{stem}.png")
     else:
