@@ -9,8 +9,10 @@ block's two grouped GEMMs (Qwen3-30B-A3B: up (T*8, 2048) x (128, 2048, 1536), do
 
     python3 benchmarks/grouped_routing.py
 
-Every config is timed twice: as offered, and with overlap_last (a group's last row tile moved back
-to end at the group's last row and stored whole by TMA, instead of per-element predicated stores).
+Every config is timed three times: as offered, with overlap_last (a group's last row tile moved
+back to end at the group's last row and stored whole by TMA, instead of per-element predicated
+stores), and with staged_partial too (the partial tiles of groups under a tile through the staging
+buffer in 16-byte pieces).
 Device time in us per (case, offsets, config); see docs/perf-notes.md (MoE block).
 """
 
@@ -45,7 +47,7 @@ def spread_sizes(rows: int, groups: int) -> list[int]:
 def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(0))
-    for tokens in (4096, 16384):
+    for tokens in (1024, 4096, 16384):  # 1024: 64 rows per group, every tile partial (staged_partial's case)
         block, x = moe_block.make_inputs(tokens, False)
         routing = {"even": even_sizes(tokens * 8, 128), "spread": spread_sizes(tokens * 8, 128),
                    "block": moe_block.rows_per_expert(block, x)}
@@ -53,8 +55,10 @@ def main() -> None:
             b = weight.detach().transpose(1, 2)
             a = torch.randn(tokens * 8, k, device="cuda", dtype=torch.bfloat16)
             configs = candidates(PROBLEM, tokens * 8, n, k, 128, sms)
-            # each also with its groups' last row tiles moved back and stored whole (overlap_last)
-            configs += [dataclasses.replace(c, overlap_last=True) for c in configs if not c.overlap_last]
+            # each also with its groups' last row tiles moved back and stored whole (overlap_last),
+            # and with the partial tiles left stored through the staging buffer too (staged_partial)
+            configs += [dataclasses.replace(c, overlap_last=True, staged_partial=staged) for c in list(configs)
+                        for staged in (False, True) if not c.overlap_last]
             precompile([spec(PROBLEM, c, sms) for c in configs])
             for name, sizes in routing.items():
                 offs = offsets_of(sizes)

@@ -27,6 +27,7 @@ VARIANTS = {
     "overlap-last-2x1": (K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True)),
     "overlap-last-gated-64x128": (GroupedProblem("bfloat16", "bfloat16", "k", "k", "silu"),
                                   GroupedConfig(64, 128, 64, 8, 1, overlap_last=True)),
+    "staged-partial-128x256": (K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, overlap_last=True, staged_partial=True)),
 }
 
 
@@ -213,8 +214,22 @@ def test_overlap_last_is_a_kernel_of_its_own_offered_once_gpu_checked(monkeypatc
     assert not any(c.overlap_last for c in candidates(K_MAJOR, 32768, 1536, 2048, groups=128))
     monkeypatch.setattr(grouped_config, "OVERLAP_LAST_GPU_CHECKED", True)
     cands = candidates(K_MAJOR, 32768, 1536, 2048, groups=128)
-    assert cands and all(c.overlap_last for c in cands) and len(set(cands)) == len(cands)
+    assert cands and all(c.overlap_last and not c.staged_partial for c in cands) and len(set(cands)) == len(cands)
     assert default_config(K_MAJOR, 32768, 1536, 2048, groups=128).overlap_last
+    monkeypatch.setattr(grouped_config, "STAGED_PARTIAL_GPU_CHECKED", True)
+    assert all(c.overlap_last and c.staged_partial for c in candidates(K_MAJOR, 32768, 1536, 2048, groups=128))
+
+
+def test_staged_partial_stores_16_byte_pieces_instead_of_2_byte_values():
+    plain = compile_spec(spec(K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, overlap_last=True)), "sm_90a", keep_ptx=True)
+    staged = compile_spec(spec(*VARIANTS["staged-partial-128x256"]), "sm_90a", keep_ptx=True)
+    stores = lambda ptx, kind: len(re.findall(rf"st\.global\.{kind}\b", ptx))  # noqa: E731
+    # 128 x 256 outputs of 256 threads: 128 values each, or 16 pieces of 8
+    assert stores(plain.ptx, "b16") == 128 and stores(plain.ptx, "v4.b32") == 0
+    assert stores(staged.ptx, "b16") == 0 and stores(staged.ptx, "v4.b32") == 16
+    assert len(re.findall(r"ld\.shared\.v4\.b32", staged.ptx)) >= 16  # read back from the staging buffer
+    assert "staged_partial" not in GroupedConfig().as_params()  # older specs keep their keys
+    assert spec(K_MAJOR, GroupedConfig(staged_partial=True)).name != spec(K_MAJOR, GroupedConfig()).name
 
 
 def test_overlap_last_changes_the_tile_rows_in_the_ptx():
@@ -230,7 +245,8 @@ def test_config_tuples_of_every_version_restore():
     the versions before prefetch (7 fields) and before overlap_last (8) restore too."""
     from inductor_cute.inductor.grouped.runtime import GroupedLauncher, as_tuple
 
-    for cfg in (GroupedConfig(), GroupedConfig(prefetch=8), GroupedConfig(cluster_m=2, overlap_last=True)):
+    for cfg in (GroupedConfig(), GroupedConfig(prefetch=8), GroupedConfig(cluster_m=2, overlap_last=True),
+                GroupedConfig(staged_partial=True)):
         assert GroupedLauncher(as_tuple(cfg))._config == cfg
     assert GroupedLauncher((128, 128, 64, 6, 2, 2, 1))._config == GroupedConfig(128, 128, 64, 6, 2, 2, 1)
     assert GroupedLauncher((128, 256, 64, 4, 2, 2, 1, 8))._config.prefetch == 8

@@ -82,6 +82,7 @@ def test_unsupported_inputs_are_named():
     assert "shared memory" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 128, 4, 2))
     assert "cluster" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2))
     assert "overlap_last" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, overlap_last=True))
+    assert "staged_partial" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, staged_partial=True))
     assert unsupported_reason(AUTOGRAD, m=7168, n=4096, groups=256) is None
 
 

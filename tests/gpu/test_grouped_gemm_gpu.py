@@ -118,11 +118,16 @@ def test_large_moe_shape_in_clusters():
 
 
 # overlap_last: a group's last row tile moved back to end at the group's last row (whole TMA
-# stores, rows of the tile before it stored twice); plain, in both cluster shapes, 64-row tiles
+# stores, rows of the tile before it stored twice); plain, in both cluster shapes, 64-row tiles;
+# staged_partial (the partial tiles left, through the staging buffer in 16-byte pieces) with and
+# without it
 OVERLAP = [GroupedConfig(128, 256, 64, 4, 2, overlap_last=True), GroupedConfig(128, 128, 64, 6, 2, overlap_last=True),
            GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True),
            GroupedConfig(128, 256, 64, 4, 2, cluster_n=2, overlap_last=True),
-           GroupedConfig(64, 256, 64, 5, 1, overlap_last=True)]
+           GroupedConfig(64, 256, 64, 5, 1, overlap_last=True),
+           GroupedConfig(128, 256, 64, 4, 2, staged_partial=True),
+           GroupedConfig(128, 128, 64, 6, 2, cluster_n=2, overlap_last=True, staged_partial=True),
+           GroupedConfig(64, 128, 64, 8, 1, overlap_last=True, staged_partial=True)]
 
 
 @pytest.mark.parametrize("layout", ["k", "n"])
@@ -157,7 +162,7 @@ def test_overlap_last_on_a_routed_moe_shape():
 
 GATED_CONFIGS = [None, GroupedConfig(128, 128, 64, 6, 2), GroupedConfig(64, 128, 64, 8, 1),
                  GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2),
-                 GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True)]
+                 GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True, staged_partial=True)]
 
 
 def check_gated(sizes, k, f, layout="k", activation="silu", tokens=None, config=None, seed=0):

@@ -64,12 +64,15 @@ class GroupedConfig:
     # the group's end instead (grouped_tile_map.tile_first_row): stored whole by TMA, not by the
     # per-element predicated stores a partial tile needs; only groups under tile_m rows keep those
     overlap_last: bool = False
+    # a partial tile (the group's rows end inside it) is stored through the staging buffer in
+    # 16-byte pieces of its rows, not by 2-byte predicated stores from registers
+    staged_partial: bool = False
 
     def as_params(self) -> dict:
-        """The fields, prefetch and overlap_last left out when off (the specs that predate them
-        keep their keys)."""
+        """The fields, those added later left out when off (the specs that predate them keep their
+        keys)."""
         params = dataclasses.asdict(self)
-        for name in ("prefetch", "overlap_last"):
+        for name in ("prefetch", "overlap_last", "staged_partial"):
             if not params[name]:
                 del params[name]
         return params
@@ -82,8 +85,9 @@ class GroupedConfig:
         cluster = f" cluster {self.cluster_m}x{self.cluster_n}" if self.cluster_size > 1 else ""
         prefetch = f" prefetch {self.prefetch}" if self.prefetch else ""
         overlap = " overlap-last" if self.overlap_last else ""
+        staged = " staged-partial" if self.staged_partial else ""
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} stages {self.stages} wg {self.consumer_warpgroups}"
-                f"{cluster}{prefetch}{overlap}")
+                f"{cluster}{prefetch}{overlap}{staged}")
 
 
 def table_bytes(max_groups: int = MAX_GROUPS) -> int:
@@ -203,13 +207,18 @@ def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None =
     return _overlapping(plain)
 
 
-# Every config stores a group's last row tile whole (overlap_last) once its GPU tests have passed:
-# it moves rows, and autotuning checks no results. Written in the twenty-third session, unrun.
+# Every config stores a group's last row tile whole (overlap_last) and the remaining partial tiles
+# through the staging buffer (staged_partial) once their GPU tests have passed: autotuning checks
+# no results. Written in the twenty-third session, unrun.
 OVERLAP_LAST_GPU_CHECKED = False
+STAGED_PARTIAL_GPU_CHECKED = False
 
 
 def _overlapping(cfg: GroupedConfig | None) -> GroupedConfig | None:
-    return dataclasses.replace(cfg, overlap_last=True) if cfg is not None and OVERLAP_LAST_GPU_CHECKED else cfg
+    if cfg is None:
+        return None
+    return dataclasses.replace(cfg, overlap_last=cfg.overlap_last or OVERLAP_LAST_GPU_CHECKED,
+                               staged_partial=cfg.staged_partial or STAGED_PARTIAL_GPU_CHECKED)
 
 
 # Cluster configs join the candidates (and the default) once their GPU tests have passed:

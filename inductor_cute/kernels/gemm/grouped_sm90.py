@@ -26,7 +26,9 @@ through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`)
     same values (two CTAs may store those rows at once: benign only because the values are
     bit-identical, so an epilogue that reads or accumulates into the output cannot use it), and
     every tile of the group is stored whole (routed groups measured 5-60%
-    slower than even ones with the predicated stores: grouped_routing.py).
+    slower than even ones with the predicated stores: grouped_routing.py). With config
+    staged_partial a partial tile goes through the staging buffer too (stmatrix), and every
+    epilogue thread copies 16-byte pieces of its rows before the group's end to global memory.
   * clusters (config cluster_m x cluster_n, at most 2 CTAs): the CTAs of a cluster take one block
     of tiles of one group (the tile map's work unit), so the two row tiles of a 2x1 cluster
     multicast halves of their shared weight tile to each other, and the two column tiles of a
@@ -107,6 +109,38 @@ class GroupedHopperGemm(HopperGemm):
             store_pipe.producer_commit()
             store_pipe.producer_acquire()
         epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _staged_store_subtile(self, r2s: cute.TiledCopy, tRS_rOut: cute.Tensor, tRS_sD_buf: cute.Tensor,
+                              sD_buf: cute.Tensor, mD_sub: cute.Tensor, r_base: Int32, c_base: Int32, row_end: Int32,
+                              n_cols: Int32, ctid: Int32, epi_barrier: pipeline.NamedBarrier):
+        """A partial tile's subtile (config staged_partial): registers -> staging buffer (stmatrix),
+        then every epilogue thread copies 16-byte row pieces of it to global memory, only rows
+        before `row_end` (columns come in whole pieces: N is a multiple of 8). The buffer must be
+        free (no TMA store reading it) and is free again after: the last barrier."""
+        cute.copy(r2s, tRS_rOut, tRS_sD_buf)
+        epi_barrier.arrive_and_wait()  # generic-proxy writes, generic-proxy reads: no proxy fence
+        vec = 128 // self.d_dtype.width
+        per_row = self.epi_tile[1] // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype, num_bits_per_copy=128)
+        s2g = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((self.epi_threads // per_row, per_row),
+                                                                     order=(1, 0)), cute.make_layout((1, vec)))
+        thr = s2g.get_slice(ctid)
+        tSsD = thr.partition_S(sD_buf)
+        tScD = thr.partition_S(cute.make_identity_tensor(self.epi_tile))
+        piece = cute.make_rmem_tensor(cute.make_layout(vec), self.d_dtype)
+        for m in cutlass.range_constexpr(cute.size(tSsD, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tSsD, mode=[2])):
+                crd = tScD[(0, m, k)]
+                r, c = r_base + crd[0], c_base + crd[1]
+                if r < row_end and c < n_cols:
+                    cute.autovec_copy(tSsD[(None, m, k)], piece)
+                    # the piece's address, 16-byte aligned (row strides and c are multiples of 8)
+                    dst = mD_sub.iterator + (cutlass.Int64(crd[0]) * mD_sub.stride[0] + crd[1])
+                    cute.autovec_copy(piece, cute.make_tensor(
+                        cute.make_ptr(self.d_dtype, dst.toint(), cute.AddressSpace.gmem, assumed_align=16),
+                        cute.make_layout(vec)))
+        epi_barrier.arrive_and_wait()  # every thread's reads done before the buffer is written again
 
     def _shared_storage(self):
         st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
@@ -338,22 +372,31 @@ class GroupedHopperGemm(HopperGemm):
                         else:
                             r_base = first_row + e_coord[0] * self.epi_tile[0]
                             c_base = first_col + e_coord[1] * self.epi_tile[1]
-                            for v in cutlass.range_constexpr(n_vals):
-                                r = r_base + tRS_cD[v][0]
-                                c = c_base + tRS_cD[v][1]
-                                if r < row_end and c < n_cols:
-                                    mD[r, c] = tRS_rOut[v]
+                            if cutlass.const_expr(self.grouped_cfg.staged_partial):
+                                # the free staging buffer (the one the next TMA store takes), not advanced
+                                mD_sub = cute.local_tile(cute.domain_offset((first_row, first_col), mD), self.epi_tile,
+                                                         e_coord)
+                                self._staged_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, n_stored % EPI_STAGES)],
+                                                           sD[(None, None, n_stored % EPI_STAGES)], mD_sub,
+                                                           r_base, c_base, row_end, n_cols, ctid, epi_barrier)
+                            else:
+                                for v in cutlass.range_constexpr(n_vals):
+                                    r = r_base + tRS_cD[v][0]
+                                    c = c_base + tRS_cD[v][1]
+                                    if r < row_end and c < n_cols:
+                                        mD[r, c] = tRS_rOut[v]
                 work = scheduler.next(work)
             store_pipe.producer_tail()
 
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
-          cluster_m=1, cluster_n=1, gate="", prefetch=0, overlap_last=False, num_sms=SM_COUNT):
+          cluster_m=1, cluster_n=1, gate="", prefetch=0, overlap_last=False, staged_partial=False,
+          num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major, gate)
     cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch,
-                        overlap_last)
+                        overlap_last, staged_partial)
     err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)

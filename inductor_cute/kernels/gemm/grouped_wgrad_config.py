@@ -54,8 +54,9 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
         return f"{groups} groups: between 1 and {MAX_GROUPS} are supported"
     if config is None:
         return None
-    if config.cluster_size > 1 or config.prefetch or config.overlap_last:
-        return "the weight gradient runs without clusters, prefetch or overlap_last (its groups split K)"
+    if config.cluster_size > 1 or config.prefetch or config.overlap_last or config.staged_partial:
+        return ("the weight gradient runs without clusters, prefetch, overlap_last or staged_partial (its groups "
+                "split K)")
     # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
     return grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name), config)
 
