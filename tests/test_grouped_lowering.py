@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import inductor_cute
 from inductor_cute.host import grouped_gemm as host_grouped
 from inductor_cute.inductor.gemm.extern import CuteGemmCaller
-from inductor_cute.inductor.grouped import runtime
+from inductor_cute.inductor.grouped import gate, runtime
 from inductor_cute.inductor.grouped.extern import CuteGroupedCaller
 from inductor_cute.inductor.grouped.lowering import GroupedCall, b_major, decline_reason, wgrad_majors
 from inductor_cute.kernels.gemm.grouped_config import GroupedConfig, GroupedProblem, candidates
@@ -116,7 +116,7 @@ def _all_compiled(specs, *args, **kwargs):
 
 
 def lower(fn, specs, *, backends="ATEN,ICUTE", enabled=True, max_autotune=True, configs=None, codegen=False,
-          precompile=_all_compiled):
+          precompile=_all_compiled, enable_kwargs=None):
     """Lower fn on fake CUDA tensors (`specs`: (shape, dtype[, strides])): (each call the stock
     lowering made of autotune_select_algorithm, as (choices, keyword arguments); the output code
     when `codegen`). The recorded select picks the last choice (ours when offered). `configs`
@@ -138,6 +138,7 @@ def lower(fn, specs, *, backends="ATEN,ICUTE", enabled=True, max_autotune=True, 
         stack.enter_context(mock.patch.object(mm_grouped, "autotune_select_algorithm", select))  # before enable()
         stack.enter_context(mock.patch.object(mm_grouped, "use_triton_template", lambda *a, **k: False))  # asks CUDA
         stack.enter_context(mock.patch("inductor_cute.inductor.grouped.lowering.sm_count", lambda index: 132))
+        stack.enter_context(mock.patch("inductor_cute.host.common.sm_count", lambda index: 132))
         stack.enter_context(mock.patch("inductor_cute.runtime.arch.device_arch", lambda *a: None))
         stack.enter_context(mock.patch("inductor_cute.inductor.gemm.specs.precompile", precompile))
         if configs is not None:
@@ -145,7 +146,7 @@ def lower(fn, specs, *, backends="ATEN,ICUTE", enabled=True, max_autotune=True, 
                 stack.enter_context(mock.patch(f"inductor_cute.kernels.gemm.{module}.candidates",
                                                lambda *a, **k: list(configs)))
         if enabled:
-            stack.enter_context(inductor_cute.enable())
+            stack.enter_context(inductor_cute.enable(**(enable_kwargs or {})))
         stack.enter_context(inductor_config.patch(max_autotune=max_autotune, max_autotune_gemm_backends=backends,
                                                   cuda_backend="triton"))
         stack.enter_context(mock.patch("torch._inductor.scheduler.has_triton", lambda: True))
@@ -363,7 +364,7 @@ def test_our_extern_kernel_is_what_autotuning_times(cpu_grouped_kernels):
     offs, out = torch.tensor([30, 64], dtype=torch.int32), torch.empty(64, N, dtype=BF16)
     runtime.grouped_mm(a, b, offs, out=out, config=config)
     runtime.grouped_mm(a, b, offs, out=out, config=config)
-    assert list(runtime._LAUNCHERS) == [config]  # one launcher per config, reused
+    assert list(runtime._LAUNCHERS) == [(config, "")]  # one launcher per config, reused
     assert cpu_grouped_kernels[-1][0].kwargs["b_major"] == "n"
     torch.testing.assert_close(out[:30].float(), a[:30].float() @ b[0].float(), atol=2e-2, rtol=2e-2)
 
@@ -519,3 +520,62 @@ def test_benchmarking_the_weight_gradient_splits_the_tokens(monkeypatch):
     a, b = torch.randn(TOKENS, K).bfloat16().t(), torch.randn(TOKENS, N).bfloat16()
     assert mine.benchmark(a, b, torch.tensor([77, -3, 900, 12], dtype=torch.int32), out=None) == 1.0
     assert timed == [[64, 128, 192, 256]]  # over b's rows (the tokens), not a's
+
+
+# ---- the fused MoE gate's op (grouped/gate_lowering.py)
+
+def gated(a, w, offs):
+    return gate.OP(a, w.transpose(1, 2), offs, "silu")
+
+
+GATED_SPECS = [((TOKENS, K), BF16), ((E, 2 * 128, K), BF16), ((E,), torch.int32)]
+
+
+def record_gated_selects(monkeypatch) -> list:
+    from torch._inductor import select_algorithm
+
+    recorded = []
+
+    def select(name, choices, input_nodes, layout, **kwargs):
+        recorded.append((name, list(choices), kwargs, layout))
+        return choices[-1].output_node(), choices[-1]
+
+    monkeypatch.setattr(select_algorithm, "autotune_select_algorithm", select)
+    return recorded
+
+
+def test_the_fused_gate_autotunes_our_gated_configs_on_routed_offsets(monkeypatch):
+    recorded = record_gated_selects(monkeypatch)
+    _, code = lower(gated, GATED_SPECS, codegen=True, enable_kwargs={"fuse_moe_gate": True})
+    (name, choices, kwargs, layout), = recorded
+    problem = GroupedProblem("bfloat16", "bfloat16", "k", "k", "silu")
+    want = candidates(problem, TOKENS, 2 * 128, K, E, 132)
+    assert name == "grouped_mm_gated" and want
+    assert [c.kwargs["config"] for c in choices] == [runtime.as_tuple(cfg) for cfg in want]
+    assert all(c.kwargs["activation"] == "silu" and c.problem == problem for c in choices)
+    assert list(layout.size) == [TOKENS, 128] and layout.dtype == BF16
+    node = SimpleNamespace(get_device=lambda: torch.device("cpu"), get_dtype=lambda: torch.int32)
+    offs = kwargs["input_gen_fns"][2](node)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    assert offs.dtype == torch.int32 and offs[-1] == TOKENS and len(set(sizes.tolist())) > 1  # routed, not even
+    assert re.search(r"GroupedLauncher\(config=\(.*\), activation='silu'\)\.launch", code)
+
+
+def test_the_fused_gate_without_our_backend_is_the_fallback_kernel(monkeypatch):
+    recorded = record_gated_selects(monkeypatch)
+    for kw in ({"max_autotune": False}, {"backends": "ATEN,TRITON"}):
+        _, code = lower(gated, GATED_SPECS, codegen=True, enable_kwargs={"fuse_moe_gate": True}, **kw)
+        assert "inductor_cute.grouped_mm_gated" in code and "GroupedLauncher" not in code
+    assert not recorded
+
+
+def test_the_gated_launcher_runs_the_gated_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(runtime.host_grouped, "grouped_mm_gated", lambda *args, config: calls.append((args, config)))
+    config = runtime.as_tuple(GroupedConfig(128, 256, 64, 4, 2))
+    launcher = runtime.GroupedLauncher(config, "silu")
+    assert eval(repr(launcher), {"GroupedLauncher": runtime.GroupedLauncher}).activation == "silu"
+    a, b, offs, out = (torch.empty(1),) * 4
+    launcher.launch(a, b, offs, out)
+    runtime.grouped_mm_gated(a, b, offs, out=out, config=config, activation="silu")
+    assert [(args[3], cfg) for args, cfg in calls] == [("silu", GroupedConfig(128, 256, 64, 4, 2))] * 2

@@ -77,7 +77,7 @@ def installed() -> dict:
 
 def test_enable_installs_what_its_settings_ask_for(stock):
     with inductor_cute.enable(fuse_epilogues=True, flex_decode=True, flex_backward=True, keep_m1_mm=True,
-                              trace_block_masks=True):
+                              trace_block_masks=True, fuse_moe_gate=True):
         assert all(installed().values())
         assert install.stock_lowering(BACKWARD_HOP) is stock["flex backward lowering"]
         assert isinstance(common.device_codegens["cuda"].scheduling, CudaSchedulingConstructor)
@@ -88,7 +88,9 @@ def test_enable_installs_what_its_settings_ask_for(stock):
         assert installed() == {"gemm_extern_kernel": True, "gemm_feedback_log": True, "cuda_scheduling": False,
                                "flex_attention_lowering": False, "flex_attention_backward_lowering": False,
                                "grouped_extern_kernel": True,
-                               "grouped_mm_autotuning": True, "grouped_mm_lowering": True, "choice_timing": True,
+                               "grouped_mm_autotuning": True, "grouped_mm_lowering": True,
+                               "grouped_gated_extern_kernel": True, "grouped_mm_gated_lowering": False,
+                               "choice_timing": True,
                                "fusion_timing_fused_nodes": True, "fusion_timing_codegened_module": True,
                                "runtime_tuning_timing": True, "m1_mm_kept": False, "block_mask_tracing": False}
         assert install.stock_lowering(GROUPED_MM) is stock["grouped_mm lowering"]
@@ -161,7 +163,8 @@ def test_enable_twice_then_disable_twice(stock):
 
 def test_an_exception_inside_with_enable_still_restores(stock):
     with pytest.raises(ValueError, match="inside"):
-        with inductor_cute.enable(fuse_epilogues=True, flex_backward=True, keep_m1_mm=True, trace_block_masks=True):
+        with inductor_cute.enable(fuse_epilogues=True, flex_backward=True, keep_m1_mm=True, trace_block_masks=True,
+                                  fuse_moe_gate=True):
             assert all(installed().values())
             raise ValueError("raised inside the block")
     assert_same(stock, state())

@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from .gemm.extern import GEMM_KERNEL
-from .grouped.extern import GROUPED_KERNEL
+from .grouped.extern import GATED_KERNEL, GROUPED_KERNEL
 from .hooks import (AttributeWrapper, DecompositionWrapper, FeedbackSaver, Hook, LoweringWrapper, ModuleHook,
                     SchedulingWrapper, _attr)
 from .hooks import stock_lowering  # noqa: F401  (public here too)
@@ -80,6 +80,12 @@ def _grouped_mm_op():
     return torch.ops.aten._grouped_mm.default
 
 
+def _gated_op():
+    from .grouped.gate import OP  # defines the op and gives it Inductor's fallback lowering
+
+    return OP
+
+
 def _mm_op():
     import torch
 
@@ -103,6 +109,10 @@ HOOKS: tuple[Hook, ...] = (
     AttributeWrapper("grouped_mm_autotuning", "torch._inductor.kernel.mm_grouped", "autotune_select_algorithm",
                      _attr(".grouped.lowering", "joining_select")),
     LoweringWrapper("grouped_mm_lowering", _grouped_mm_op, _attr(".grouped.lowering", "grouped_mm_lowering")),
+    # the fused MoE gate's op: its configs autotuned (grouped/gate_lowering.py)
+    GATED_KERNEL,
+    LoweringWrapper("grouped_mm_gated_lowering", _gated_op, _attr(".grouped.gate_lowering", "gated_lowering"),
+                    when=lambda settings: settings.fuse_moe_gate),
     # autotuning times every choice as a CUDA-graph step runs it (choice_timing.py), and so do the
     # scheduler's fusion decisions, which weigh those timings against fused kernels' timings
     AttributeWrapper("choice_timing", "torch._inductor.select_algorithm:AlgorithmSelectorCache", "benchmark_choice",
@@ -250,8 +260,8 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     pass (Inductor's `post_grad_custom_pre_pass`) turns the MoE up projection's
     `silu(gate) * up` of a fused gate_up `torch._grouped_mm` (chunked or split in halves, as
     transformers' grouped_mm experts write it) into one grouped GEMM with the gate in its epilogue
-    (inductor/grouped/gate.py), so the (tokens, 2F) product is never stored; a pass the user set
-    there is refused."""
+    (inductor/grouped/gate.py), so the (tokens, 2F) product is never stored, its configs autotuned
+    under max-autotune (inductor/grouped/gate_lowering.py); a pass the user set there is refused."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices

@@ -23,8 +23,8 @@ class CuteGroupedOut(ir.ExternKernelOut):
     """The chosen grouped GEMM in the graph: `icute_grouped_mm_<n>(a, b, offs, out)`."""
 
     def codegen(self, wrapper) -> None:
-        config = tuple(self.kwargs["config"])
-        launcher = define_call_site(wrapper, "icute_grouped_mm", RUNTIME, f"GroupedLauncher(config={config!r}).launch")
+        made = runtime.GroupedLauncher(tuple(self.kwargs["config"]), self.kwargs.get("activation", ""))
+        launcher = define_call_site(wrapper, "icute_grouped_mm", RUNTIME, f"{made!r}.launch")
         self.codegen_comment(wrapper)
         out = (self.output_view or self).codegen_reference()
         wrapper.writeline(f"{launcher}({', '.join([*self.codegen_args(), out])})")
@@ -56,9 +56,11 @@ class CuteGroupedCaller(CuteGemmCaller):
         return super().benchmark(*args, out=out)
 
     def output_node(self):
-        log.info("inductor-cute grouped GEMM %s chosen", self.description)
+        gated = self.kwargs.get("activation", "")
+        log.info("inductor-cute grouped GEMM %s%s chosen", self.description, f" ({gated} gate)" if gated else "")
+        name = f"{RUNTIME}.grouped_mm_gated" if gated else f"{RUNTIME}.grouped_mm"
         return ir.TensorBox.create(CuteGroupedOut(layout=self.layout, inputs=self.input_nodes, kwargs=self.kwargs,
-                                                  python_kernel_name=f"{RUNTIME}.grouped_mm"))
+                                                  python_kernel_name=name))
 
 
 class CuteGroupedChoice(ExternKernelChoice):
@@ -74,9 +76,19 @@ def new_grouped_choice(name: str) -> CuteGroupedChoice:
     return CuteGroupedChoice(runtime.grouped_mm, name=name, has_out_variant=True)
 
 
-# The hook that registers our extern kernel; inductor/install.py lists it with the others.
+def new_gated_choice(name: str) -> CuteGroupedChoice:
+    """The fused MoE gate's (gate_lowering.py): registers `runtime.grouped_mm_gated`."""
+    return CuteGroupedChoice(runtime.grouped_mm_gated, name=name, has_out_variant=True)
+
+
+# The hooks that register our extern kernels; inductor/install.py lists them with the others.
 GROUPED_KERNEL = ExternKernel("grouped_extern_kernel", "inductor_cute_grouped_mm", lambda: new_grouped_choice)
+GATED_KERNEL = ExternKernel("grouped_gated_extern_kernel", "inductor_cute_grouped_mm_gated", lambda: new_gated_choice)
 
 
 def grouped_choice() -> CuteGroupedChoice:
     return GROUPED_KERNEL.choice()
+
+
+def gated_choice() -> CuteGroupedChoice:
+    return GATED_KERNEL.choice()

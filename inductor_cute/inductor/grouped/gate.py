@@ -7,8 +7,9 @@
 as transformers' grouped_mm experts and torchtitan-style MoE code write it, and replaces it by one
 call of `torch.ops.inductor_cute.grouped_mm_gated(x, w_gate_up, offs, "silu")`: our grouped GEMM
 with the SwiGLU in its epilogue (ops.grouped_mm_gated), so the (tokens, 2F) product is never
-written and read back. Inductor emits the op as an extern call, with the heuristic default config
-(no autotuning yet).
+written and read back. Under max-autotune with our backend its configs are autotuned
+(gate_lowering.py); otherwise Inductor calls the op as a fallback kernel, with the heuristic
+default config.
 
 The patterns are Inductor's own pattern matcher's (`register_replacement`): the search functions
 are traced through the same decompositions as the graph, so the form silu takes after them
@@ -33,6 +34,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from ...errors import UnsupportedError
 from ...host import grouped_gemm as _host_grouped
 from ...kernels.gemm import grouped_config
+from . import gate_lowering as _gate_lowering
 from . import lowering as _lowering
 from .lowering import GroupedCall, decline_reason
 
@@ -75,6 +77,7 @@ def _grouped_mm_gated_fake(a, b, offs, activation):
 
 
 OP = torch.ops.inductor_cute.grouped_mm_gated.default
+_gate_lowering.ensure_fallback(OP)  # Inductor's fallback kernel, for gate_lowering to stand in for
 
 # ---------------------------------------------------------------------------- the decision
 

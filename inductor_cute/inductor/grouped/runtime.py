@@ -33,31 +33,53 @@ def as_tuple(config: GroupedConfig) -> tuple:
 class GroupedLauncher:
     """out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g] (or, for a 2-D b, the weight gradient
     out[g] = a[:, offs[g-1]:offs[g]] @ b[offs[g-1]:offs[g]]) with one GroupedConfig (as `as_tuple`
-    spells it). Output code calls the bound `launch` with (a, b, offs, out) positionally."""
+    spells it); with an `activation`, the gated up projection act(a @ b_gate) * (a @ b_up)
+    (ops.grouped_mm_gated). Output code calls the bound `launch` with (a, b, offs, out) positionally."""
 
-    __slots__ = ("config", "_config")
+    __slots__ = ("config", "activation", "_config")
 
-    def __init__(self, config: tuple) -> None:
-        self.config = tuple(config)
+    def __init__(self, config: tuple, activation: str = "") -> None:
+        self.config, self.activation = tuple(config), activation
         self._config = GroupedConfig(*self.config)
 
     def __repr__(self) -> str:
-        return f"GroupedLauncher(config={self.config!r})"
+        gate = f", activation={self.activation!r}" if self.activation else ""
+        return f"GroupedLauncher(config={self.config!r}{gate})"
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
-        host_grouped.grouped_mm(a, b, offs, out, config=self._config)
+        if self.activation:
+            host_grouped.grouped_mm_gated(a, b, offs, self.activation, out, config=self._config)
+        else:
+            host_grouped.grouped_mm(a, b, offs, out, config=self._config)
 
 
 _LAUNCHERS: dict[tuple, GroupedLauncher] = {}
 
 
+def _launcher(config: tuple, activation: str = "") -> GroupedLauncher:
+    launcher = _LAUNCHERS.get((config, activation))
+    if launcher is None:
+        launcher = _LAUNCHERS.setdefault((config, activation), GroupedLauncher(config, activation))
+    return launcher
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor, config: tuple) -> None:
     """GroupedLauncher(config).launch(a, b, offs, out), one launcher per config: what autotuning
     calls back to back."""
-    launcher = _LAUNCHERS.get(config)
-    if launcher is None:
-        launcher = _LAUNCHERS.setdefault(config, GroupedLauncher(config))
-    launcher.launch(a, b, offs, out)
+    _launcher(config).launch(a, b, offs, out)
+
+
+def grouped_mm_gated(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor, config: tuple,
+                     activation: str) -> None:
+    """The gated form of `grouped_mm` (the extern kernel of the fused MoE gate's autotuning)."""
+    _launcher(config, activation).launch(a, b, offs, out)
+
+
+def even_offsets(tokens: int, groups: int, alignment: int, device, dtype=torch.int32) -> torch.Tensor:
+    """Cumulative ends of `groups` groups splitting `tokens` evenly, the inner ends rounded to
+    `alignment` as torch's create_offsets rounds them."""
+    ends = [min(tokens, round(tokens * (g + 1) / groups / alignment) * alignment) for g in range(groups - 1)]
+    return torch.tensor([*ends, tokens], dtype=dtype, device=device)
 
 
 def token_count(a: torch.Tensor, b: torch.Tensor) -> int:

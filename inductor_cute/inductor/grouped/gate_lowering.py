@@ -1,0 +1,92 @@
+"""The fused MoE gate's op (`inductor_cute::grouped_mm_gated`, gate.py) under max-autotune with our
+backend: its configs are autotuned like `_grouped_mm`'s (timed on routed group sizes), where
+otherwise Inductor would call the op as a fallback kernel with the untuned heuristic config.
+
+gate.py gives the op Inductor's fallback lowering when it defines the op (`ensure_fallback`); with
+enable(fuse_moe_gate=True), inductor/install.py puts `gated_lowering` in its place (a
+LoweringWrapper), which autotunes where our backend is requested and otherwise calls that
+fallback. Only our configs compete: the op is the fused computation, which nothing stock computes
+in one kernel (whether fusing pays is the gate pass's question, measured on the MoE block).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ...errors import first_line
+
+log = logging.getLogger(__name__)
+NAME = "grouped_mm_gated"
+
+
+def ensure_fallback(op) -> None:
+    """Inductor's lowering of a custom op (a fallback kernel calling it), registered now so that
+    our wrapper has a stock lowering to stand in for and to fall back to."""
+    from torch._inductor import lowering
+
+    if op not in lowering.lowerings:
+        lowering.lowerings[op] = lowering.fallback_handler(op, add_to_fallback_set=False)
+
+
+def gated_lowering(a, b, offs, activation: str):
+    """The op's lowering while enable(fuse_moe_gate=True): autotuned when our backend is
+    requested and the choices build, else the fallback kernel."""
+    import torch
+
+    from ..gemm.choices import backend_requested
+    from ..hooks import stock_lowering
+
+    if backend_requested():
+        try:
+            node = _autotuned(a, b, offs, activation)
+            if node is not None:
+                return node
+        except Exception as e:  # the fallback computes the same: never fail the user's compile
+            log.warning("inductor-cute leaves %s to its fallback: %s", NAME, first_line(e))
+    return stock_lowering(torch.ops.inductor_cute.grouped_mm_gated.default)(a, b, offs, activation)  # gate.OP
+
+
+def _autotuned(a, b, offs, activation: str):
+    """The autotuned node, or None where no config of ours is ready (the reason logged)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.ir import FixedLayout
+    from torch._inductor.select_algorithm import autotune_select_algorithm, realize_inputs
+    from torch._inductor.virtualized import V
+
+    from ...host.common import sm_count
+    from ...kernels.gemm import grouped_config
+    from ..gemm.specs import precompile_choices
+    from .extern import gated_choice
+    from .lowering import b_major, grouped_call
+    from .runtime import as_tuple, even_offsets, routed_offsets
+
+    a, b, offs = realize_inputs(a, b, offs)
+    groups, k, n = b.get_size()
+    tokens = a.get_size()[0]
+    layout = FixedLayout(a.get_device(), a.get_dtype(), [tokens, n // 2], [n // 2, 1])
+    major = b_major(grouped_call([a, b, offs], layout, has_bias=False))
+    hints = V.graph.sizevars
+    if major is None:
+        log.info("inductor-cute: %s's b of strides %s would be copied: its fallback", NAME, b.get_stride())
+        return None
+    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", major, activation)
+    tokens_hint = hints.optimization_hint(tokens)
+    groups, k, n = (int(hints.optimization_hint(x)) for x in (groups, k, n))
+    num_sms = sm_count(layout.device.index or 0)
+    exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
+    configs = grouped_config.candidates(problem, tokens_hint, n, k, groups, num_sms, exhaustive)
+    ready = precompile_choices(problem, configs, num_sms, spec_of=grouped_config.spec)
+    choice = gated_choice()
+    choices = [choice.bind([a, b, offs], layout, spec_key=spec_key, description=cfg.describe(), problem=problem,
+                           num_sms=num_sms, config=as_tuple(cfg), activation=activation)
+               for cfg, spec_key in ready]
+    if not choices:
+        log.info("inductor-cute: no config of %s compiled: its fallback", NAME)
+        return None
+    log.info("inductor-cute autotunes %d configs of %s for %sx%sx%s in %s groups", len(choices), NAME,
+             tokens_hint, n // 2, k, groups)
+    alignment = max(1, 16 // a.get_dtype().itemsize)
+    timing_offsets = {2: lambda node: routed_offsets(even_offsets(tokens_hint, groups, alignment, node.get_device(),
+                                                                  node.get_dtype()), alignment)}
+    result = autotune_select_algorithm(NAME, choices, [a, b, offs], layout, input_gen_fns=timing_offsets)
+    return result[0] if isinstance(result, tuple) else result  # (node, choice) from torch 2.12
