@@ -9,10 +9,10 @@ block's two grouped GEMMs (Qwen3-30B-A3B: up (T*8, 2048) x (128, 2048, 1536), do
 
     python3 benchmarks/grouped_routing.py
 
-Every config is timed three times: as offered, with overlap_last (a group's last row tile moved
-back to end at the group's last row and stored whole by TMA, instead of per-element predicated
-stores), and with staged_partial too (the partial tiles of groups under a tile through the staging
-buffer in 16-byte pieces).
+Every config shape is timed as it was and with overlap_last (a group's last row tile moved back to
+end at the group's last row and stored whole by TMA, instead of per-element predicated stores) and
+staged_partial (the partial tiles left through the staging buffer in 16-byte pieces); the default
+shape also with each of the two alone.
 Device time in us per (case, offsets, config); see docs/perf-notes.md (MoE block).
 """
 
@@ -54,11 +54,13 @@ def main() -> None:
         for form, k, n, weight in (("up", 2048, 1536, block.w_gate_up), ("down", 768, 2048, block.w_down)):
             b = weight.detach().transpose(1, 2)
             a = torch.randn(tokens * 8, k, device="cuda", dtype=torch.bfloat16)
-            configs = candidates(PROBLEM, tokens * 8, n, k, 128, sms)
-            # each also with its groups' last row tiles moved back and stored whole (overlap_last),
-            # and with the partial tiles left stored through the staging buffer too (staged_partial)
-            configs += [dataclasses.replace(c, overlap_last=True, staged_partial=staged) for c in list(configs)
-                        for staged in (False, True) if not c.overlap_last]
+            # every shape as it was, and with overlap_last + staged_partial; the first (the default)
+            # also with each alone, whatever the GPU_CHECKED flags offer
+            base = list(dict.fromkeys(dataclasses.replace(c, overlap_last=False, staged_partial=False)
+                                      for c in candidates(PROBLEM, tokens * 8, n, k, 128, sms)))
+            both = [dataclasses.replace(c, overlap_last=True, staged_partial=True) for c in base]
+            alone = [dataclasses.replace(base[0], overlap_last=True), dataclasses.replace(base[0], staged_partial=True)]
+            configs = base + both + alone
             precompile([spec(PROBLEM, c, sms) for c in configs])
             for name, sizes in routing.items():
                 offs = offsets_of(sizes)

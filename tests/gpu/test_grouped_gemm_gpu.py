@@ -121,7 +121,7 @@ def test_large_moe_shape_in_clusters():
 # stores, rows of the tile before it stored twice); plain, in both cluster shapes, 64-row tiles;
 # staged_partial (the partial tiles left, through the staging buffer in 16-byte pieces) with and
 # without it
-OVERLAP = [GroupedConfig(128, 256, 64, 4, 2, overlap_last=True), GroupedConfig(128, 128, 64, 6, 2, overlap_last=True),
+EDGES = [GroupedConfig(128, 256, 64, 4, 2, overlap_last=True), GroupedConfig(128, 128, 64, 6, 2, overlap_last=True),
            GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True),
            GroupedConfig(128, 256, 64, 4, 2, cluster_n=2, overlap_last=True),
            GroupedConfig(64, 256, 64, 5, 1, overlap_last=True),
@@ -131,15 +131,15 @@ OVERLAP = [GroupedConfig(128, 256, 64, 4, 2, overlap_last=True), GroupedConfig(1
 
 
 @pytest.mark.parametrize("layout", ["k", "n"])
-@pytest.mark.parametrize("config", OVERLAP, ids=lambda c: c.describe().replace(" ", "-"))
+@pytest.mark.parametrize("config", EDGES, ids=lambda c: c.describe().replace(" ", "-"))
 @pytest.mark.parametrize("name", sorted(SIZES))
-def test_overlap_last_configs(name, config, layout):
+def test_partial_tile_configs(name, config, layout):
     check(SIZES[name], 512, 384, layout, config=config, seed=5)
     check([3, 130, 0, 277], 1000, 40, config=config)
     check([100, 0, 300], 256, 264, tokens=700, config=config)  # rows past the offsets stay poisoned
 
 
-@pytest.mark.parametrize("config", OVERLAP[:3], ids=lambda c: c.describe().replace(" ", "-"))
+@pytest.mark.parametrize("config", EDGES[:3], ids=lambda c: c.describe().replace(" ", "-"))
 def test_overlap_last_stores_the_values_of_the_unmoved_tile(config):
     """The rows a moved last tile stores again are bit-identical to those of the tile before it:
     the same rows computed at another place in a tile. Against the same rows in a group of whole
@@ -153,16 +153,36 @@ def test_overlap_last_stores_the_values_of_the_unmoved_tile(config):
     assert torch.equal(moved[:300], whole[:300]) and torch.equal(moved[:300], plain[:300])
 
 
-def test_overlap_last_on_a_routed_moe_shape():
-    sizes = torch.bincount(torch.randint(128, (32768,), generator=torch.Generator().manual_seed(2)),
-                           minlength=128).tolist()  # 256 rows per group, give or take 16
-    for config in OVERLAP[:3]:
+def routed_sizes(rows: int, groups: int = 128, seed: int = 2) -> list[int]:
+    return torch.bincount(torch.randint(groups, (rows,), generator=torch.Generator().manual_seed(seed)),
+                          minlength=groups).tolist()
+
+
+@pytest.mark.parametrize("rows", [32768, 8192, 20000])  # 256, 64 and ~156 rows per group, give or take
+def test_partial_tile_configs_on_routed_moe_shapes(rows):
+    """Many tiles per CTA, whole and partial mixed (a partial tile's staged stores right after whole
+    tiles' TMA stores share the staging buffers)."""
+    sizes = routed_sizes(rows)
+    for config in EDGES:
         check(sizes, 2048, 1536, config=config)
+
+
+@pytest.mark.parametrize("config", [c for c in EDGES if c.staged_partial], ids=lambda c: c.describe().replace(" ", "-"))
+def test_staged_partial_stores_the_same_bits(config):
+    """The same bf16 values leave the registers either way: staged and predicated stores agree bit
+    for bit, on groups above and below a tile."""
+    sizes = routed_sizes(20000, seed=4)
+    a = torch.randn(sum(sizes), 1024, device=DEV).bfloat16()
+    b, offs = weights(len(sizes), 1024, 768, "k", seed=4), offsets(sizes)
+    staged = grouped_mm(a, b, offs, config=config)
+    assert torch.equal(staged, grouped_mm(a, b, offs, config=dataclasses.replace(config, staged_partial=False)))
 
 
 GATED_CONFIGS = [None, GroupedConfig(128, 128, 64, 6, 2), GroupedConfig(64, 128, 64, 8, 1),
                  GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2),
-                 GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True, staged_partial=True)]
+                 GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True),
+                 GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True, staged_partial=True),
+                 GroupedConfig(64, 128, 64, 8, 1, staged_partial=True)]
 
 
 def check_gated(sizes, k, f, layout="k", activation="silu", tokens=None, config=None, seed=0):

@@ -373,12 +373,16 @@ class GroupedHopperGemm(HopperGemm):
                             r_base = first_row + e_coord[0] * self.epi_tile[0]
                             c_base = first_col + e_coord[1] * self.epi_tile[1]
                             if cutlass.const_expr(self.grouped_cfg.staged_partial):
-                                # the free staging buffer (the one the next TMA store takes), not advanced
-                                mD_sub = cute.local_tile(cute.domain_offset((first_row, first_col), mD), self.epi_tile,
-                                                         e_coord)
-                                self._staged_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, n_stored % EPI_STAGES)],
-                                                           sD[(None, None, n_stored % EPI_STAGES)], mD_sub,
-                                                           r_base, c_base, row_end, n_cols, ctid, epi_barrier)
+                                # the free staging buffer (the one the next TMA store takes), not
+                                # advanced; a subtile wholly past the rows or N is skipped (the
+                                # test is the same for every thread: both barriers or neither)
+                                if r_base < row_end and c_base < n_cols:
+                                    mD_sub = cute.local_tile(cute.domain_offset((first_row, first_col), mD),
+                                                             self.epi_tile, e_coord)
+                                    buf = n_stored % EPI_STAGES
+                                    self._staged_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)],
+                                                               sD[(None, None, buf)], mD_sub, r_base, c_base,
+                                                               row_end, n_cols, ctid, epi_barrier)
                             else:
                                 for v in cutlass.range_constexpr(n_vals):
                                     r = r_base + tRS_cD[v][0]
