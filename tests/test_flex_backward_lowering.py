@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import inductor_cute
 from inductor_cute.host import flex as host_flex
+from inductor_cute.host import flex_backward as host_backward
 from inductor_cute.inductor.flex import backward
 from inductor_cute.inductor.flex import lowering as flex
 from inductor_cute.inductor.flex.runtime import FlexBackwardLauncher
@@ -38,7 +39,15 @@ def _backward_stand_in(q, k, v, out, lse, grad_out, scale, score_mod, score_tens
                        full_q_num_blocks, full_q_indices, kv_block_size, q_block_size):
     """The backward op's contract in fp32: P from the forward's natural-log lse, delta from its out,
     the score program's derivative by autograd of its reference evaluation; the BlockMask's
-    backward lists must list the forward lists' blocks, transposed."""
+    backward lists must list the forward lists' blocks, transposed; a mask of finer blocks than the
+    kernels' walked as the host walks it (both list sets coarsened, the states term added)."""
+    if kv_num_blocks is not None:
+        (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), \
+            (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices), mask_mod, mask_tensors, kv_block_size, \
+            q_block_size = host_backward.walked_block_masks(
+                (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
+                (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices), mask_mod or None, mask_tensors,
+                kv_block_size, q_block_size, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.device)
     mask_mod, mask_dtypes, mask_slots = host_flex._score_mod_operands(mask_mod or None, mask_tensors, q.device, "mask")
     mask_tensors = mask_slots[:len(mask_dtypes)]
     score_mod, score_dtypes, score_slots = host_flex._score_mod_operands(score_mod or None, score_tensors, q.device)
@@ -246,10 +255,23 @@ def assert_both_graphs_agree(seen) -> str | None:
 
 
 CAUSAL_256 = functools.partial(create_block_mask, causal, None, None, 256, 256, device="cpu")
-DECLINED = {  # qkv's arguments, the call's mods, what the reason says
-    "block mask of 256 x 64 blocks": ({}, lambda: {"block_mask": CAUSAL_256(BLOCK_SIZE=(256, 64))},
-                                      "backward block mask"),
+DECLINED = {  # qkv's arguments, the call's mods, what the reason says (the forward alone would take it)
+    "head dims 256/256": ({"dqk": 256, "dv": 256}, lambda: {"block_mask": CAUSAL_256()}, "backward: head dims 256/256"),
 }
+
+
+@pytest.mark.parametrize("block_size", [64, (256, 64), (64, 128), (32, 64)])
+def test_a_training_step_with_finer_blocks_than_the_kernels_runs_our_kernels(cpu_training, decisions, block_size):
+    """BLOCK_SIZE 64 and mixed: the forward walks the mask at its blocks and the backward at 128 x 128,
+    both lists coarsened from the forward's with the states term (the stand-ins run the hosts' walks)."""
+    q, k, v = qkv(batch=2, q_len=300, kv_len=300, heads=4, kv_heads=2)
+    block_mask = create_block_mask(causal, 2, None, 300, 300, device="cpu", BLOCK_SIZE=block_size)
+    out, grads, weights, code = training_step(q, k, v, block_mask=block_mask)
+    assert assert_both_graphs_agree(decisions) is None
+    assert code.count(OUR_PREFILL_CALL) == 1 and code.count(OUR_BACKWARD_CALL) == 1
+    ref_out, ref = reference_grads(q, k, v, weights, causal)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    assert_grads_match(grads, ref)
 
 
 @pytest.mark.parametrize("case", DECLINED.values(), ids=DECLINED.keys())
@@ -282,7 +304,8 @@ def training_problem() -> flex.FlexProblem:
     (dict(flex_backward=False), "opt-in: enable(flex_backward=True)"),
     (dict(dtypes=(torch.float32,) * 3), "backward: dtype float32"),
     (dict(head_dim_qk=256, head_dim_v=256), "backward: head dims 256/256"),
-    (dict(block_sizes=(128, 64)), "backward block mask"),
+    (dict(block_sizes=(128, 96)), "backward block mask: block mask query block size 96"),
+    (dict(block_sizes=(64, 64), mask_buffers=(None,) * 4), "backward block mask: 64 x 64 blocks"),
     (dict(backward_lists_ok=False), "backward lists"),
     (dict(flex_prefill=False), "prefill kernel is opt-in"),  # the forward's kernel is on offer for training too
 ])

@@ -74,6 +74,46 @@ def test_coarsened_lists_and_the_states_term_keep_what_the_fine_mask_keeps(case)
     assert 0 < int(want.sum()) < want.numel()  # the case keeps some keys and drops others
 
 
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_the_backward_walks_both_list_sets_at_its_blocks(case):
+    """The backward's walk (host/flex_backward.walked_block_masks): the forward lists coarsened to
+    128 x 128 with the states term keep what the fine mask keeps, and the backward lists it makes
+    name the same coarse blocks, transposed (the dK/dV kernel walks those), whatever backward
+    lists came with the mask."""
+    from inductor_cute.host.flex_backward import walked_block_masks
+
+    (z, h), batch, heads, q_len, kv_len, (q_block, kv_block), mask_text, with_full = case
+    ids = (torch.arange(max(q_len, kv_len)) // 97).to(torch.int32)
+    tensors = (ids,) if "t0" in mask_text else ()
+    fine = random_lists(z, h, -(-q_len // q_block), -(-kv_len // kv_block), with_full, seed=q_len + kv_len)
+    shape = (batch, heads, q_len, kv_len)
+    forward, backward, program, walked_tensors, kv_walk, q_walk = walked_block_masks(
+        fine, (None,) * 4, mask_text or None, tensors, kv_block, q_block, shape, torch.device("cpu"))
+    assert (kv_walk, q_walk) == (max(kv_block, 128), max(q_block, 128))
+    assert torch.equal(kept(shape, program, walked_tensors, forward, kv_walk, q_walk),
+                       kept(shape, mask_text, tensors, fine, kv_block, q_block))
+    visited = kept(shape, "", (), forward, kv_walk, q_walk)
+    visited_t = kept((batch, heads, kv_len, q_len), "", (), backward, q_walk, kv_walk)
+    assert torch.equal(visited, visited_t.transpose(-1, -2))
+
+
+def test_the_backward_walk_and_its_limits():
+    from inductor_cute.host.flex_backward import walked_block_masks
+    from inductor_cute.kernels.attention import flex_backward_config as fbc
+
+    assert fbc.block_walk(64, 64) == (128, 128) and fbc.block_walk(256, 32) == (256, 128)
+    assert fbc.block_walk(128, 256) == (128, 256) and fbc.block_walk(96, 128) is None
+    assert fbc.block_mask_reason(64, 128, 3) is None and "all 4" in fbc.block_mask_reason(64, 128, 4)
+    assert fbc.block_mask_reason(128, 128, 4) is None  # no walk, no tensor taken
+    assert "96" in fbc.block_mask_reason(96, 128, 0)
+    fine = random_lists(1, 1, 4, 4, True, seed=3)
+    given = walked_block_masks(fine, fine, CAUSAL, (), 128, 128, (1, 1, 512, 512), torch.device("cpu"))
+    assert given == (fine, fine, CAUSAL, (), 128, 128)  # the kernels' own blocks: as given
+    four = tuple(torch.zeros(8, dtype=torch.int32) for _ in range(4))
+    with pytest.raises(UnsupportedError, match="all 4"):
+        walked_block_masks(fine, fine, CAUSAL, four, 64, 64, (1, 1, 256, 256), torch.device("cpu"))
+
+
 @pytest.mark.parametrize("width", [2, 9])
 def test_lists_narrower_or_wider_than_the_blocks(width):
     """torch lets a BlockMask's lists be narrower than its KV blocks (from_kv_blocks with explicit

@@ -134,10 +134,11 @@ def test_block_masks_by_the_prefill_kernels_limits(decisions, hopper):
     assert decline_reason(dataclasses.replace(problem, block_sizes=(64, 128), mask_buffers=(None,) * 4)) == \
         "block mask: 128 x 64 blocks (queries x keys) take a mask tensor, and the mask_mod has all 4"
     assert decline_reason(dataclasses.replace(problem, block_sizes=(128, 256))) is None
-    # a training graph with finer blocks stays stock, both graphs: the backward kernels walk a mask as given
+    # a training graph with finer blocks: the backward walks them coarsened too (unless no mask tensor is left)
     training = dataclasses.replace(problem, block_sizes=(64, 128), inference=False, flex_backward=True)
-    assert decline_reason(training) == \
-        "backward block mask: block mask KV block size 64 is not a multiple of the backward's 128 keys"
+    assert decline_reason(training) is None
+    assert decline_reason(dataclasses.replace(training, mask_buffers=(None,) * 4)) == \
+        "backward block mask: 128 x 64 blocks (queries x keys) take a mask tensor, and the mask_mod has all 4"
     assert decline_reason(dataclasses.replace(problem, mask_heads=2)) == "a block mask of 2 heads for 8 query heads"
 
 

@@ -48,6 +48,37 @@ def _block_lists(names: tuple[str, ...], lists: tuple, batch: int, heads: int, r
     return [t.to(torch.int32).contiguous() for t in (num, idx, full_num, full_idx)]
 
 
+def walked_block_masks(forward_lists: tuple, backward_lists: tuple, mask_mod, mask_tensors, kv_block_size: int,
+                       q_block_size: int, shape: tuple, device) -> tuple:
+    """(forward lists, backward lists, mask_mod, mask_tensors, KV and query block sizes) as the
+    kernels walk a BlockMask: as given, or, where its blocks divide the kernels' (128 x 128), both
+    list sets coarsened from the forward lists, with the fine blocks' states as one more mask
+    tensor (host/flex_blocks.py; the prefill walks the forward the same way, so the two agree on
+    every element). `shape`: (batch, query heads, q_len, kv_len)."""
+    from ..kernels.attention import flex_backward_config as fbc
+    from ..kernels.attention.block_states import with_block_states
+    from .flex_blocks import coarsened_both_ways, states_fit
+
+    walk = fbc.block_walk(kv_block_size, q_block_size)
+    if walk is None or walk == (kv_block_size, q_block_size):
+        return forward_lists, backward_lists, mask_mod, mask_tensors, kv_block_size, q_block_size  # checked later
+    problem = fbc.block_mask_reason(kv_block_size, q_block_size, len(mask_tensors))
+    if problem:
+        raise UnsupportedError(f"{NAME}: block mask: {problem}")
+    batch, heads, q_len, kv_len = shape
+    fine = block_lists(NAME, forward_lists, device, cover=(batch, heads, q_len, q_block_size))
+    kv_blocks = -(-kv_len // kv_block_size)
+    if not states_fit(fine[0].shape, kv_blocks):
+        raise UnsupportedError(f"{NAME}: block mask: {fine[0].shape} x {kv_blocks} blocks of {q_block_size} x "
+                               f"{kv_block_size} exceed the int32 index of their states")
+    mask_mod, _, _ = _score_mod_operands(mask_mod, mask_tensors, device, "mask", name=NAME)  # checked before it grows
+    forward, backward, states = coarsened_both_ways(fine, kv_blocks, walk[1] // q_block_size,
+                                                    walk[0] // kv_block_size)
+    z, h = fine[0].shape[:2]
+    mask_mod = with_block_states(mask_mod, len(mask_tensors), q_block_size, kv_block_size, z > 1, h > 1)
+    return forward, backward, mask_mod, (*mask_tensors, states), *walk
+
+
 def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                             lse: torch.Tensor, grad_out: torch.Tensor, *, scale: float | None = None,
                             score_mod: str | None = None, score_tensors=(), mask_mod: str | None = None,
@@ -72,7 +103,8 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     its list sets: the forward's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices:
     per query block its KV blocks, walked for dq) and the backward's (q_num_blocks, q_indices,
     full_q_num_blocks, full_q_indices: per KV block its query blocks, walked for dk and dv);
-    kv_block_size and q_block_size multiples of 128.
+    kv_block_size and q_block_size multiples of 128, or divisors of 128 (walked coarsened:
+    `walked_block_masks`, the backward lists then made from the forward's).
     Rows with nothing to attend (lse -inf) get zero gradients. `config`: a FlexBackwardConfig in
     place of the default one (stages, overlapped schedules, dq_reduce: dq from the dK/dV kernel).
     """
@@ -92,6 +124,12 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
                                f"in {lse.dtype}")
     if heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
         raise UnsupportedError(f"{NAME}: {heads} heads or batch {batch} exceed the grid's {MAX_GRID_YZ}")
+    forward_lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    backward_lists = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
+    if any(t is not None for t in forward_lists + backward_lists):
+        forward_lists, backward_lists, mask_mod, mask_tensors, kv_block_size, q_block_size = walked_block_masks(
+            forward_lists, backward_lists, mask_mod, mask_tensors, kv_block_size, q_block_size,
+            (batch, heads, q_len, kv_len), q.device)
     mask_program, mask_dtypes, mask_slots = _score_mod_operands(mask_mod, mask_tensors, q.device, "mask", name=NAME)
     score_program, score_dtypes, score_slots = _score_mod_operands(score_mod, score_tensors, q.device, "score",
                                                                    name=NAME)
@@ -99,8 +137,6 @@ def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     if problem:
         raise UnsupportedError(f"{NAME}: score_mod: {problem}")
 
-    forward_lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
-    backward_lists = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
     sparse_block, sparse_q_block = 0, 128
     fwd_slots, bwd_slots = [None] * 4, [None] * 4
     padded = fbc.padded_rows(q_len)

@@ -36,6 +36,21 @@ def coarsened(block_mask: tuple, kv_blocks: int, q_factor: int, kv_factor: int) 
     """(the four lists at blocks of q_factor x kv_factor fine blocks, the states tensor with its
     header) of a mask whose keys span `kv_blocks` fine blocks. A coarse block is FULL where every
     fine block in it is, skipped where none is kept, partial otherwise."""
+    partial, full, states = coarse_maps(block_mask, kv_blocks, q_factor, kv_factor)
+    return (*_as_lists(partial), *_as_lists(full)), states
+
+
+def coarsened_both_ways(block_mask: tuple, kv_blocks: int, q_factor: int, kv_factor: int) -> tuple:
+    """`coarsened`'s lists and states, and between them the backward's lists (per coarse KV block
+    its coarse query blocks: the same blocks, transposed), as a BlockMask keeps q_num_blocks..."""
+    partial, full, states = coarse_maps(block_mask, kv_blocks, q_factor, kv_factor)
+    backward = (*_as_lists(partial.transpose(-1, -2)), *_as_lists(full.transpose(-1, -2)))
+    return (*_as_lists(partial), *_as_lists(full)), backward, states
+
+
+def coarse_maps(block_mask: tuple, kv_blocks: int, q_factor: int, kv_factor: int) -> tuple:
+    """(partial, full) bool maps (Z, H, coarse query blocks, coarse KV blocks) and the states
+    tensor (header first) of `coarsened`."""
     states = fine_states(*block_mask, kv_blocks)
     z, h, q_blocks, _ = states.shape
     coarse_q, coarse_kv = -(-q_blocks // q_factor), -(-kv_blocks // kv_factor)
@@ -47,7 +62,7 @@ def coarsened(block_mask: tuple, kv_blocks: int, q_factor: int, kv_factor: int) 
     kept = ((blocks == FULL) | (blocks == PARTIAL)).any(5).any(3)
     header = [kv_blocks, h * q_blocks * kv_blocks if z > 1 else 0, q_blocks * kv_blocks if h > 1 else 0]
     pieces = [states.new_full((1,), value) for value in header]  # filled on the device
-    return (*_as_lists(kept & ~full), *_as_lists(full)), torch.cat([*pieces, states.flatten()])
+    return kept & ~full, full, torch.cat([*pieces, states.flatten()])
 
 
 def _as_lists(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -152,6 +152,22 @@ def test_causal_block_mask_with_lse_from_our_forward():
                      CAUSAL, lse_from="kernel")
 
 
+@pytest.mark.parametrize("block", [64, 32])
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_masks_of_finer_blocks_than_the_kernels(block, d):
+    """BLOCK_SIZE 64 and 32: both list sets coarsened to 128 x 128 from the forward's, the fine
+    blocks' states read by the mask program (host walked_block_masks); lse from our forward, which
+    walks the same mask its own way; a per-head mask and lengths off the blocks."""
+    check_block_mask(rand(2, 4, 777, d), rand(2, 2, 777, d), rand(2, 2, 777, d), lambda b, h, m, n: m >= n,
+                     CAUSAL, block=block, mask_heads=4, lse_from="kernel")
+
+
+def test_document_mask_of_64_blocks_with_a_captured_tensor():
+    doc = (torch.arange(1500, device="cuda") // 300).to(torch.int32)
+    check_block_mask(rand(1, 8, 1500, 128), rand(1, 2, 1500, 128), rand(1, 2, 1500, 128),
+                     lambda b, h, m, n: doc[m] == doc[n], DOCUMENT, (doc,), block=64)
+
+
 def test_document_mask_with_a_captured_tensor():
     doc = (torch.arange(1500, device="cuda") // 300).to(torch.int32)
     check_block_mask(rand(1, 8, 1500, 128), rand(1, 2, 1500, 128), rand(1, 2, 1500, 128),

@@ -218,7 +218,7 @@ def _training_reason(p: FlexProblem) -> str | None:
         kv_block_size, q_block_size = p.block_sizes
         if not (isinstance(kv_block_size, int) and isinstance(q_block_size, int)):
             return f"block mask block sizes {p.block_sizes} are not constants"
-        problem = fbc.sparse_block_reason(kv_block_size, q_block_size)
+        problem = fbc.block_mask_reason(kv_block_size, q_block_size, len(p.mask_buffers))  # finer: walked
         if problem:
             return f"backward block mask: {problem}"
         if not p.backward_lists_ok:

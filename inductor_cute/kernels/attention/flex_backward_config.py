@@ -178,6 +178,33 @@ def sparse_block_reason(kv_block_size: int, q_block_size: int) -> str | None:
     return None
 
 
+def block_walk(kv_block_size: int, q_block_size: int) -> tuple[int, int] | None:
+    """The (KV, query) block sizes at which the kernels walk a BlockMask of these sizes: the mask's
+    own where sparse_block_reason allows them, (KV_BLOCK, DQ_Q_BLOCK) where the mask's divide those
+    (its lists coarsened, block_states.py keeps it exact, as the prefill does); None when neither."""
+    def walk(size: int, tile: int) -> int | None:
+        if size > 0 and size % tile == 0:
+            return size
+        return tile if size > 0 and tile % size == 0 else None
+
+    kv, q = walk(kv_block_size, KV_BLOCK), walk(q_block_size, DQ_Q_BLOCK)
+    return None if kv is None or q is None else (kv, q)
+
+
+def block_mask_reason(kv_block_size: int, q_block_size: int, mask_tensors: int) -> str | None:
+    """Why the kernels cannot walk a BlockMask of these sizes beside a mask_mod of `mask_tensors`
+    captured tensors; None when they can. Finer blocks than the kernels' take one more mask tensor."""
+    from ..common.programs.score import MAX_TENSORS
+
+    walk = block_walk(kv_block_size, q_block_size)
+    if walk is None:
+        return sparse_block_reason(kv_block_size, q_block_size)
+    if walk != (kv_block_size, q_block_size) and mask_tensors >= MAX_TENSORS:
+        return (f"{q_block_size} x {kv_block_size} blocks (queries x keys) take a mask tensor, and the mask_mod has "
+                f"all {MAX_TENSORS}")
+    return None
+
+
 def problem_error(p: FlexBackwardProblem) -> str | None:
     """Why a problem cannot be compiled (sizes, block sizes, a mask program not in canonical form)."""
     problem = unsupported_reason(p.head_dim_qk, p.head_dim_v, p.dtype_name)

@@ -180,9 +180,8 @@ def block_walk(kv_block_size: int, q_block_size: int, kv_block: int) -> tuple[in
 
 def block_mask_reason(kv_block_size: int, q_block_size: int, kv_block: int, mask_tensors: int) -> str | None:
     """Why the kernel cannot walk a BlockMask of these sizes beside a mask_mod of `mask_tensors`
-    captured tensors; None when it can. Finer blocks than the kernel's take one more mask tensor.
-    (A training graph never gets here with them: the backward kernels walk a mask as given, and
-    the lowering's training check refuses finer blocks first.)"""
+    captured tensors; None when it can. Finer blocks than the kernel's take one more mask tensor
+    (in a training graph the backward walks them the same way: flex_backward_config.block_walk)."""
     from ..common.programs.score import MAX_TENSORS
 
     walk = block_walk(kv_block_size, q_block_size, kv_block)
