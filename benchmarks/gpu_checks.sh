@@ -99,10 +99,7 @@ for s in $steps; do
         model_masked) INDUCTOR_CUTE_MODEL_ATTENTION_MASK=1 INDUCTOR_CUTE_MODEL_LAYERS=4 step model_masked 540 \
                    python3 -m inductor_cute bench models --match "${CASE:-llama3-8b decode B8 KV8192 cg}" \
                    --out "$OUT/models-masked" ;;
-        # the grouped GEMM's tests (every config path: the twenty-third session's overlap_last and
-        # staged_partial changed the default kernels' tile rows too), then its configs on routed offsets
-        grouped_all) step grouped_all 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -q -rf -n 8 \
-                   -p no:cacheprovider ;;
+        # the grouped GEMM's configs on routed offsets (after `grouped`: every config path's tests)
         grouped_routing) step grouped_routing 400 python3 benchmarks/grouped_routing.py ;;
         # issue 14's MoE block (Qwen3-30B-A3B shapes): forward at 4096 and 16384 tokens, a training step
         moe_block) step moe_block 560 python3 -m inductor_cute bench models --match moe-block --out "$OUT/moe-block" ;;

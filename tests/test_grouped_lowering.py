@@ -569,6 +569,37 @@ def test_the_fused_gate_without_our_backend_is_the_fallback_kernel(monkeypatch):
     assert not recorded
 
 
+def test_a_gated_call_our_kernel_cannot_serve_is_the_fallback_kernel(monkeypatch, caplog):
+    recorded = record_gated_selects(monkeypatch)
+    fp16 = [((TOKENS, K), torch.float16), ((E, 2 * 128, K), torch.float16), ((E,), torch.int32)]
+    with caplog.at_level("INFO", logger="inductor_cute"):
+        _, code = lower(gated, fp16, codegen=True, enable_kwargs={"fuse_moe_gate": True})
+    assert "inductor_cute.grouped_mm_gated" in code and "GroupedLauncher" not in code and not recorded
+    assert "to its fallback: dtypes torch.float16" in caplog.text
+
+
+def test_a_failure_while_autotuning_the_gate_is_the_fallback_kernel(monkeypatch):
+    from inductor_cute.inductor.grouped import gate_lowering
+
+    def broken(*args):
+        raise RuntimeError("no choices today")
+
+    monkeypatch.setattr(gate_lowering, "_autotuned", broken)
+    _, code = lower(gated, GATED_SPECS, codegen=True, enable_kwargs={"fuse_moe_gate": True})
+    assert "inductor_cute.grouped_mm_gated" in code and "GroupedLauncher" not in code
+
+
+def test_a_gated_launcher_the_kernel_refuses_computes_unfused(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise host_grouped.UnsupportedError("an unaligned pointer")
+
+    monkeypatch.setattr(runtime.host_grouped, "grouped_mm_gated", refuse)
+    a, b = torch.randn(40, K).bfloat16(), torch.randn(E, K, 2 * 48).bfloat16()
+    offs, out = torch.tensor([10, 10, 30, 40], dtype=torch.int32), torch.full((40, 48), float("nan"), dtype=BF16)
+    runtime.GroupedLauncher(runtime.as_tuple(GroupedConfig()), "silu").launch(a, b, offs, out)
+    assert torch.equal(out, gate.unfused(a, b, offs, "silu"))
+
+
 def test_the_gated_launcher_runs_the_gated_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(runtime.host_grouped, "grouped_mm_gated", lambda *args, config: calls.append((args, config)))

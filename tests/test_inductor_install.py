@@ -17,6 +17,7 @@ from torch._inductor.scheduler import Scheduler
 from torch._inductor.virtualized import V
 
 import inductor_cute
+from inductor_cute.inductor.grouped import gate
 from inductor_cute.inductor import install
 from inductor_cute.inductor.compat import feedback_savers
 from inductor_cute.inductor.gemm.choices import CuteChoices
@@ -26,7 +27,7 @@ HOP = torch.ops.higher_order.flex_attention
 BACKWARD_HOP = torch.ops.higher_order.flex_attention_backward
 GROUPED_MM = torch.ops.aten._grouped_mm.default
 CONFIG_KEYS = ("inductor_choices_class", "max_autotune_gemm_backends", "benchmark_epilogue_fusion",
-               "post_grad_custom_post_pass", "triton.enable_pdl")
+               "post_grad_custom_post_pass", "post_grad_custom_pre_pass", "triton.enable_pdl")
 
 
 def state() -> dict:
@@ -45,6 +46,8 @@ def state() -> dict:
             "cuda codegen": common.device_codegens.get("cuda"),
             "extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_gemm", None),
             "grouped extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_grouped_mm", None),
+            "gated op lowering": lowering.lowerings[gate.OP],  # the fallback kernel gate.py registers
+            "gated extern kernel": getattr(select_algorithm.extern_kernels, "inductor_cute_grouped_mm_gated", None),
             "feedback savers": tuple(feedback_savers())}
 
 

@@ -202,6 +202,14 @@ def triton_runner(a, b, offs):
 # our grouped GEMM under torch.compile (inductor/grouped/): one launcher definition per call site (the
 # module path alone would also count the output code's import of it)
 GROUPED_CALL = "inductor_cute.inductor.grouped.runtime.GroupedLauncher("
+# the fused MoE gate (grouped/gate.py): its op as a fallback kernel, or an autotuned gated launcher
+GATED_CALLS = ("torch.ops.inductor_cute.grouped_mm_gated.default(", "activation='")
+
+
+def gated_sites(code: str) -> int:
+    """Call sites of the fused MoE gate in output code (a gated GroupedLauncher is one of its
+    grouped GEMM sites too)."""
+    return sum(code.count(call) for call in GATED_CALLS)
 
 
 def tuned_runner(a, b, offs):

@@ -45,7 +45,7 @@ from ..case import Case, named
 from ..profile import busy_us, host_gaps_us, host_syncs_per_call, idle_and_overlap_us, kernel_timeline
 from . import moe_block
 from .gemm_compiled import OUR_CALL as GEMM_CALL
-from .grouped_gemm import GROUPED_CALL
+from .grouped_gemm import GATED_CALLS, GROUPED_CALL, gated_sites
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
 METHOD = ("wall time per step, 10 steps back to back then a sync, median of 5 rounds with the runners "
@@ -273,7 +273,7 @@ def wall_us(fns: dict, calls: int = 10, rounds: int = 5, warmup: int = 3) -> dic
 
 
 SHARED_A_CALL = "torch.ops.inductor_cute.gemv_shared_a.default("  # the grouped decode GEMV (shared_a pass)
-GATED_CALL = "torch.ops.inductor_cute.grouped_mm_gated.default("  # the fused MoE gate (grouped/gate.py)
+
 
 
 def our_kernel_calls(code: str) -> int:
@@ -282,7 +282,7 @@ def our_kernel_calls(code: str) -> int:
             + sum(code.count(f"inductor_cute.inductor.flex.runtime.{name}(")
                   for name in ("FlexDecodeLauncher", "FlexPrefillLauncher", "FlexBackwardLauncher"))
             + code.count(GROUPED_CALL)
-            + code.count(GATED_CALL)
+            + code.count(GATED_CALLS[0])
             + code.count(SHARED_A_CALL))
 
 
@@ -481,7 +481,7 @@ def _moe_case(step: str, tokens: int, mode_key: str) -> Case:
         note = f"{backend}: rel err vs fp32 " + ", ".join(errors)
         if r.code:
             note += (f"; cold compile {r.seconds:.1f} s, {our_kernel_calls(r.code)} call site(s) of our kernels, "
-                     f"{r.code.count(GROUPED_CALL)} of them grouped GEMMs, {r.code.count(GATED_CALL)} gated")
+                     f"{r.code.count(GROUPED_CALL)} of them grouped GEMMs, {gated_sites(r.code)} gated")
         notes.append(note)
     del ref_out, ref_grads
     times = wall_us(runners)

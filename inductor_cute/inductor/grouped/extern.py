@@ -35,7 +35,8 @@ class CuteGroupedCaller(CuteGemmCaller):
     feedback saver reports it too; a failed benchmark drops it the same way)."""
 
     def __str__(self) -> str:
-        return f"inductor_cute_grouped_mm({self.description})"
+        gated = self.kwargs.get("activation", "")
+        return f"inductor_cute_grouped_mm{'_gated' if gated else ''}({self.description})"
 
     def hash_key(self) -> str:
         # the timing inputs are part of what a cached timing means: a change of them re-tunes

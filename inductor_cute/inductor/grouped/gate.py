@@ -36,6 +36,7 @@ from ...host import grouped_gemm as _host_grouped
 from ...kernels.gemm import grouped_config
 from . import gate_lowering as _gate_lowering
 from . import lowering as _lowering
+from . import runtime as _runtime
 from .lowering import GroupedCall, decline_reason
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,7 @@ _LIBRARY = torch.library.Library("inductor_cute", "FRAGMENT")  # owns the regist
 _LIBRARY.define(SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
 
 DEVICE_TYPES = ("cuda",)  # where the fused kernel runs (the CPU tests add "cpu")
-# the activations the pass fuses, as torch computes them
-ACTIVATIONS = {"silu": F.silu}
-
-
-def unfused(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str) -> torch.Tensor:
-    gate, up = torch._grouped_mm(a, b, offs).chunk(2, dim=-1)
-    return ACTIVATIONS[activation](gate) * up
+unfused = _runtime.unfused_gate  # the op's computation without the fused kernel
 
 
 def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str) -> torch.Tensor:

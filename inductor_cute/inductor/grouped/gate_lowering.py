@@ -4,9 +4,12 @@ otherwise Inductor would call the op as a fallback kernel with the untuned heuri
 
 gate.py gives the op Inductor's fallback lowering when it defines the op (`ensure_fallback`); with
 enable(fuse_moe_gate=True), inductor/install.py puts `gated_lowering` in its place (a
-LoweringWrapper), which autotunes where our backend is requested and otherwise calls that
+LoweringWrapper), which autotunes where our backend is requested and our kernel serves the call
+(grouped/lowering.py's decline reasons, the gated kernel's limits), and otherwise calls that
 fallback. Only our configs compete: the op is the fused computation, which nothing stock computes
-in one kernel (whether fusing pays is the gate pass's question, measured on the MoE block).
+in one kernel (whether fusing pays is the gate pass's question, measured on the MoE block). A
+config whose benchmark failed may still be picked (every time infinite): its launcher then runs
+the computation unfused (runtime.GroupedLauncher), as the op itself does.
 """
 
 from __future__ import annotations
@@ -20,12 +23,21 @@ NAME = "grouped_mm_gated"
 
 
 def ensure_fallback(op) -> None:
-    """Inductor's lowering of a custom op (a fallback kernel calling it), registered now so that
-    our wrapper has a stock lowering to stand in for and to fall back to."""
+    """Inductor's lowering of a custom op, registered now as Inductor registers one at the op's
+    first use (graph.py's implicit fallback: a fallback kernel, the layout constraint the op's tags
+    ask for, exact strides by default), so that our wrapper has a stock lowering to stand in for
+    and to fall back to."""
     from torch._inductor import lowering
 
-    if op not in lowering.lowerings:
-        lowering.lowerings[op] = lowering.fallback_handler(op, add_to_fallback_set=False)
+    if op in lowering.lowerings:
+        return
+    try:
+        from torch._library.utils import get_layout_constraint_tag
+
+        constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+    except (ImportError, AttributeError, TypeError):  # another torch's spelling: no constraint
+        constraint = None
+    lowering.make_fallback(op, layout_constraint=constraint, warn=False)
 
 
 def gated_lowering(a, b, offs, activation: str):
@@ -55,23 +67,33 @@ def _autotuned(a, b, offs, activation: str):
 
     from ...host.common import sm_count
     from ...kernels.gemm import grouped_config
+    from ...runtime.arch import device_arch
     from ..gemm.specs import precompile_choices
     from .extern import gated_choice
-    from .lowering import b_major, grouped_call
+    from .lowering import b_major, decline_reason, grouped_call
     from .runtime import as_tuple, even_offsets, routed_offsets
 
     a, b, offs = realize_inputs(a, b, offs)
+    if len(a.get_size()) != 2 or len(b.get_size()) != 3:
+        return None
     groups, k, n = b.get_size()
     tokens = a.get_size()[0]
     layout = FixedLayout(a.get_device(), a.get_dtype(), [tokens, n // 2], [n // 2, 1])
-    major = b_major(grouped_call([a, b, offs], layout, has_bias=False))
+    call = grouped_call([a, b, offs], layout, has_bias=False)
     hints = V.graph.sizevars
-    if major is None:
-        log.info("inductor-cute: %s's b of strides %s would be copied: its fallback", NAME, b.get_stride())
-        return None
-    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", major, activation)
-    tokens_hint = hints.optimization_hint(tokens)
     groups, k, n = (int(hints.optimization_hint(x)) for x in (groups, k, n))
+    reason = decline_reason(call) or grouped_config.unsupported_reason(
+        grouped_config.GroupedProblem(gate=activation), n=n, k=k, groups=groups)
+    if reason is None:
+        try:
+            device_arch(layout.device.index or 0)
+        except Exception as e:
+            reason = first_line(e)
+    if reason:
+        log.info("inductor-cute leaves %s %s x %s to its fallback: %s", NAME, call.a_size, call.b_size, reason)
+        return None
+    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", b_major(call), activation)
+    tokens_hint = hints.optimization_hint(tokens)
     num_sms = sm_count(layout.device.index or 0)
     exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
     configs = grouped_config.candidates(problem, tokens_hint, n, k, groups, num_sms, exhaustive)
