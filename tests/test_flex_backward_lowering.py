@@ -58,12 +58,13 @@ def _backward_stand_in(q, k, v, out, lse, grad_out, scale, score_mod, score_tens
     forward_lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     shape = (batch, heads, q_len, kv_len)
     keep = sp.reference_keep(shape, mask_mod, mask_tensors, forward_lists, kv_block_size, q_block_size)
-    if kv_num_blocks is not None:
-        visited = sp.reference_keep(shape, "", (), forward_lists, kv_block_size, q_block_size)
-        visited_t = sp.reference_keep((batch, heads, kv_len, q_len), "", (),
-                                      (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices), q_block_size,
-                                      kv_block_size)
-        assert torch.equal(visited, visited_t.transpose(-1, -2)), "backward lists disagree with the forward's"
+    if kv_num_blocks is not None:  # the same blocks, each as full (or partial) in both list sets
+        backward_lists = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
+        for full_only in (False, True):
+            fwd, bwd = ((torch.zeros_like(t[0]) if full_only else t[0], *t[1:]) for t in (forward_lists, backward_lists))
+            visited = sp.reference_keep(shape, "", (), fwd, kv_block_size, q_block_size)
+            visited_t = sp.reference_keep((batch, heads, kv_len, q_len), "", (), bwd, q_block_size, kv_block_size)
+            assert torch.equal(visited, visited_t.transpose(-1, -2)), "backward lists disagree with the forward's"
     kf, vf = (t.float().repeat_interleave(g, 1) for t in (k, v))
     raw = (q.float() @ kf.transpose(-1, -2) * scale).requires_grad_()
     scored = raw

@@ -92,9 +92,23 @@ def test_the_backward_walks_both_list_sets_at_its_blocks(case):
     assert (kv_walk, q_walk) == (max(kv_block, 128), max(q_block, 128))
     assert torch.equal(kept(shape, program, walked_tensors, forward, kv_walk, q_walk),
                        kept(shape, mask_text, tensors, fine, kv_block, q_block))
-    visited = kept(shape, "", (), forward, kv_walk, q_walk)
-    visited_t = kept((batch, heads, kv_len, q_len), "", (), backward, q_walk, kv_walk)
-    assert torch.equal(visited, visited_t.transpose(-1, -2))
+    assert_backward_lists_transpose_forward(shape, forward, backward, kv_walk, q_walk)
+
+
+def full_only(lists):
+    """The lists with their partial blocks dropped: what they mark full."""
+    num, idx, full_num, full_idx = lists
+    return torch.zeros_like(num), idx, full_num, full_idx
+
+
+def assert_backward_lists_transpose_forward(shape, forward, backward, kv_block, q_block):
+    """The backward lists name the forward's blocks, transposed, each as full or partial as there
+    (a block full in one and partial in the other would skip the mask program in one kernel only)."""
+    batch, heads, q_len, kv_len = shape
+    for pick in (lambda lists: lists, full_only):
+        visited = kept(shape, "", (), pick(forward), kv_block, q_block)
+        visited_t = kept((batch, heads, kv_len, q_len), "", (), pick(backward), q_block, kv_block)
+        assert torch.equal(visited, visited_t.transpose(-1, -2))
 
 
 def test_the_backward_walk_and_its_limits():

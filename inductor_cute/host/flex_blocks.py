@@ -13,10 +13,18 @@ _INT32_MAX = 2**31 - 1
 
 
 def states_fit(mask_dims: tuple, kv_blocks: int) -> bool:
-    """Whether the states of a mask of (Z, H, query blocks) x `kv_blocks` fine blocks, header
-    included, stay within the int32 index the mask program computes."""
+    """Whether the states of a mask of (Z, H, query blocks) x `kv_blocks` fine blocks, header and
+    tail (`_tail`, at most 128 rows' worth) included, stay within the int32 index the mask program
+    computes."""
     z, h, q_blocks = mask_dims
-    return z * h * q_blocks * kv_blocks + HEADER <= _INT32_MAX
+    return z * h * q_blocks * kv_blocks + HEADER + 128 * (kv_blocks + 1) <= _INT32_MAX
+
+
+def _tail(kv_blocks: int, q_factor: int, kv_factor: int) -> int:
+    """States past the last fine block that the mask program may read: kernels evaluate it on the
+    rows and keys of their last blocks past the lengths (then drop them), up to q_factor - 1 fine
+    query blocks and kv_factor - 1 fine KV blocks past the last ones; they read SKIPPED there."""
+    return (q_factor - 1) * kv_blocks + kv_factor
 
 
 def fine_states(num, idx, full_num, full_idx, kv_blocks: int) -> torch.Tensor:
@@ -62,7 +70,8 @@ def coarse_maps(block_mask: tuple, kv_blocks: int, q_factor: int, kv_factor: int
     kept = ((blocks == FULL) | (blocks == PARTIAL)).any(5).any(3)
     header = [kv_blocks, h * q_blocks * kv_blocks if z > 1 else 0, q_blocks * kv_blocks if h > 1 else 0]
     pieces = [states.new_full((1,), value) for value in header]  # filled on the device
-    return kept & ~full, full, torch.cat([*pieces, states.flatten()])
+    tail = states.new_full((_tail(kv_blocks, q_factor, kv_factor),), SKIPPED)
+    return kept & ~full, full, torch.cat([*pieces, states.flatten(), tail])
 
 
 def _as_lists(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from .test_flex_prefill_gpu import poison_allocator
 pytestmark = pytest.mark.gpu
 
 CAUSAL = sp.dumps([["o", "ge", "q", "kv"]])
+CAUSAL_OFFSET_200 = sp.dumps([["s", "add", "q", 200], ["o", "ge", "s", "kv"]])  # queries after 200 cached keys
 DOCUMENT = sp.dumps([["qd", "load", "t0", "q"], ["kd", "load", "t0", "kv"], ["o", "eq", "qd", "kd"]])
 NOTHING_IN_BATCH_1 = sp.dumps([["z", "eq", "b", 0], ["k", "lt", "kv", 1000], ["o", "and", "z", "k"]])
 SOFTCAP = sp.dumps([["a", "truediv", "score", 30.0], ["t", "tanh", "a"], ["o", "mul", "t", 30.0]])
@@ -111,12 +112,14 @@ def test_lse_and_out_from_our_forward_kernel():
 
 
 def block_mask_kwargs(mask_mod, batch, heads, q_len, kv_len, block):
-    """The entry's keyword arguments for torch's BlockMask of `mask_mod`: both list sets."""
+    """The entry's keyword arguments for torch's BlockMask of `mask_mod`: both list sets. `block`:
+    one size, or (query block, KV block) as create_block_mask takes them."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     bm = create_block_mask(mask_mod, batch, heads, q_len, kv_len, device="cuda", BLOCK_SIZE=block)
+    q_block, kv_block = block if isinstance(block, tuple) else (block, block)
     return dict(kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices, full_kv_num_blocks=bm.full_kv_num_blocks,
-                full_kv_indices=bm.full_kv_indices, kv_block_size=block, q_block_size=block,
+                full_kv_indices=bm.full_kv_indices, kv_block_size=kv_block, q_block_size=q_block,
                 q_lists=dict(q_num_blocks=bm.q_num_blocks, q_indices=bm.q_indices,
                              full_q_num_blocks=bm.full_q_num_blocks, full_q_indices=bm.full_q_indices))
 
@@ -127,7 +130,7 @@ def check_block_mask(q, k, v, mask_mod, program, tensors=(), block=128, mask_hea
     mask = block_mask_kwargs(mask_mod, batch, mask_heads, q_len, kv_len, block)
     fwd = (mask["kv_num_blocks"], mask["kv_indices"], mask["full_kv_num_blocks"], mask["full_kv_indices"])
     shape = (batch, heads, q_len, kv_len)
-    keep = sp.reference_keep(shape, program, tensors, fwd, block, block, device="cuda")
+    keep = sp.reference_keep(shape, program, tensors, fwd, mask["kv_block_size"], mask["q_block_size"], device="cuda")
     idx = [torch.arange(n, device="cuda").view([-1 if i == d else 1 for i in range(4)]) for d, n in enumerate(shape)]
     assert torch.equal(keep, mask_mod(*idx).expand(shape)), "program and mask_mod differ"
     return check(q, k, v, keep=keep, mask_mod=program, mask_tensors=tensors, **mask, **kwargs)
@@ -160,6 +163,14 @@ def test_block_masks_of_finer_blocks_than_the_kernels(block, d):
     walks the same mask its own way; a per-head mask and lengths off the blocks."""
     check_block_mask(rand(2, 4, 777, d), rand(2, 2, 777, d), rand(2, 2, 777, d), lambda b, h, m, n: m >= n,
                      CAUSAL, block=block, mask_heads=4, lse_from="kernel")
+
+
+@pytest.mark.parametrize("block", [(256, 64), (64, 128)])  # (query block, KV block)
+def test_mixed_finer_blocks_and_fewer_queries_than_keys(block):
+    """One side finer, the other a multiple; 700 queries over 900 keys (the mask offset by the 200
+    cached ones)."""
+    check_block_mask(rand(2, 4, 700, 128), rand(2, 2, 900, 128), rand(2, 2, 900, 128),
+                     lambda b, h, m, n: m + 200 >= n, CAUSAL_OFFSET_200, block=block, lse_from="kernel")
 
 
 def test_document_mask_of_64_blocks_with_a_captured_tensor():
