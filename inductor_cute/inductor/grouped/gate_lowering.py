@@ -67,10 +67,9 @@ def _autotuned(a, b, offs, activation: str):
 
     from ...host.common import sm_count
     from ...kernels.gemm import grouped_config
-    from ...runtime.arch import device_arch
     from ..gemm.specs import precompile_choices
     from .extern import gated_choice
-    from .lowering import b_major, decline_reason, grouped_call
+    from .lowering import b_major, decline_reason, device_reason, grouped_call
     from .runtime import as_tuple, even_offsets, routed_offsets
 
     a, b, offs = realize_inputs(a, b, offs)
@@ -83,12 +82,7 @@ def _autotuned(a, b, offs, activation: str):
     hints = V.graph.sizevars
     groups, k, n = (int(hints.optimization_hint(x)) for x in (groups, k, n))
     reason = decline_reason(call) or grouped_config.unsupported_reason(
-        grouped_config.GroupedProblem(gate=activation), n=n, k=k, groups=groups)
-    if reason is None:
-        try:
-            device_arch(layout.device.index or 0)
-        except Exception as e:
-            reason = first_line(e)
+        grouped_config.GroupedProblem(gate=activation), n=n, k=k, groups=groups) or device_reason(layout)
     if reason:
         log.info("inductor-cute leaves %s %s x %s to its fallback: %s", NAME, call.a_size, call.b_size, reason)
         return None

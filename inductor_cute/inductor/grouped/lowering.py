@@ -237,22 +237,27 @@ def _m_robust_only(input_nodes, layout, has_bias: bool) -> bool:
         m_robust_only(_bmm_inputs(input_nodes, layout), "bmm")
 
 
+def device_reason(layout) -> str | None:
+    """Why our kernels cannot run on the output's device (no Hopper GPU there), in one line."""
+    from ...runtime.arch import device_arch
+
+    try:
+        device_arch(layout.device.index or 0)
+    except Exception as e:
+        return first_line(e)
+    return None
+
+
 def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
     """Our choices for one stock autotuning call: one per candidate config that compiled; [] when
     we cannot serve the call (the reason logged)."""
-    from ...runtime.arch import device_arch
-
     call = grouped_call(input_nodes, layout, has_bias)
     reason = decline_reason(call)
     if reason is None and is_batched(call):  # a bmm: our GEMM's configs, with its own checks
         from ..gemm.choices import gemm_choices
 
         return gemm_choices(_bmm_inputs(input_nodes, layout), "bmm", layout=layout)
-    if reason is None:
-        try:
-            device_arch(layout.device.index or 0)
-        except Exception as e:
-            reason = first_line(e)
+    reason = reason or device_reason(layout)
     if reason:
         log.info("inductor-cute skips grouped_mm %s x %s: %s", call.a_size, call.b_size, reason)
         return []
