@@ -22,6 +22,15 @@ HEADER = 3  # [kv blocks, batch stride, head stride]
 SKIPPED, PARTIAL, FULL = 0, 1, 2
 
 
+def walked_size(size: int, tile: int) -> int | None:
+    """The block size at which a kernel of `tile`-sized blocks walks a mask's `size`-sized ones
+    along one dimension: the mask's own where it is a multiple of the tile, the tile where it
+    divides the tile (walked coarsened, kept exact by the states term), else None."""
+    if size > 0 and size % tile == 0:
+        return size
+    return tile if size > 0 and tile % size == 0 else None
+
+
 def with_block_states(mask_text: str, slot: int, q_block: int, kv_block: int, batches: bool = True,
                       heads: bool = True) -> str:
     """The mask program `mask_text` ("" for none) and'ed with the fine-block states read from

@@ -182,12 +182,9 @@ def block_walk(kv_block_size: int, q_block_size: int) -> tuple[int, int] | None:
     """The (KV, query) block sizes at which the kernels walk a BlockMask of these sizes: the mask's
     own where sparse_block_reason allows them, (KV_BLOCK, DQ_Q_BLOCK) where the mask's divide those
     (its lists coarsened, block_states.py keeps it exact, as the prefill does); None when neither."""
-    def walk(size: int, tile: int) -> int | None:
-        if size > 0 and size % tile == 0:
-            return size
-        return tile if size > 0 and tile % size == 0 else None
+    from .block_states import walked_size
 
-    kv, q = walk(kv_block_size, KV_BLOCK), walk(q_block_size, DQ_Q_BLOCK)
+    kv, q = walked_size(kv_block_size, KV_BLOCK), walked_size(q_block_size, DQ_Q_BLOCK)
     return None if kv is None or q is None else (kv, q)
 
 

@@ -169,12 +169,9 @@ def block_walk(kv_block_size: int, q_block_size: int, kv_block: int) -> tuple[in
     """The (KV, query) block sizes at which the kernel walks a BlockMask of these sizes: the mask's
     own where sparse_block_reason allows them, the kernel's (kv_block, M_BLOCK) where the mask's
     divide those (its lists coarsened, block_states.py keeps it exact); None when neither."""
-    def walk(size: int, tile: int) -> int | None:
-        if size > 0 and size % tile == 0:
-            return size
-        return tile if size > 0 and tile % size == 0 else None
+    from .block_states import walked_size
 
-    kv, q = walk(kv_block_size, kv_block), walk(q_block_size, M_BLOCK)
+    kv, q = walked_size(kv_block_size, kv_block), walked_size(q_block_size, M_BLOCK)
     return None if kv is None or q is None else (kv, q)
 
 
