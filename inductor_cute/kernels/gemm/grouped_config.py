@@ -188,11 +188,15 @@ _SHAPES = ((128, 256, 2), (128, 128, 2), (64, 256, 1), (64, 128, 1))
 def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None = None, groups: int = 1,
                    num_sms: int = SM_COUNT) -> GroupedConfig:
     """Untuned heuristic from the mean group size (the offsets are on the device): 64-row tiles
-    when groups average at most 64 tokens, else the largest tile that still gives a wave, in
-    clusters of two row tiles sharing the weight tile where groups average two row tiles or more
-    (H200, sweep_grouped of the seventeenth session, 128x256 tiles, TFLOP/s plain -> 2x1:
-    DeepSeek-V3 up 16384 tokens 638 -> 761, Mixtral up 755 -> 787, Qwen3-30B-A3B down 649 -> 666;
-    Qwen3-30B-A3B up with skewed routing 603 -> 582, where 1x2 gave 642: autotuning tries both)."""
+    when groups average at most 64 tokens, else the largest tile that still gives a wave; where
+    groups average two row tiles or more, in clusters: of two column tiles sharing the token rows
+    where N spans two column tiles, else of two row tiles sharing the weight tile. On even
+    splits 2x1 led (H200, sweep_grouped of the seventeenth session, 128x256 tiles, TFLOP/s plain
+    -> 2x1: DeepSeek-V3 up 16384 tokens 638 -> 761, Mixtral up 755 -> 787); on routed group sizes,
+    which models have, 1x2 did (grouped_routing.py, H200, the MoE block's routing, us: Qwen3-30B-A3B
+    up T16384 1x2 1317, 2x1 1467; down 745 and 813; at T4096 2x1 ahead by 2-5%: 494 against 502,
+    301 against 317; Qwen3 up with skewed routing in the seventeenth session: 1x2 642, 2x1 582
+    TFLOP/s). Autotuning tries both."""
     mean_rows = tokens / max(groups, 1)
     shapes = [s for s in _SHAPES if s[0] == 64] if mean_rows <= 64 else [s for s in _SHAPES if s[0] == 128]
     chosen = shapes[-1]
@@ -202,8 +206,10 @@ def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None =
             chosen = shape
             break
     plain = _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2]), problem)
-    if CLUSTERS_GPU_CHECKED and chosen[0] == 128 and (2, 1) in cluster_shapes(tokens, n, groups, *chosen[:2]):
-        plain = _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2], 2, 1), problem) or plain
+    shapes = cluster_shapes(tokens, n, groups, *chosen[:2]) if CLUSTERS_GPU_CHECKED and chosen[0] == 128 else []
+    if (2, 1) in shapes:  # groups of two row tiles or more (measured there); 1x2 where N allows
+        cluster = (1, 2) if (1, 2) in shapes else (2, 1)
+        plain = _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2], *cluster), problem) or plain
     return _overlapping(plain)
 
 
