@@ -10,7 +10,7 @@ import torch
 
 from inductor_cute.errors import UnsupportedError
 from inductor_cute.host import flex_prefill as host_prefill
-from inductor_cute.host.flex_blocks import _as_lists, coarsened, fine_states
+from inductor_cute.host.flex_blocks import _as_lists, as_lists, coarse_maps, fine_states
 from inductor_cute.kernels.attention.block_states import FULL, PARTIAL, with_block_states
 from inductor_cute.kernels.attention.flex_prefill_config import block_mask_reason, block_walk
 from inductor_cute.kernels.common.programs import score as sp
@@ -152,7 +152,7 @@ def test_a_coarse_block_is_full_only_where_every_fine_block_is():
     states = torch.tensor([[[[FULL, FULL, FULL, PARTIAL, 0, 0], [FULL, FULL, FULL, 0, 0, 0]]]])
     fine = (*_as_lists(states == PARTIAL), *_as_lists(states == FULL))
     assert torch.equal(fine_states(*fine, 6), states.to(torch.int32))
-    (num, idx, full_num, full_idx), _ = coarsened(fine, 6, 2, 2)
+    num, idx, full_num, full_idx = as_lists(*coarse_maps(fine, 6, 2, 2)[:2])
     assert full_num.tolist() == [[[1]]] and full_idx[0, 0, 0, :1].tolist() == [0]
     assert num.tolist() == [[[1]]] and idx[0, 0, 0, :1].tolist() == [1]  # block 2 is skipped
 

@@ -56,8 +56,7 @@ def walked_block_masks(forward_lists: tuple, backward_lists: tuple, mask_mod, ma
     tensor (host/flex_blocks.py; the prefill walks the forward the same way, so the two agree on
     every element). `shape`: (batch, query heads, q_len, kv_len)."""
     from ..kernels.attention import flex_backward_config as fbc
-    from ..kernels.attention.block_states import with_block_states
-    from .flex_blocks import coarsened_both_ways, states_fit
+    from .flex_blocks import as_lists, walked_mask
 
     walk = fbc.block_walk(kv_block_size, q_block_size)
     if walk is None or walk == (kv_block_size, q_block_size):
@@ -67,16 +66,12 @@ def walked_block_masks(forward_lists: tuple, backward_lists: tuple, mask_mod, ma
         raise UnsupportedError(f"{NAME}: block mask: {problem}")
     batch, heads, q_len, kv_len = shape
     fine = block_lists(NAME, forward_lists, device, cover=(batch, heads, q_len, q_block_size))
-    kv_blocks = -(-kv_len // kv_block_size)
-    if not states_fit(fine[0].shape, kv_blocks):
-        raise UnsupportedError(f"{NAME}: block mask: {fine[0].shape} x {kv_blocks} blocks of {q_block_size} x "
-                               f"{kv_block_size} exceed the int32 index of their states")
     mask_mod, _, _ = _score_mod_operands(mask_mod, mask_tensors, device, "mask", name=NAME)  # checked before it grows
-    forward, backward, states = coarsened_both_ways(fine, kv_blocks, walk[1] // q_block_size,
-                                                    walk[0] // kv_block_size)
-    z, h = fine[0].shape[:2]
-    mask_mod = with_block_states(mask_mod, len(mask_tensors), q_block_size, kv_block_size, z > 1, h > 1)
-    return forward, backward, mask_mod, (*mask_tensors, states), *walk
+    partial, full, mask_mod, mask_tensors = walked_mask(NAME, fine, kv_len, (kv_block_size, q_block_size), walk,
+                                                        mask_mod, mask_tensors)
+    # the dK/dV kernel's lists: per coarse KV block the same coarse blocks, transposed
+    backward = as_lists(partial.transpose(-1, -2), full.transpose(-1, -2))
+    return as_lists(partial, full), backward, mask_mod, mask_tensors, *walk
 
 
 def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.attention.block_states import FULL, HEADER, PARTIAL, SKIPPED
+from ..errors import UnsupportedError
+from ..kernels.attention.block_states import FULL, HEADER, PARTIAL, SKIPPED, with_block_states
 
 _ABSENT = 3  # a fine block past the keys' or queries' end, inside the last coarse block: it decides nothing
 _INT32_MAX = 2**31 - 1
@@ -40,25 +41,34 @@ def fine_states(num, idx, full_num, full_idx, kv_blocks: int) -> torch.Tensor:
     return states[..., :kv_blocks]
 
 
-def coarsened(block_mask: tuple, kv_blocks: int, q_factor: int, kv_factor: int) -> tuple[tuple, torch.Tensor]:
-    """(the four lists at blocks of q_factor x kv_factor fine blocks, the states tensor with its
-    header) of a mask whose keys span `kv_blocks` fine blocks. A coarse block is FULL where every
-    fine block in it is, skipped where none is kept, partial otherwise."""
-    partial, full, states = coarse_maps(block_mask, kv_blocks, q_factor, kv_factor)
-    return (*_as_lists(partial), *_as_lists(full)), states
+def walked_mask(entry: str, fine: tuple, kv_len: int, sizes: tuple, walk: tuple, mask_text: str,
+                mask_tensors: tuple) -> tuple:
+    """What a kernel walking (KV, query) blocks of `walk` takes in place of a mask of finer `sizes`
+    (KV, query) blocks whose forward lists `fine` were checked: the coarse (partial, full) block
+    maps (`as_lists` makes lists of them, transposed for a backward's), the mask program
+    `mask_text` (canonical, checked) with the states term, and `mask_tensors` with the states
+    tensor after them. States past the int32 index are refused, naming `entry`."""
+    kv_block_size, q_block_size = sizes
+    kv_blocks = -(-kv_len // kv_block_size)
+    if not states_fit(fine[0].shape, kv_blocks):
+        raise UnsupportedError(f"{entry}: block mask: {fine[0].shape} x {kv_blocks} blocks of {q_block_size} x "
+                               f"{kv_block_size} exceed the int32 index of their states")
+    partial, full, states = coarse_maps(fine, kv_blocks, walk[1] // q_block_size, walk[0] // kv_block_size)
+    z, h = fine[0].shape[:2]
+    program = with_block_states(mask_text, len(mask_tensors), q_block_size, kv_block_size, z > 1, h > 1)
+    return partial, full, program, (*mask_tensors, states)
 
 
-def coarsened_both_ways(block_mask: tuple, kv_blocks: int, q_factor: int, kv_factor: int) -> tuple:
-    """`coarsened`'s lists and states, and between them the backward's lists (per coarse KV block
-    its coarse query blocks: the same blocks, transposed), as a BlockMask keeps q_num_blocks..."""
-    partial, full, states = coarse_maps(block_mask, kv_blocks, q_factor, kv_factor)
-    backward = (*_as_lists(partial.transpose(-1, -2)), *_as_lists(full.transpose(-1, -2)))
-    return (*_as_lists(partial), *_as_lists(full)), backward, states
+def as_lists(partial: torch.Tensor, full: torch.Tensor) -> tuple:
+    """(counts, indices, full counts, full indices) of (Z, H, rows, columns) partial and full block maps."""
+    return (*_as_lists(partial), *_as_lists(full))
 
 
 def coarse_maps(block_mask: tuple, kv_blocks: int, q_factor: int, kv_factor: int) -> tuple:
-    """(partial, full) bool maps (Z, H, coarse query blocks, coarse KV blocks) and the states
-    tensor (header first) of `coarsened`."""
+    """(partial, full) bool maps (Z, H, coarse query blocks, coarse KV blocks) of a mask whose keys
+    span `kv_blocks` fine blocks, at blocks of q_factor x kv_factor fine blocks, and the states
+    tensor (header first). A coarse block is full where every fine block in it is, skipped where
+    none is kept, partial otherwise."""
     states = fine_states(*block_mask, kv_blocks)
     z, h, q_blocks, _ = states.shape
     coarse_q, coarse_kv = -(-q_blocks // q_factor), -(-kv_blocks // kv_factor)

@@ -61,9 +61,8 @@ def _walked_block_mask(block_mask: tuple, mask_mod, mask_tensors, kv_block_size:
     given, or coarsened to the kernel's blocks with the fine blocks' states as one more mask tensor
     (kernels/attention/block_states.py) where the mask's blocks divide the kernel's. `shape`:
     (batch, query heads, q_len, kv_len)."""
-    from ..kernels.attention.block_states import with_block_states
     from ..kernels.attention.flex_prefill_config import block_mask_reason, block_walk
-    from .flex_blocks import coarsened, states_fit
+    from .flex_blocks import as_lists, walked_mask
 
     walk = block_walk(kv_block_size, q_block_size, kv_block)
     if walk is None or walk == (kv_block_size, q_block_size):
@@ -73,15 +72,10 @@ def _walked_block_mask(block_mask: tuple, mask_mod, mask_tensors, kv_block_size:
     problem = block_mask_reason(kv_block_size, q_block_size, kv_block, len(mask_tensors))
     if problem:
         raise UnsupportedError(f"{NAME}: block mask: {problem}")
-    kv_blocks = -(-kv_len // kv_block_size)
-    if not states_fit(fine[0].shape, kv_blocks):
-        raise UnsupportedError(f"{NAME}: block mask: {fine[0].shape} x {kv_blocks} blocks of {q_block_size} x "
-                               f"{kv_block_size} exceed the int32 index of their states")
     mask_mod, _, _ = _program_operands(mask_mod, mask_tensors, device, "mask")  # checked before it grows
-    lists, states = coarsened(fine, kv_blocks, walk[1] // q_block_size, walk[0] // kv_block_size)
-    z, h = fine[0].shape[:2]
-    mask_mod = with_block_states(mask_mod, len(mask_tensors), q_block_size, kv_block_size, z > 1, h > 1)
-    return lists, mask_mod, (*mask_tensors, states), *walk
+    partial, full, mask_mod, mask_tensors = walked_mask(NAME, fine, kv_len, (kv_block_size, q_block_size), walk,
+                                                        mask_mod, mask_tensors)
+    return as_lists(partial, full), mask_mod, mask_tensors, *walk
 
 
 def _operand(t: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,17 @@ def walked_size(size: int, tile: int) -> int | None:
     return tile if size > 0 and tile % size == 0 else None
 
 
+def states_slot_reason(walk: tuple, kv_block_size: int, q_block_size: int, mask_tensors: int) -> str | None:
+    """Why a mask of these (KV, query) block sizes, walked at `walk`, cannot be: finer blocks take
+    one more captured tensor (the states) beside the mask_mod's `mask_tensors`; None when it can."""
+    from ..common.programs.score import MAX_TENSORS
+
+    if walk != (kv_block_size, q_block_size) and mask_tensors >= MAX_TENSORS:
+        return (f"{q_block_size} x {kv_block_size} blocks (queries x keys) take a mask tensor, and the mask_mod has "
+                f"all {MAX_TENSORS}")
+    return None
+
+
 def with_block_states(mask_text: str, slot: int, q_block: int, kv_block: int, batches: bool = True,
                       heads: bool = True) -> str:
     """The mask program `mask_text` ("" for none) and'ed with the fine-block states read from

@@ -191,15 +191,12 @@ def block_walk(kv_block_size: int, q_block_size: int) -> tuple[int, int] | None:
 def block_mask_reason(kv_block_size: int, q_block_size: int, mask_tensors: int) -> str | None:
     """Why the kernels cannot walk a BlockMask of these sizes beside a mask_mod of `mask_tensors`
     captured tensors; None when they can. Finer blocks than the kernels' take one more mask tensor."""
-    from ..common.programs.score import MAX_TENSORS
+    from .block_states import states_slot_reason
 
     walk = block_walk(kv_block_size, q_block_size)
     if walk is None:
         return sparse_block_reason(kv_block_size, q_block_size)
-    if walk != (kv_block_size, q_block_size) and mask_tensors >= MAX_TENSORS:
-        return (f"{q_block_size} x {kv_block_size} blocks (queries x keys) take a mask tensor, and the mask_mod has "
-                f"all {MAX_TENSORS}")
-    return None
+    return states_slot_reason(walk, kv_block_size, q_block_size, mask_tensors)
 
 
 def problem_error(p: FlexBackwardProblem) -> str | None:

@@ -179,17 +179,12 @@ def block_mask_reason(kv_block_size: int, q_block_size: int, kv_block: int, mask
     """Why the kernel cannot walk a BlockMask of these sizes beside a mask_mod of `mask_tensors`
     captured tensors; None when it can. Finer blocks than the kernel's take one more mask tensor
     (in a training graph the backward walks them the same way: flex_backward_config.block_walk)."""
-    from ..common.programs.score import MAX_TENSORS
+    from .block_states import states_slot_reason
 
     walk = block_walk(kv_block_size, q_block_size, kv_block)
     if walk is None:
         return sparse_block_reason(kv_block_size, q_block_size, kv_block)
-    if walk == (kv_block_size, q_block_size):
-        return None
-    if mask_tensors >= MAX_TENSORS:
-        return (f"{q_block_size} x {kv_block_size} blocks (queries x keys) take a mask tensor, and the mask_mod has "
-                f"all {MAX_TENSORS}")
-    return None
+    return states_slot_reason(walk, kv_block_size, q_block_size, mask_tensors)
 
 
 def problem_error(p: FlexPrefillProblem) -> str | None:
