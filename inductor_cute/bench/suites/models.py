@@ -275,7 +275,6 @@ def wall_us(fns: dict, calls: int = 10, rounds: int = 5, warmup: int = 3) -> dic
 SHARED_A_CALL = "torch.ops.inductor_cute.gemv_shared_a.default("  # the grouped decode GEMV (shared_a pass)
 
 
-
 def our_kernel_calls(code: str) -> int:
     """Call sites of our kernels in Inductor's output code."""
     return (code.count(GEMM_CALL)  # one definition per GEMM call site

@@ -60,17 +60,15 @@ def gated_lowering(a, b, offs, activation: str):
 
 def _autotuned(a, b, offs, activation: str):
     """The autotuned node, or None where no config of ours is ready (the reason logged)."""
-    from torch._inductor import config as inductor_config
     from torch._inductor.ir import FixedLayout
     from torch._inductor.select_algorithm import autotune_select_algorithm, realize_inputs
     from torch._inductor.virtualized import V
 
     from ...host.common import sm_count
     from ...kernels.gemm import grouped_config
-    from ..gemm.specs import precompile_choices
     from .extern import gated_choice
-    from .lowering import b_major, decline_reason, device_reason, grouped_call
-    from .runtime import as_tuple, even_offsets, routed_offsets
+    from .lowering import b_major, bound_choices, decline_reason, device_reason, exhaustive_search, grouped_call
+    from .runtime import even_offsets, routed_offsets
 
     a, b, offs = realize_inputs(a, b, offs)
     if len(a.get_size()) != 2 or len(b.get_size()) != 3:
@@ -89,13 +87,9 @@ def _autotuned(a, b, offs, activation: str):
     problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", b_major(call), activation)
     tokens_hint = hints.optimization_hint(tokens)
     num_sms = sm_count(layout.device.index or 0)
-    exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
-    configs = grouped_config.candidates(problem, tokens_hint, n, k, groups, num_sms, exhaustive)
-    ready = precompile_choices(problem, configs, num_sms, spec_of=grouped_config.spec)
-    choice = gated_choice()
-    choices = [choice.bind([a, b, offs], layout, spec_key=spec_key, description=cfg.describe(), problem=problem,
-                           num_sms=num_sms, config=as_tuple(cfg), activation=activation)
-               for cfg, spec_key in ready]
+    configs = grouped_config.candidates(problem, tokens_hint, n, k, groups, num_sms, exhaustive_search())
+    choices = bound_choices(gated_choice(), [a, b, offs], layout, problem, configs, grouped_config, num_sms,
+                            activation=activation)
     if not choices:
         log.info("inductor-cute: no config of %s compiled: its fallback", NAME)
         return None

@@ -248,6 +248,22 @@ def device_reason(layout) -> str | None:
     return None
 
 
+def exhaustive_search() -> bool:
+    return inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
+
+
+def bound_choices(choice, input_nodes, layout, problem, configs: list, config_module, num_sms: int, **kwargs) -> list:
+    """`choice` bound to these nodes and layout once per config that compiled (in order; `kwargs`
+    join each one's, as the extern kernel takes them)."""
+    from ..gemm.specs import precompile_choices
+    from .runtime import as_tuple
+
+    ready = precompile_choices(problem, configs, num_sms, spec_of=config_module.spec)
+    return [choice.bind(input_nodes, layout, spec_key=spec_key, description=cfg.describe(), problem=problem,
+                        num_sms=num_sms, config=as_tuple(cfg), **kwargs)
+            for cfg, spec_key in ready]
+
+
 def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
     """Our choices for one stock autotuning call: one per candidate config that compiled; [] when
     we cannot serve the call (the reason logged)."""
@@ -261,20 +277,13 @@ def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
     if reason:
         log.info("inductor-cute skips grouped_mm %s x %s: %s", call.a_size, call.b_size, reason)
         return []
-    from ..gemm.specs import precompile_choices
     from .extern import grouped_choice
-    from .runtime import as_tuple
 
     tokens_mode = 1 if is_wgrad(call) else 0  # a (M, tokens) or (tokens, K)
     tokens = V.graph.sizevars.optimization_hint(input_nodes[0].get_size()[tokens_mode])
     num_sms = sm_count(layout.device.index or 0)  # what ops.grouped_mm compiles for
-    exhaustive = inductor_config.max_autotune_gemm_search_space == "EXHAUSTIVE"
-    problem, configs, config_module = _problem_and_configs(call, tokens, num_sms, exhaustive)
-    ready = precompile_choices(problem, configs, num_sms, spec_of=config_module.spec)
-    choice = grouped_choice()
-    choices = [choice.bind(input_nodes, layout, spec_key=spec_key, description=cfg.describe(), problem=problem,
-                           num_sms=num_sms, config=as_tuple(cfg))
-               for cfg, spec_key in ready]
+    problem, configs, config_module = _problem_and_configs(call, tokens, num_sms, exhaustive_search())
+    choices = bound_choices(grouped_choice(), input_nodes, layout, problem, configs, config_module, num_sms)
     majors = f"a {problem.a_major}-major, b {problem.b_major}-major" if is_wgrad(call) else f"b {problem.b_major}-major"
     log.info("inductor-cute offers %d of %d choices for grouped_mm %s (%s)", len(choices), len(configs),
              _describe(call, tokens), majors)
