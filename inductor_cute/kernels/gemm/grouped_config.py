@@ -210,7 +210,7 @@ def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None =
     if (2, 1) in shapes:  # groups of two row tiles or more (measured there); 1x2 where N allows
         cluster = (1, 2) if (1, 2) in shapes else (2, 1)
         plain = _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2], *cluster), problem) or plain
-    return _overlapping(plain)
+    return _with_checked_edge_stores(plain)
 
 
 # Every config stores a group's last row tile whole (overlap_last) and the remaining partial tiles
@@ -220,7 +220,7 @@ OVERLAP_LAST_GPU_CHECKED = False
 STAGED_PARTIAL_GPU_CHECKED = False
 
 
-def _overlapping(cfg: GroupedConfig | None) -> GroupedConfig | None:
+def _with_checked_edge_stores(cfg: GroupedConfig | None) -> GroupedConfig | None:
     if cfg is None:
         return None
     return dataclasses.replace(cfg, overlap_last=cfg.overlap_last or OVERLAP_LAST_GPU_CHECKED,
@@ -263,7 +263,7 @@ def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = Non
                 cfg = _deepest(GroupedConfig(tm, tn, 64, MAX_STAGES, wg, cm, cn), problem)
                 if cfg is not None and cfg not in out:
                     out.append(cfg)
-    return list(dict.fromkeys(_overlapping(c) for c in out))
+    return list(dict.fromkeys(_with_checked_edge_stores(c) for c in out))
 
 
 def spec(problem: GroupedProblem, config: GroupedConfig, num_sms: int = SM_COUNT):
