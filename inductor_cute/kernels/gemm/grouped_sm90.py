@@ -112,7 +112,7 @@ class GroupedHopperGemm(HopperGemm):
 
     @cute.jit
     def _staged_store_subtile(self, r2s: cute.TiledCopy, tRS_rOut: cute.Tensor, tRS_sD_buf: cute.Tensor,
-                              sD_buf: cute.Tensor, mD_sub: cute.Tensor, r_base: Int32, c_base: Int32, row_end: Int32,
+                              sD_buf: cute.Tensor, mD: cute.Tensor, r_base: Int32, c_base: Int32, row_end: Int32,
                               n_cols: Int32, ctid: Int32, epi_barrier: pipeline.NamedBarrier):
         """A partial tile's subtile (config staged_partial): registers -> staging buffer (stmatrix),
         then every epilogue thread copies 16-byte row pieces of it to global memory, only rows
@@ -136,7 +136,7 @@ class GroupedHopperGemm(HopperGemm):
                 if r < row_end and c < n_cols:
                     cute.autovec_copy(tSsD[(None, m, k)], piece)
                     # the piece's address, 16-byte aligned (row strides and c are multiples of 8)
-                    dst = mD_sub.iterator + (cutlass.Int64(crd[0]) * mD_sub.stride[0] + crd[1])
+                    dst = mD.iterator + (cutlass.Int64(r) * mD.stride[0] + c)
                     cute.autovec_copy(piece, cute.make_tensor(
                         cute.make_ptr(self.d_dtype, dst.toint(), cute.AddressSpace.gmem, assumed_align=16),
                         cute.make_layout(vec)))
@@ -377,11 +377,9 @@ class GroupedHopperGemm(HopperGemm):
                                 # advanced; a subtile wholly past the rows or N is skipped (the
                                 # test is the same for every thread: both barriers or neither)
                                 if r_base < row_end and c_base < n_cols:
-                                    mD_sub = cute.local_tile(cute.domain_offset((first_row, first_col), mD),
-                                                             self.epi_tile, e_coord)
                                     buf = n_stored % EPI_STAGES
                                     self._staged_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)],
-                                                               sD[(None, None, buf)], mD_sub, r_base, c_base,
+                                                               sD[(None, None, buf)], mD, r_base, c_base,
                                                                row_end, n_cols, ctid, epi_barrier)
                             else:
                                 for v in cutlass.range_constexpr(n_vals):
