@@ -28,6 +28,11 @@ VARIANTS = {
     "overlap-last-gated-64x128": (GroupedProblem("bfloat16", "bfloat16", "k", "k", "silu"),
                                   GroupedConfig(64, 128, 64, 8, 1, overlap_last=True)),
     "staged-partial-128x256": (K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, overlap_last=True, staged_partial=True)),
+    "gathered-int64-128x256": (GroupedProblem(rows="int64"), GroupedConfig(128, 256, 64, 4, 2)),
+    "gathered-gated-int32-2x1-staged": (GroupedProblem(gate="silu", rows="int32"),
+                                        GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True,
+                                                      staged_partial=True)),
+    "gathered-n-major-64x128-one-warpgroup": (GroupedProblem(b_major="n", rows="int64"), GroupedConfig(64, 128, 64, 8, 1)),
 }
 
 
@@ -252,3 +257,37 @@ def test_config_tuples_of_every_version_restore():
         assert GroupedLauncher(as_tuple(cfg))._config == cfg
     assert GroupedLauncher((128, 128, 64, 6, 2, 2, 1))._config == GroupedConfig(128, 128, 64, 6, 2, 2, 1)
     assert GroupedLauncher((128, 256, 64, 4, 2, 2, 1, 8))._config.prefetch == 8
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n.startswith("gathered")])
+def test_gathered_rows_come_by_cp_async_and_the_weight_by_tma(name):
+    problem, config = VARIANTS[name]
+    ptx = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True).ptx
+    assert not re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared\S*global", ptx)  # no token box by TMA
+    assert re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared\S*global", ptx)  # the weight's
+    # 16-byte pieces, arriving on the stage's barrier as they land; the consumers' proxy fence
+    # before WGMMA reads them; a trap for a row index outside a's rows
+    # (the source size a register: 16, or 0 past K, which zero-fills)
+    pieces = re.findall(r"cp\.async\.cg\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], 16, %r\d+;", ptx)
+    rows_per_pass = 128 // (config.tile_k // 8)
+    assert len(pieces) >= config.tile_m // rows_per_pass
+    assert "cp.async.mbarrier.arrive.noinc.shared" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert "trap;" in ptx
+    if problem.rows == "int64":  # one 8-byte load per index, not two halves
+        assert re.search(r"ld\.global\S*\.b64\b", ptx)
+
+
+def test_gathered_rules():
+    gathered = GroupedProblem(rows="int64")
+    assert "tile_k must be 64" in unsupported_reason(gathered, GroupedConfig(128, 128, 128, 3, 2))
+    assert "clusters 1x1 or 2x1" in unsupported_reason(gathered, GroupedConfig(128, 128, 64, 6, 2, cluster_n=2))
+    assert "int16" in unsupported_reason(GroupedProblem(rows="int16"))
+    # the default takes 2x1 where the plain problem takes 1x2; no candidate is 1x2
+    assert default_config(K_MAJOR, 8192, 4096, 7168, groups=32).cluster_n == 2
+    assert (default_config(gathered, 8192, 4096, 7168, groups=32).cluster_m,
+            default_config(gathered, 8192, 4096, 7168, groups=32).cluster_n) == (2, 1)
+    cands = candidates(gathered, 32768, 1536, 2048, groups=128, exhaustive=True)
+    assert cands and all(c.cluster_n == 1 and c.tile_k == 64 for c in cands)
+    assert spec(gathered, GroupedConfig()).name != spec(K_MAJOR, GroupedConfig()).name
+    assert "rows" not in spec(K_MAJOR, GroupedConfig()).name  # the specs before it keep their names

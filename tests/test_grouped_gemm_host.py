@@ -71,8 +71,9 @@ def cpu_kernels(monkeypatch):
     launches = []
 
     def get_kernel(spec):
-        def kernel(a, b, offs, out):
+        def kernel(a, b, offs, out, rows=None):  # rows: the forward's gathered rows (a's row index)
             launches.append((spec, (a, b, offs, out)))
+            a = a if rows is None else a[rows]
             start = 0
             for g, end in enumerate(offs.tolist()):
                 if b.dim() == 2:  # weight gradient: a (M, T), b (N, T), out (M, N, E)

@@ -38,55 +38,72 @@ def _b_operand(b: torch.Tensor) -> tuple[torch.Tensor, str]:
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None = None, *,
-               config=None) -> torch.Tensor:
+               config=None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g] (offs[-1] taken as 0), bf16 with fp32
     accumulation: a (tokens, K), b (groups, K, N), offs int32 (groups,) cumulative group ends.
     With a 2-D b, the weight-gradient form: see `grouped_mm_wgrad`.
 
+    With `rows` (int32 or int64, (R,)), the product of a[rows] without the gathered copy: out (R, N)
+    and offs split the R rows (the MoE permute: a the tokens, rows each routed row's token). A
+    negative index counts from a's end, as in a[rows]; one outside a's rows stops the kernel with a
+    CUDA error (an illegal instruction, which ends the CUDA context), as torch's device-side index
+    check does. Index entries past offs[-1] are not read.
+
     Rows of `out` past offs[-1] are not written (left as they are; uninitialized when `out` is
     None). Offsets must be non-decreasing and at most `tokens`: they are read on the device only,
     so they are not checked."""
-    if a.dim() == 2 and b.dim() == 2:
+    if a.dim() == 2 and b.dim() == 2 and rows is None:
         return grouped_mm_wgrad(a, b, offs, out, config=config)
-    return _grouped_forward(a, b, offs, out, config, gate="")
+    return _grouped_forward(a, b, offs, out, config, gate="", rows=rows)
 
 
 def grouped_mm_gated(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str = "silu",
-                     out: torch.Tensor | None = None, *, config=None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, *, config=None, rows: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """The MoE up projection with its gate fused: b (groups, K, 2F) holds the gate columns, then
     the up columns (transformers' and torchtitan's fused gate_up weight, transposed), and
 
         out[offs[g-1]:offs[g]] = act(a_g @ b[g][:, :F]) * (a_g @ b[g][:, F:])     out (tokens, F)
 
     with fp32 products rounded once; the (tokens, 2F) product is never stored. `activation`: one
-    of grouped_config.GATES (silu for SwiGLU). Otherwise as `grouped_mm`."""
+    of grouped_config.GATES (silu for SwiGLU). Otherwise (`rows` too) as `grouped_mm`."""
     if not activation:
         raise UnsupportedError(f"{NAME}_gated: an activation is required")
-    return _grouped_forward(a, b, offs, out, config, gate=activation)
+    return _grouped_forward(a, b, offs, out, config, gate=activation, rows=rows)
 
 
-def _grouped_forward(a, b, offs, out, config, gate: str) -> torch.Tensor:
+def _row_index(name: str, rows: torch.Tensor) -> tuple[torch.Tensor, str]:
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise UnsupportedError(f"{name}: rows must be a 1-D int32 or int64 index, got {rows.dtype} of shape "
+                               f"{tuple(rows.shape)}")
+    return rows.contiguous(), str(rows.dtype).removeprefix("torch.")
+
+
+def _grouped_forward(a, b, offs, out, config, gate: str, rows=None) -> torch.Tensor:
     from ..kernels.gemm.grouped_config import GroupedProblem, default_config, unsupported_reason
 
     name = f"{NAME}_gated" if gate else NAME
-    check_cuda(name, a, b, offs, *([] if out is None else [out]))
+    check_cuda(name, a, b, offs, *(t for t in (out, rows) if t is not None))
+    rows, rows_dtype = _row_index(name, rows) if rows is not None else (None, "")
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise UnsupportedError(f"{name}: dtypes {a.dtype} and {b.dtype} are not supported (use bfloat16)")
     if a.dim() != 2 or b.dim() != 3:
         raise UnsupportedError(f"{name}: expected a (tokens, K) and b (groups, K, N), or a (M, tokens) and "
                                f"b (tokens, N), got shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    tokens, k = a.shape
+    tokens, k = (rows.shape[0], a.shape[1]) if rows is not None else a.shape  # out's rows, the reduction
     groups, kb, n_b = b.shape
     n = n_b // 2 if gate else n_b  # output columns
     if kb != k:
         raise UnsupportedError(f"{name}: a has K={k} but b has K={kb}")
+    if rows is not None and tokens and a.shape[0] == 0:
+        raise UnsupportedError(f"{name}: rows index a's rows, but a has none")
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != groups:
         raise UnsupportedError(f"{name}: offs must be int32 of shape ({groups},), got {offs.dtype} "
                                f"of shape {tuple(offs.shape)}")
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (tokens, n)):
         raise UnsupportedError(f"{name}: out must be bfloat16 of shape {(tokens, n)}, got {out.dtype} "
                                f"of shape {tuple(out.shape)}")
-    reason = unsupported_reason(GroupedProblem(gate=gate), config, n=n_b, k=k, groups=groups)
+    reason = unsupported_reason(GroupedProblem(gate=gate, rows=rows_dtype), config, n=n_b, k=k, groups=groups)
     if reason:
         raise UnsupportedError(f"{name}: {reason}")
     a_view = _tma_view(a, 1)
@@ -95,7 +112,7 @@ def _grouped_forward(a, b, offs, out, config, gate: str) -> torch.Tensor:
     if a_view is None:  # a contiguous tensor at an unaligned address
         a_view = _tma_view(a.clone(memory_format=torch.contiguous_format), 1)
     b_view, b_major = _b_operand(b)
-    problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major, gate)
+    problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major, gate, rows_dtype)
     if out is None:
         out = torch.empty(tokens, n, device=a.device, dtype=torch.bfloat16)
     out_view = _tma_view(out, 1)
@@ -107,7 +124,7 @@ def _grouped_forward(a, b, offs, out, config, gate: str) -> torch.Tensor:
     num_sms = sm_count(a.device.index or 0)
     config = config or default_config(problem, tokens, n_b, k, groups, num_sms)
     kernel = _grouped_kernel(problem, config, num_sms)
-    kernel(a_view, b_view, offs.contiguous(), out_view)
+    kernel(a_view, b_view, offs.contiguous(), out_view, rows)
     return out
 
 

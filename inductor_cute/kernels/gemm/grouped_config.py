@@ -28,6 +28,7 @@ MAX_GROUPS = 512
 MAX_STAGES = 8
 # activations a gated problem takes (kernels/common/activations.py)
 GATES = ("silu", "gelu_tanh", "gelu_erf", "relu", "sigmoid", "tanh")
+ROW_INDEX_DTYPES = ("int32", "int64")  # of a gathered problem's row index
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,15 @@ class GroupedProblem:
     a_major: str = "k"  # a row-major (tokens, K)
     b_major: str = "k"  # "k": b[g] is the transposed view of an (N, K) row-major weight; "n": (K, N) row-major
     gate: str = ""  # gated: the activation of the gate half (GATES), fused with the product by the up half
+    # gathered: the dtype (ROW_INDEX_DTYPES) of a row index: out's row r is computed from a[rows[r]]
+    # (the MoE permute's gather fused into the A loads); "": a's rows in order
+    rows: str = ""
 
     def as_params(self) -> dict:
-        return dataclasses.asdict(self)
+        params = dataclasses.asdict(self)
+        if not params["rows"]:  # the specs that predate it keep their keys
+            del params["rows"]
+        return params
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,8 @@ def unsupported_reason(problem: GroupedProblem, config: GroupedConfig | None = N
         return "a must be row-major (tokens, K)"
     if p.b_major not in ("k", "n"):
         return "b_major must be 'k' or 'n'"
+    if p.rows and p.rows not in ROW_INDEX_DTYPES:
+        return f"row index dtype {p.rows!r} is not one of {', '.join(ROW_INDEX_DTYPES)}"
     if p.gate and p.gate not in GATES:
         return f"gate activation {p.gate!r} is not one of {', '.join(GATES)}"
     if p.gate and n is not None and (n < 2 or n % 16):
@@ -129,6 +138,10 @@ def unsupported_reason(problem: GroupedProblem, config: GroupedConfig | None = N
 
 
 def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
+    if p.rows and (c.tile_k != 64 or c.cluster_n != 1):
+        # 128 producer threads copy 16 rows of 8 pieces a pass, their tokens in registers; a 1x2
+        # cluster would multicast token rows that each CTA gathers itself
+        return "gathered rows: tile_k must be 64 and clusters 1x1 or 2x1"
     if p.gate and c.tile_k != 64:
         # at tile_k 64 the half tiles' layout addresses a stage as the whole tile's does
         return "gated: tile_k must be 64"
@@ -208,7 +221,7 @@ def default_config(problem: GroupedProblem, tokens: int, n: int, k: int | None =
     plain = _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2]), problem)
     shapes = cluster_shapes(tokens, n, groups, *chosen[:2]) if CLUSTERS_GPU_CHECKED and chosen[0] == 128 else []
     if (2, 1) in shapes:  # groups of two row tiles or more (measured there); 1x2 where N allows
-        cluster = (1, 2) if (1, 2) in shapes else (2, 1)
+        cluster = (1, 2) if (1, 2) in shapes and not problem.rows else (2, 1)  # gathered rows: no 1x2
         plain = _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2], *cluster), problem) or plain
     return _with_checked_edge_stores(plain)
 

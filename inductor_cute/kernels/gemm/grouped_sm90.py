@@ -50,6 +50,8 @@ as b.permute(2, 1, 0) (b_major "k": b[g] is the transpose of an (N, K) row-major
 is (K, N) row-major); offs int32 (E,); d (T, N) row-major. The compiled function (TVM-FFI, env
 stream) is f(a, b, offs, d). Rows of d past offs[E-1] are not written.
 """
+from typing import Optional
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -60,6 +62,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
 
 from ..common import barriers
+from ..common.device_assert import trap
 from ..common.activations import activations
 from ..common.grouped_tile_map import GroupedTileMap, write_tables
 from ..common.tile_scheduler import TileScheduler
@@ -67,17 +70,25 @@ from .config import EPI_STAGES, SM_COUNT, GemmConfig
 from .grouped_config import MAX_GROUPS, GroupedConfig, GroupedProblem, smem_bytes, unsupported_reason
 from .sm90 import CUTE_DTYPES, HopperGemm
 
+INDEX_CUTE_TYPES = {"int32": Int32, "int64": cutlass.Int64}  # of GroupedProblem.rows
+
 
 class GroupedHopperGemm(HopperGemm):
     """The dense GEMM's CTA over a grouped tile map; cooperative consumers."""
 
     def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT, a_major: str = "k",
-                 gate: str = ""):
+                 gate: str = "", gather: bool = False):
         dense = GemmConfig(config.tile_m, config.tile_n, config.tile_k, config.cluster_m, config.cluster_n,
                            config.stages, config.consumer_warpgroups, True, False)
         super().__init__(dense, a_major, b_major, False, False, None, num_sms=num_sms)
         self.grouped_cfg = config
         self.gate = gate
+        self.gather = gather  # a's rows picked by a row-index tensor (the MoE permute fused in)
+        if gather:
+            # the gathering producer spills at 40 and at 48 registers (ptxas, 128x256 tiles); 56 fit
+            # beside two consumer warp groups of 224 (128 * 56 + 256 * 224 <= 65536), which do not spill
+            self.producer_regs = 64 if self.num_consumers == 1 else 56
+            self.consumer_regs = self.consumer_regs if self.num_consumers == 1 else 224
         # output columns of a tile; a TMA box of the weight covers the same columns (gated: per half)
         self.out_tn = config.tile_n // 2 if gate else config.tile_n
 
@@ -142,6 +153,74 @@ class GroupedHopperGemm(HopperGemm):
                         cute.make_layout(vec)))
         epi_barrier.arrive_and_wait()  # every thread's reads done before the buffer is written again
 
+    def _gathered_a_pipeline(self, barriers):
+        """Gathered A's ring: every producer thread's cp.async copies of a stage arrive on its full
+        barrier as they land (noinc), every consumer thread releases it."""
+        return pipeline.PipelineCpAsync.create(
+            barrier_storage=barriers.data_ptr(), num_stages=self.cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads), defer_sync=True)
+
+    @cute.jit
+    def _release(self, ab_pipe, a_pipe, state):
+        ab_pipe.consumer_release(state)
+        if cutlass.const_expr(self.gather):
+            a_pipe.consumer_release(state)
+
+    def _gather_fragments(self, sA: cute.Tensor, tidx):
+        """A producer thread's share of a gathered A stage: the 16-byte cp.async atom, its pieces of
+        the ring (CPY, row passes, 1, stage) and their (row, column) in the tile. A row's tile_k
+        columns are tile_k / 8 pieces; the warp group copies 128 / (tile_k / 8) rows per pass."""
+        vec = 128 // self.ab_dtype.width
+        per_row = self.tile_mnk[2] // vec
+        # cached in L2 only (.cg): a token's row comes back for its other experts' tiles, in other CTAs
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), self.ab_dtype,
+                                   num_bits_per_copy=128)
+        copy = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((128 // per_row, per_row), order=(1, 0)),
+                                       cute.make_layout((1, vec)))
+        thr = copy.get_slice(tidx)
+        tile = (self.tile_mnk[0], self.tile_mnk[2])
+        return atom, thr.partition_D(sA), thr.partition_D(cute.make_identity_tensor(tile))
+
+    @cute.jit
+    def _gathered_tokens(self, gather, mRows: cute.Tensor, tokens_a, first_row: Int32, row_end: Int32
+                         ) -> cute.Tensor:
+        """The token (a's row) of each row this thread copies in the tile starting at `first_row`;
+        positions at or past the group's `row_end` read the group's last row's token (their
+        products are never stored; the index past offs[-1] is never read). A negative index counts
+        from a's end, as torch's indexing does; one outside a's rows stops the kernel (trap), as
+        torch's device-side index check does."""
+        _, tAsA, tAcA = gather
+        passes = cute.size(tAsA, mode=[1])
+        last = cutlass.max(row_end - 1, 0)
+        tokens = cute.make_rmem_tensor(cute.make_layout(passes), Int32)
+        for p in cutlass.range_constexpr(passes):
+            token = mRows[cutlass.min(first_row + tAcA[(0, p, 0)][0], last)]
+            if token < 0:
+                token = token + tokens_a
+            if token < 0 or token >= tokens_a:
+                trap()
+            tokens[p] = Int32(token)
+        return tokens
+
+    @cute.jit
+    def _copy_gathered(self, gather, mA: cute.Tensor, tokens: cute.Tensor, kt, stage):
+        """This thread's cp.async pieces of k-tile `kt` of the tile's gathered rows into `stage`; a
+        piece past K (the last k-tile of a K not a multiple of tile_k) is zero-filled, as TMA fills
+        the weight's: nothing past a row is read (K is a multiple of 8: a piece is in or out)."""
+        atom, tAsA, tAcA = gather
+        vec = 128 // self.ab_dtype.width
+        col = kt * self.tile_mnk[2] + tAcA[(0, 0, 0)][1]
+        # one predicate for the piece's 8 values (the copy's shape, every value the same flag)
+        in_k = cute.make_rmem_tensor(cute.make_layout((vec, 1), stride=(0, 0)), cutlass.Boolean)
+        in_k[0] = col < mA.shape[1]
+        for p in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
+            # 16-byte aligned: row strides and col are multiples of 8 elements
+            src = mA.iterator + (cutlass.Int64(tokens[p]) * mA.stride[0] + col)
+            piece = cute.make_tensor(cute.make_ptr(self.ab_dtype, src.toint(), cute.AddressSpace.gmem,
+                                                   assumed_align=16), cute.make_layout(vec))
+            cute.copy(atom, piece, tAsA[(None, p, 0, stage)], pred=in_k)
+
     def _shared_storage(self):
         st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
         ab_t, d_t = self.ab_dtype, self.d_dtype
@@ -149,6 +228,7 @@ class GroupedHopperGemm(HopperGemm):
         @cute.struct
         class SharedStorage:
             ab_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            a_bars: cute.struct.MemRange[cutlass.Int64, 2 * st]  # gathered A's ring (unused otherwise)
             sA: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(lay_a)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab_t, cute.cosize(lay_b)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[d_t, cute.cosize(lay_d)], 1024]
@@ -159,7 +239,7 @@ class GroupedHopperGemm(HopperGemm):
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mOffs: cute.Tensor, mD: cute.Tensor,
-                 stream: cuda.CUstream):
+                 mRows: Optional[cute.Tensor], stream: cuda.CUstream):
         self.ab_dtype, self.d_dtype = mA.element_type, mD.element_type
         self._setup()
         tm, tn, tk = self.tile_mnk
@@ -180,20 +260,20 @@ class GroupedHopperGemm(HopperGemm):
         # the work units are known only on the device: launch for an upper bound (max_work_units),
         # capped at a wave of clusters
         work_bound = cute.ceil_div(cute.ceil_div(mD.shape[1], self.out_tn), cn) * (
-            cute.ceil_div(mA.shape[0], tm * cm) + mOffs.shape[0])
+            cute.ceil_div(mD.shape[0], tm * cm) + mOffs.shape[0])
         grid_z = TileScheduler.launch_clusters(work_bound, self.max_clusters)
         self.shared_storage = self._shared_storage()
         assert self.shared_storage.size_in_bytes() == smem_bytes(
             self.grouped_cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8)
-        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mD, mOffs, self.tiled_mma,
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mA, mD, mOffs, mRows, self.tiled_mma,
                     self.sA_layout, self.sB_layout, sB_box_layout, self.sD_layout
                     ).launch(grid=[cm, cn, grid_z], block=[self.threads, 1, 1], cluster=[cm, cn, 1],
                              min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom, tB: cute.Tensor,
-               tma_d: cute.CopyAtom, tD: cute.Tensor, mD: cute.Tensor, mOffs: cute.Tensor,
-               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               tma_d: cute.CopyAtom, tD: cute.Tensor, mA: cute.Tensor, mD: cute.Tensor, mOffs: cute.Tensor,
+               mRows: Optional[cute.Tensor], tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sB_box_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout):
         tm, tn, tk = self.tile_mnk
         out_tn = self.out_tn
@@ -216,9 +296,12 @@ class GroupedHopperGemm(HopperGemm):
         sEnds = storage.sEnds.get_tensor(cute.make_layout(MAX_GROUPS + 1))
         sPrefix = storage.sPrefix.get_tensor(cute.make_layout(MAX_GROUPS + 1))
 
-        ab_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))) + \
-            cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
-        ab_pipe = self._ab_pipeline(storage.ab_bars, ab_bytes)
+        # the TMA ring's bytes per stage: A's and B's, or B's alone where A is gathered (a ring of its
+        # own, filled by cp.async)
+        a_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0)))
+        b_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
+        ab_pipe = self._ab_pipeline(storage.ab_bars, b_bytes if self.gather else a_bytes + b_bytes)
+        a_pipe = self._gathered_a_pipeline(storage.a_bars) if self.gather else None
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster_size > 1):
             cute.arch.cluster_arrive_relaxed()  # peers must not signal our barriers before they exist
@@ -257,44 +340,60 @@ class GroupedHopperGemm(HopperGemm):
         # ================================================================ producer
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
+            # warp 0 loads by TMA; gathered, every producer thread also copies pieces of A's rows
+            if warp_idx < (4 if self.gather else 1):
                 a_mask, b_mask = self._mcast_masks(cta_layout, cta_coord)
                 ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
+                gather = self._gather_fragments(sA, tidx) if self.gather else None
                 work = scheduler.first()
                 while scheduler.valid(work):
                     tile = scheduler.tile(work)
                     # the tile's rows from its first; rows past its group's end are read but never stored
-                    first_row, _ = tiles.tile_rows(tile, mD.shape[0], self.grouped_cfg.overlap_last)
-                    gA = cute.local_tile(cute.domain_offset((first_row, 0), tA), (tm, tk), (0, None))
-                    # each CTA of a 1x2 cluster loads half of the shared token rows into both
-                    tAsA, tAgA = cpasync.tma_partition(tma_a, cta_coord[1], cute.make_layout(cn),
-                                                       cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                    first_row, row_end = tiles.tile_rows(tile, mD.shape[0], self.grouped_cfg.overlap_last)
+                    tAsA, tAgA, tokens = None, None, None
+                    if cutlass.const_expr(self.gather):
+                        tokens = self._gathered_tokens(gather, mRows, mA.shape[0], first_row, row_end)
+                    else:
+                        gA = cute.local_tile(cute.domain_offset((first_row, 0), tA), (tm, tk), (0, None))
+                        # each CTA of a 1x2 cluster loads half of the shared token rows into both
+                        tAsA, tAgA = cpasync.tma_partition(tma_a, cta_coord[1], cute.make_layout(cn),
+                                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                     tBgB_t = tBgB[(None, tile.n, None, tile.batch)]
                     tBgB_up_t = tBgB_up[(None, tile.n, None, tile.batch)]
                     for kt in range(k_tiles):
-                        if cutlass.const_expr(self.grouped_cfg.prefetch > 0):  # the weight into L2, ahead
-                            ahead = kt + self.grouped_cfg.prefetch
-                            if ahead < k_tiles:
-                                with cute.arch.elect_one():  # one lane (a TMA copy elects its own)
-                                    cute.prefetch(tma_b, tBgB_t[(None, ahead)])
-                                    if cutlass.const_expr(bool(self.gate)):
-                                        cute.prefetch(tma_b, tBgB_up_t[(None, ahead)])
-                        ab_pipe.producer_acquire(ab_state)
-                        bar = ab_pipe.producer_get_barrier(ab_state)
-                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar,
-                                  mcast_mask=a_mask)
-                        if cutlass.const_expr(bool(self.gate)):  # gate half, then up half of the stage
-                            cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, 2 * ab_state.index)], tma_bar_ptr=bar,
-                                      mcast_mask=b_mask)
-                            cute.copy(tma_b, tBgB_up_t[(None, kt)], tBsB[(None, 2 * ab_state.index + 1)],
-                                      tma_bar_ptr=bar, mcast_mask=b_mask)
-                        else:
-                            cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar,
-                                      mcast_mask=b_mask)
-                        ab_pipe.producer_commit(ab_state)
+                        if warp_idx == 0:
+                            if cutlass.const_expr(self.grouped_cfg.prefetch > 0):  # the weight into L2, ahead
+                                ahead = kt + self.grouped_cfg.prefetch
+                                if ahead < k_tiles:
+                                    with cute.arch.elect_one():  # one lane (a TMA copy elects its own)
+                                        cute.prefetch(tma_b, tBgB_t[(None, ahead)])
+                                        if cutlass.const_expr(bool(self.gate)):
+                                            cute.prefetch(tma_b, tBgB_up_t[(None, ahead)])
+                            ab_pipe.producer_acquire(ab_state)
+                            bar = ab_pipe.producer_get_barrier(ab_state)
+                            if cutlass.const_expr(not self.gather):
+                                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar,
+                                          mcast_mask=a_mask)
+                            if cutlass.const_expr(bool(self.gate)):  # gate half, then up half of the stage
+                                cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, 2 * ab_state.index)],
+                                          tma_bar_ptr=bar, mcast_mask=b_mask)
+                                cute.copy(tma_b, tBgB_up_t[(None, kt)], tBsB[(None, 2 * ab_state.index + 1)],
+                                          tma_bar_ptr=bar, mcast_mask=b_mask)
+                            else:
+                                cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar,
+                                          mcast_mask=b_mask)
+                            ab_pipe.producer_commit(ab_state)
+                        if cutlass.const_expr(self.gather):
+                            a_pipe.producer_acquire(ab_state)
+                            self._copy_gathered(gather, mA, tokens, kt, ab_state.index)
+                            a_pipe.producer_commit(ab_state)  # arrives when this thread's copies land
                         ab_state.advance()
                     work = scheduler.next(work)
-                ab_pipe.producer_tail(ab_state)
+                # (producer_tail advances the state it is given: the gathered ring's first)
+                if cutlass.const_expr(self.gather):
+                    a_pipe.producer_tail(ab_state.clone())
+                if warp_idx == 0:
+                    ab_pipe.producer_tail(ab_state)
 
         # ================================================================ consumers
         if wg_idx > 0:
@@ -328,6 +427,10 @@ class GroupedHopperGemm(HopperGemm):
                 warpgroup.fence()
                 for kt in range(k_tiles):
                     ab_pipe.consumer_wait(read_state)
+                    if cutlass.const_expr(self.gather):
+                        a_pipe.consumer_wait(read_state)
+                        # cp.async wrote A through the generic proxy; WGMMA reads through the async one
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     for kb in cutlass.range_constexpr(k_blocks):
                         coord = (None, None, kb, read_state.index)
                         cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -335,11 +438,11 @@ class GroupedHopperGemm(HopperGemm):
                     read_state.advance()
                     if kt > 0:
                         warpgroup.wait_group(1)
-                        ab_pipe.consumer_release(release_state)
+                        self._release(ab_pipe, a_pipe, release_state)
                         release_state.advance()
                 warpgroup.wait_group(0)
                 if k_tiles > 0:
-                    ab_pipe.consumer_release(release_state)
+                    self._release(ab_pipe, a_pipe, release_state)
                     release_state.advance()
 
                 # ---- epilogue, one (64 * tile_wgs x 32) subtile at a time
@@ -393,10 +496,10 @@ class GroupedHopperGemm(HopperGemm):
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
-          cluster_m=1, cluster_n=1, gate="", prefetch=0, overlap_last=False, staged_partial=False,
+          cluster_m=1, cluster_n=1, gate="", prefetch=0, overlap_last=False, staged_partial=False, rows="",
           num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
-    problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major, gate)
+    problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major, gate, rows)
     cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch,
                         overlap_last, staged_partial)
     err = unsupported_reason(problem, cfg)
@@ -412,7 +515,10 @@ def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, 
     def ld():
         return cute.sym_int64(divisibility=8)  # TMA needs 16-byte aligned strides
 
-    a = make_fake_tensor(ab_t, (T, K), stride=(ld(), 1), assumed_align=16)
+    # gathered: a holds the tokens (any count), rows (T,) picks d's row r from a's row rows[r]
+    a = make_fake_tensor(ab_t, (cute.sym_int() if rows else T, K), stride=(ld(), 1), assumed_align=16)
+    index = make_fake_tensor(INDEX_CUTE_TYPES[rows], (T,), stride=(1,), assumed_align=INDEX_CUTE_TYPES[rows].width // 8
+                             ) if rows else None
     b_stride = (ld(), 1, ld()) if b_major == "k" else (1, ld(), ld())
     # gated: b has the gate and up columns, twice d's (the host checks that)
     b_n = cute.sym_int(divisibility=16) if gate else N
@@ -420,4 +526,5 @@ def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, 
     offs = make_fake_tensor(Int32, (E,), stride=(1,), assumed_align=4)
     d = make_fake_tensor(d_t, (T, N), stride=(ld(), 1), assumed_align=16)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return GroupedHopperGemm(cfg, b_major, num_sms=num_sms, gate=gate), (a, b, offs, d, stream)
+    return GroupedHopperGemm(cfg, b_major, num_sms=num_sms, gate=gate, gather=bool(rows)), (a, b, offs, d, index,
+                                                                                            stream)
