@@ -15,6 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import inductor_cute
 from inductor_cute.inductor.grouped import gate
+from inductor_cute.inductor.grouped.moe_pass import moe_pass
 
 BF16 = torch.bfloat16
 E, F_, K = 3, 48, 64  # experts, expert FFN width (half the fused weight's rows), hidden
@@ -127,7 +128,7 @@ def test_torch_compile_emits_the_fused_call(cpu_counts_as_cuda):
     x, w, offs = inputs()
     torch._dynamo.reset()
     with inductor_cute.enable(fuse_moe_gate=True):
-        assert inductor_config.post_grad_custom_pre_pass is gate.GATE_PASS
+        assert inductor_config.post_grad_custom_pre_pass is moe_pass(True, False)
         out, (code, *_) = run_and_get_code(torch.compile(transformers_experts), x, w, offs)
     assert "inductor_cute.grouped_mm_gated" in code
     torch.testing.assert_close(out, transformers_experts(x, w, offs))

@@ -218,6 +218,7 @@ def test_overlap_last_is_a_kernel_of_its_own_offered_once_gpu_checked(monkeypatc
     kernel, _ = grouped_sm90.build(**spec(K_MAJOR, GroupedConfig(overlap_last=True)).kwargs)
     assert kernel.grouped_cfg.overlap_last  # the spec's field reaches the kernel
     monkeypatch.setattr(grouped_config, "OVERLAP_LAST_GPU_CHECKED", False)
+    monkeypatch.setattr(grouped_config, "STAGED_PARTIAL_GPU_CHECKED", False)
     assert not any(c.overlap_last for c in candidates(K_MAJOR, 32768, 1536, 2048, groups=128))
     monkeypatch.setattr(grouped_config, "OVERLAP_LAST_GPU_CHECKED", True)
     cands = candidates(K_MAJOR, 32768, 1536, 2048, groups=128)

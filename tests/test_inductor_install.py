@@ -80,7 +80,7 @@ def installed() -> dict:
 
 def test_enable_installs_what_its_settings_ask_for(stock):
     with inductor_cute.enable(fuse_epilogues=True, flex_decode=True, flex_backward=True, keep_m1_mm=True,
-                              trace_block_masks=True, fuse_moe_gate=True):
+                              trace_block_masks=True, fuse_moe_gate=True, fuse_moe_gather=True):
         assert all(installed().values())
         assert install.stock_lowering(BACKWARD_HOP) is stock["flex backward lowering"]
         assert isinstance(common.device_codegens["cuda"].scheduling, CudaSchedulingConstructor)
@@ -93,6 +93,7 @@ def test_enable_installs_what_its_settings_ask_for(stock):
                                "grouped_extern_kernel": True,
                                "grouped_mm_autotuning": True, "grouped_mm_lowering": True,
                                "grouped_gated_extern_kernel": True, "grouped_mm_gated_lowering": False,
+                               "grouped_rows_extern_kernel": True, "grouped_mm_rows_lowering": False,
                                "choice_timing": True,
                                "fusion_timing_fused_nodes": True, "fusion_timing_codegened_module": True,
                                "runtime_tuning_timing": True, "m1_mm_kept": False, "block_mask_tracing": False}
@@ -115,7 +116,7 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
     with inductor_cute.enable(flex_decode=False, flex_prefill=True):
         assert installed()["flex_attention_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True, group_gemv=True)
-        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0-tbm1-gate0")
+        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0-tbm1-gate0-gather0")
     with inductor_cute.enable():
         assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False, group_gemv=True)
         # training through our kernels is opt-in: the backward lowering, installed for traced masks'
@@ -128,7 +129,7 @@ def test_flex_backward_installs_the_backward_lowering(stock):
     with inductor_cute.enable(flex_backward=True):
         assert installed()["flex_attention_lowering"] and installed()["flex_attention_backward_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True)
-        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0-m1mm0-tbm1-gate0")
+        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0-m1mm0-tbm1-gate0-gather0")
 
 
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
@@ -167,7 +168,7 @@ def test_enable_twice_then_disable_twice(stock):
 def test_an_exception_inside_with_enable_still_restores(stock):
     with pytest.raises(ValueError, match="inside"):
         with inductor_cute.enable(fuse_epilogues=True, flex_backward=True, keep_m1_mm=True, trace_block_masks=True,
-                                  fuse_moe_gate=True):
+                                  fuse_moe_gate=True, fuse_moe_gather=True):
             assert all(installed().values())
             raise ValueError("raised inside the block")
     assert_same(stock, state())
@@ -330,7 +331,7 @@ def test_settings_enter_the_factorys_tag():
     tags = {install.choices_factory(f, d, p, b)().uuid() for f in (False, True) for d in (False, True)
             for p in (False, True) for b in (False, True)}
     assert len(tags) == 16
-    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0-pdl0-m1mm0-tbm1-gate0")
+    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0-pdl0-m1mm0-tbm1-gate0-gather0")
     assert install.choices_factory(True, False)().settings == install.Settings(True, False)
 
 

@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from .gemm.extern import GEMM_KERNEL
-from .grouped.extern import GATED_KERNEL, GROUPED_KERNEL
+from .grouped.extern import GATED_KERNEL, GROUPED_KERNEL, ROWS_KERNEL
 from .hooks import (AttributeWrapper, DecompositionWrapper, FeedbackSaver, Hook, LoweringWrapper, ModuleHook,
                     SchedulingWrapper, _attr)
 from .hooks import stock_lowering  # noqa: F401  (public here too)
@@ -86,6 +86,12 @@ def _gated_op():
     return OP
 
 
+def _rows_op():
+    from .grouped.gather import OP  # defines the op and gives it Inductor's fallback lowering
+
+    return OP
+
+
 def _mm_op():
     import torch
 
@@ -113,6 +119,10 @@ HOOKS: tuple[Hook, ...] = (
     GATED_KERNEL,
     LoweringWrapper("grouped_mm_gated_lowering", _gated_op, _attr(".grouped.gate_lowering", "gated_lowering"),
                     when=lambda settings: settings.fuse_moe_gate),
+    # the gathered rows' op (grouped/gather.py), autotuned the same way
+    ROWS_KERNEL,
+    LoweringWrapper("grouped_mm_rows_lowering", _rows_op, _attr(".grouped.gate_lowering", "rows_lowering"),
+                    when=lambda settings: settings.fuse_moe_gather),
     # autotuning times every choice as a CUDA-graph step runs it (choice_timing.py), and so do the
     # scheduler's fusion decisions, which weigh those timings against fused kernels' timings
     AttributeWrapper("choice_timing", "torch._inductor.select_algorithm:AlgorithmSelectorCache", "benchmark_choice",
@@ -162,8 +172,8 @@ def _config_values(settings: Settings) -> dict:
     if settings.fuse_epilogues:  # otherwise only Triton templates are fused
         values["benchmark_epilogue_fusion"] = False
     for graph_pass in GRAPH_PASSES:
-        if getattr(settings, graph_pass.setting):
-            values[graph_pass.slot] = graph_pass.instance()
+        if graph_pass.asked(settings):
+            values[graph_pass.slot] = graph_pass.instance(settings)
         elif graph_pass.ours(getattr(config, graph_pass.slot)):  # an outer enable()'s
             values[graph_pass.slot] = None
     if settings.pdl:
@@ -178,25 +188,34 @@ def _config_values(settings: Settings) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _GraphPass:
-    """One of our Inductor graph passes: the setting that asks for it, the config slot it takes and
-    where the pass object lives (imported only when needed)."""
+    """One of our Inductor graph passes: the settings that ask for it (any of them), the config
+    slot it takes and where it lives (imported only when needed): the pass object, or (`factory`)
+    what makes one from those settings' values."""
 
-    setting: str
+    settings: tuple
     slot: str
     module: str
     name: str
+    factory: bool = False
 
-    def instance(self):
-        return _attr(self.module, self.name)()
+    def asked(self, settings: Settings) -> bool:
+        return any(getattr(settings, name) for name in self.settings)
+
+    def instance(self, settings: Settings | None = None):
+        made = _attr(self.module, self.name)()
+        if not self.factory:
+            return made
+        return made(*(getattr(settings or Settings(), name) for name in self.settings))
 
     def ours(self, value) -> bool:
         """Whether `value` (the slot's content) is this pass, not the user's."""
         return value is not None and isinstance(value, type(self.instance()))
 
 
-GROUP_GEMV, MOE_GATE = GRAPH_PASSES = (
-    _GraphPass("group_gemv", "post_grad_custom_post_pass", ".gemm.shared_a", "GROUP_GEMV_PASS"),
-    _GraphPass("fuse_moe_gate", "post_grad_custom_pre_pass", ".grouped.gate", "GATE_PASS"))
+GROUP_GEMV, MOE = GRAPH_PASSES = (
+    _GraphPass(("group_gemv",), "post_grad_custom_post_pass", ".gemm.shared_a", "GROUP_GEMV_PASS"),
+    _GraphPass(("fuse_moe_gate", "fuse_moe_gather"), "post_grad_custom_pre_pass", ".grouped.moe_pass", "moe_pass",
+               factory=True))
 
 
 class _Enabled:
@@ -211,7 +230,8 @@ class _Enabled:
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
            flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
-           keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool = False) -> _Enabled:
+           keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool = False,
+           fuse_moe_gather: bool = False) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -261,7 +281,11 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     `silu(gate) * up` of a fused gate_up `torch._grouped_mm` (chunked or split in halves, as
     transformers' grouped_mm experts write it) into one grouped GEMM with the gate in its epilogue
     (inductor/grouped/gate.py), so the (tokens, 2F) product is never stored, its configs autotuned
-    under max-autotune (inductor/grouped/gate_lowering.py); a pass the user set there is refused."""
+    under max-autotune (inductor/grouped/gate_lowering.py); a pass the user set there is refused.
+    With `fuse_moe_gather` (off by default: compiled and CPU-checked, not yet measured), the same
+    pass turns a `torch._grouped_mm` (or fused gate) of gathered rows `x[idx]`, as torchtitan-style
+    MoE code permutes tokens to experts, into one grouped GEMM that reads x's rows through idx
+    (inductor/grouped/gather.py): the (tokens * top_k, hidden) copy is never written and read back."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -280,11 +304,11 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         if users_own:
             log.info("inductor-cute: post_grad_custom_post_pass is the user's; decode GEMVs are not grouped")
     pre_pass = config.post_grad_custom_pre_pass
-    if fuse_moe_gate and pre_pass is not None and not MOE_GATE.ours(pre_pass):
+    if (fuse_moe_gate or fuse_moe_gather) and pre_pass is not None and not MOE.ours(pre_pass):
         raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_pre_pass is already set "
-                           f"({pre_pass!r}); fuse_moe_gate needs to install its own")
+                           f"({pre_pass!r}); fuse_moe_gate and fuse_moe_gather need to install their own")
     settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm,
-                        trace_block_masks, fuse_moe_gate)
+                        trace_block_masks, fuse_moe_gate, fuse_moe_gather)
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

@@ -26,6 +26,8 @@ class Settings:
     trace_block_masks: bool = _setting("tbm", True)
     # silu(gate) * up of a grouped_mm product becomes one gated grouped GEMM (grouped/gate.py)
     fuse_moe_gate: bool = _setting("gate")
+    # a grouped_mm of gathered rows x[idx] reads x's rows through idx in its loads (grouped/gather.py)
+    fuse_moe_gather: bool = _setting("gather")
 
     def tag(self) -> str:
         return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))

@@ -20,11 +20,13 @@ RUNTIME = runtime.MODULE
 
 
 class CuteGroupedOut(ir.ExternKernelOut):
-    """The chosen grouped GEMM in the graph: `icute_grouped_mm_<n>(a, b, offs, out)`."""
+    """The chosen grouped GEMM in the graph: `icute_grouped_mm_<n>(a, b, offs, out)`, or with gathered
+    rows `icute_grouped_mm_<n>(a, rows, b, offs, out)`."""
 
     def codegen(self, wrapper) -> None:
         made = runtime.GroupedLauncher(tuple(self.kwargs["config"]), self.kwargs.get("activation", ""))
-        launcher = define_call_site(wrapper, "icute_grouped_mm", RUNTIME, f"{made!r}.launch")
+        method = "launch_rows" if _gathers(self.inputs) else "launch"
+        launcher = define_call_site(wrapper, "icute_grouped_mm", RUNTIME, f"{made!r}.{method}")
         self.codegen_comment(wrapper)
         out = (self.output_view or self).codegen_reference()
         wrapper.writeline(f"{launcher}({', '.join([*self.codegen_args(), out])})")
@@ -35,8 +37,7 @@ class CuteGroupedCaller(CuteGemmCaller):
     feedback saver reports it too; a failed benchmark drops it the same way)."""
 
     def __str__(self) -> str:
-        gated = self.kwargs.get("activation", "")
-        return f"inductor_cute_grouped_mm{'_gated' if gated else ''}({self.description})"
+        return f"inductor_cute_{_kernel_name(self.input_nodes, self.kwargs)}({self.description})"
 
     def hash_key(self) -> str:
         # the timing inputs are part of what a cached timing means: a change of them re-tunes
@@ -49,8 +50,13 @@ class CuteGroupedCaller(CuteGemmCaller):
         # benchmarks) passes random int32s. Our kernel reads offs on the device: garbage ends would
         # make it read and write out of bounds, so such offsets are replaced by an even split.
         try:
-            a, b, offs = args
-            args = (a, b, runtime.valid_offsets(offs, runtime.token_count(a, b)))
+            if _gathers(args):  # (a, rows, b, offs): indices out of a's rows would trap
+                a, rows, b, offs = args
+                rows = runtime.valid_rows(rows, a.shape[0])
+                args = (a, rows, b, runtime.valid_offsets(offs, rows.shape[0]))
+            else:
+                a, b, offs = args
+                args = (a, b, runtime.valid_offsets(offs, runtime.token_count(a, b)))
         except Exception as e:
             log.warning("inductor-cute %s dropped: its benchmark inputs: %s", self.description, first_line(e))
             return float("inf")
@@ -59,9 +65,19 @@ class CuteGroupedCaller(CuteGemmCaller):
     def output_node(self):
         gated = self.kwargs.get("activation", "")
         log.info("inductor-cute grouped GEMM %s%s chosen", self.description, f" ({gated} gate)" if gated else "")
-        name = f"{RUNTIME}.grouped_mm_gated" if gated else f"{RUNTIME}.grouped_mm"
+        name = f"{RUNTIME}.{_kernel_name(self.input_nodes, self.kwargs)}"
         return ir.TensorBox.create(CuteGroupedOut(layout=self.layout, inputs=self.input_nodes, kwargs=self.kwargs,
                                                   python_kernel_name=name))
+
+
+def _gathers(inputs) -> bool:
+    """Whether a choice's inputs are gathered rows' (a, rows, b, offs); every other form has three."""
+    return len(inputs) == 4
+
+
+def _kernel_name(inputs, kwargs: dict) -> str:
+    """The runtime function of a choice with these inputs and kwargs (`activation`: the gate)."""
+    return "grouped_mm_rows" if _gathers(inputs) else "grouped_mm_gated" if kwargs.get("activation") else "grouped_mm"
 
 
 class CuteGroupedChoice(ExternKernelChoice):
@@ -82,9 +98,15 @@ def new_gated_choice(name: str) -> CuteGroupedChoice:
     return CuteGroupedChoice(runtime.grouped_mm_gated, name=name, has_out_variant=True)
 
 
+def new_rows_choice(name: str) -> CuteGroupedChoice:
+    """Gathered rows' (gather.py, through gate_lowering.py): registers `runtime.grouped_mm_rows`."""
+    return CuteGroupedChoice(runtime.grouped_mm_rows, name=name, has_out_variant=True)
+
+
 # The hooks that register our extern kernels; inductor/install.py lists them with the others.
 GROUPED_KERNEL = ExternKernel("grouped_extern_kernel", "inductor_cute_grouped_mm", lambda: new_grouped_choice)
 GATED_KERNEL = ExternKernel("grouped_gated_extern_kernel", "inductor_cute_grouped_mm_gated", lambda: new_gated_choice)
+ROWS_KERNEL = ExternKernel("grouped_rows_extern_kernel", "inductor_cute_grouped_mm_rows", lambda: new_rows_choice)
 
 
 def grouped_choice() -> CuteGroupedChoice:
@@ -93,3 +115,7 @@ def grouped_choice() -> CuteGroupedChoice:
 
 def gated_choice() -> CuteGroupedChoice:
     return GATED_KERNEL.choice()
+
+
+def rows_choice() -> CuteGroupedChoice:
+    return ROWS_KERNEL.choice()

@@ -22,20 +22,15 @@ tensors show (an unaligned data pointer) and off CUDA.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ...errors import UnsupportedError
 from ...host import grouped_gemm as _host_grouped
 from ...kernels.gemm import grouped_config
 from . import gate_lowering as _gate_lowering
-from . import lowering as _lowering
 from . import runtime as _runtime
 from .lowering import GroupedCall, decline_reason
 
@@ -92,20 +87,28 @@ def _ints(values) -> tuple:
 def gate_decline_reason(a, b, offs, activation: str) -> str | None:
     """Why the fused kernel does not take act(gate) * up of _grouped_mm(a, b, offs) (fake tensors),
     in one line; None when it does."""
-    if a.device.type not in DEVICE_TYPES:
-        return f"device {a.device.type} is not CUDA"
-    if b.dim() != 3 or type(b.shape[-1]) is not int or b.shape[-1] % 2:
+    return product_decline_reason(a.shape, a.stride(), a.dtype, a.device, b, offs, activation)
+
+
+def product_decline_reason(a_shape, a_stride, a_dtype, device, b, offs, activation: str, rows: str = "") -> str | None:
+    """Why our kernel does not take the grouped product of an a of this shape, strides, dtype and
+    device with b and offs (fake tensors), gated by `activation` when one is named, its rows
+    gathered by an index of dtype `rows` when one is named (gather.py); None when it does."""
+    if device.type not in DEVICE_TYPES:
+        return f"device {device.type} is not CUDA"
+    if b.dim() != 3 or (activation and (type(b.shape[-1]) is not int or b.shape[-1] % 2)):
         return f"b of shape {tuple(b.shape)} has no static even number of columns to halve"
-    call = GroupedCall(a_size=_ints(a.shape), a_stride=_ints(a.stride()), b_size=_ints(b.shape),
+    n_out = b.shape[-1] // 2 if activation else b.shape[-1]
+    call = GroupedCall(a_size=_ints(a_shape), a_stride=_ints(a_stride), b_size=_ints(b.shape),
                        b_stride=_ints(b.stride()), offs_size=_ints(offs.shape),
-                       out_size=_ints((a.shape[0], b.shape[-1] // 2)), out_stride=(b.shape[-1] // 2, 1),
-                       a_dtype=a.dtype, b_dtype=b.dtype, offs_dtype=offs.dtype, out_dtype=a.dtype,
+                       out_size=_ints((a_shape[0], n_out)), out_stride=_ints((n_out, 1)),
+                       a_dtype=a_dtype, b_dtype=b.dtype, offs_dtype=offs.dtype, out_dtype=a_dtype,
                        device_type="cuda", output_code=_output_code())
     reason = decline_reason(call)
     if reason:
         return reason
     groups, k, n = b.shape
-    return grouped_config.unsupported_reason(grouped_config.GroupedProblem(gate=activation), n=n, k=k,
+    return grouped_config.unsupported_reason(grouped_config.GroupedProblem(gate=activation, rows=rows), n=n, k=k,
                                              groups=groups)
 
 
@@ -178,20 +181,3 @@ def fuse_grouped_gates(graph: torch.fx.Graph) -> int:
     if made:
         log.info("inductor-cute fused %d MoE gate(s) into grouped_mm_gated", made)
     return made
-
-
-class GroupedGatePass(CustomGraphPass):
-    """The `config.post_grad_custom_pre_pass` of enable(fuse_moe_gate=True); its uuid (this
-    module's source) enters the FX graph cache key."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        fuse_grouped_gates(graph)
-
-    def uuid(self) -> str:
-        return _SOURCE_HASH
-
-
-# what decides a rewrite: this module, the grouped lowering's decline reasons and the kernel's limits
-_SOURCE_HASH = hashlib.sha256(b"".join(
-    Path(module.__file__).read_bytes() for module in (sys.modules[__name__], _lowering, grouped_config))).hexdigest()
-GATE_PASS = GroupedGatePass()

@@ -14,6 +14,7 @@ the computation unfused (runtime.GroupedLauncher), as the op itself does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from ...errors import first_line
@@ -41,62 +42,90 @@ def ensure_fallback(op) -> None:
 
 
 def gated_lowering(a, b, offs, activation: str):
-    """The op's lowering while enable(fuse_moe_gate=True): autotuned when our backend is
+    """The gate op's lowering while enable(fuse_moe_gate=True): autotuned when our backend is
     requested and the choices build, else the fallback kernel."""
     import torch
 
+    return _lowering(torch.ops.inductor_cute.grouped_mm_gated.default, (a, b, offs, activation),  # gate.OP
+                     lambda: _autotuned(a, None, b, offs, activation))
+
+
+def rows_lowering(a, rows, b, offs, activation: str):
+    """The gathered rows' op's lowering (gather.py) while enable(fuse_moe_gather=True): as the gate's."""
+    import torch
+
+    return _lowering(torch.ops.inductor_cute.grouped_mm_rows.default, (a, rows, b, offs, activation),  # gather.OP
+                     lambda: _autotuned(a, rows, b, offs, activation))
+
+
+def _lowering(op, args: tuple, autotuned):
     from ..gemm.choices import backend_requested
     from ..hooks import stock_lowering
 
     if backend_requested():
         try:
-            node = _autotuned(a, b, offs, activation)
+            node = autotuned()
             if node is not None:
                 return node
         except Exception as e:  # the fallback computes the same: never fail the user's compile
-            log.warning("inductor-cute leaves %s to its fallback: %s", NAME, first_line(e))
-    return stock_lowering(torch.ops.inductor_cute.grouped_mm_gated.default)(a, b, offs, activation)  # gate.OP
+            log.warning("inductor-cute leaves %s to its fallback: %s", op, first_line(e))
+    return stock_lowering(op)(*args)
 
 
-def _autotuned(a, b, offs, activation: str):
-    """The autotuned node, or None where no config of ours is ready (the reason logged)."""
+def _autotuned(a, rows, b, offs, activation: str):
+    """The autotuned node of the gated product of a and b (activation named) or of the product of
+    a's rows picked by `rows` (gated or not), or None where no config of ours is ready (the reason
+    logged)."""
     from torch._inductor.ir import FixedLayout
     from torch._inductor.select_algorithm import autotune_select_algorithm, realize_inputs
     from torch._inductor.virtualized import V
 
     from ...host.common import sm_count
     from ...kernels.gemm import grouped_config
-    from .extern import gated_choice
+    from .extern import gated_choice, rows_choice
     from .lowering import b_major, bound_choices, decline_reason, device_reason, exhaustive_search, grouped_call
-    from .runtime import even_offsets, routed_offsets
+    from .runtime import even_offsets, random_rows, routed_offsets
 
+    name = "grouped_mm_rows" if rows is not None else NAME
     a, b, offs = realize_inputs(a, b, offs)
     if len(a.get_size()) != 2 or len(b.get_size()) != 3:
         return None
     groups, k, n = b.get_size()
-    tokens = a.get_size()[0]
-    layout = FixedLayout(a.get_device(), a.get_dtype(), [tokens, n // 2], [n // 2, 1])
-    call = grouped_call([a, b, offs], layout, has_bias=False)
+    tokens = a.get_size()[0] if rows is None else rows.get_size()[0]  # the product's rows
+    n_out = n // 2 if activation else n
+    layout = FixedLayout(a.get_device(), a.get_dtype(), [tokens, n_out], [n_out, 1])
     hints = V.graph.sizevars
+    # the call's checks are those of a contiguous a of the product's rows (gather.py checked x's)
+    call = dataclasses.replace(grouped_call([a, b, offs], layout, has_bias=False),
+                               a_size=(hints.optimization_hint(tokens), int(hints.optimization_hint(k))),
+                               a_stride=(int(hints.optimization_hint(k)), 1)) if rows is not None else \
+        grouped_call([a, b, offs], layout, has_bias=False)
     groups, k, n = (int(hints.optimization_hint(x)) for x in (groups, k, n))
+    rows_dtype = str(rows.get_dtype()).removeprefix("torch.") if rows is not None else ""
     reason = decline_reason(call) or grouped_config.unsupported_reason(
-        grouped_config.GroupedProblem(gate=activation), n=n, k=k, groups=groups) or device_reason(layout)
+        grouped_config.GroupedProblem(gate=activation, rows=rows_dtype), n=n, k=k, groups=groups) or \
+        device_reason(layout)
     if reason:
-        log.info("inductor-cute leaves %s %s x %s to its fallback: %s", NAME, call.a_size, call.b_size, reason)
+        log.info("inductor-cute leaves %s %s x %s to its fallback: %s", name, call.a_size, call.b_size, reason)
         return None
-    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", b_major(call), activation)
+    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", b_major(call), activation, rows_dtype)
     tokens_hint = hints.optimization_hint(tokens)
     num_sms = sm_count(layout.device.index or 0)
     configs = grouped_config.candidates(problem, tokens_hint, n, k, groups, num_sms, exhaustive_search())
-    choices = bound_choices(gated_choice(), [a, b, offs], layout, problem, configs, grouped_config, num_sms,
-                            activation=activation)
+    inputs = [a, b, offs] if rows is None else [a, realize_inputs(rows), b, offs]
+    choice = gated_choice() if rows is None else rows_choice()
+    choices = bound_choices(choice, inputs, layout, problem, configs, grouped_config, num_sms, activation=activation)
     if not choices:
-        log.info("inductor-cute: no config of %s compiled: its fallback", NAME)
+        log.info("inductor-cute: no config of %s compiled: its fallback", name)
         return None
-    log.info("inductor-cute autotunes %d configs of %s for %sx%sx%s in %s groups", len(choices), NAME,
-             tokens_hint, n // 2, k, groups)
+    log.info("inductor-cute autotunes %d configs of %s for %sx%sx%s in %s groups", len(choices), name,
+             tokens_hint, n_out, k, groups)
     alignment = max(1, 16 // a.get_dtype().itemsize)
-    timing_offsets = {2: lambda node: routed_offsets(even_offsets(tokens_hint, groups, alignment, node.get_device(),
-                                                                  node.get_dtype()), alignment)}
-    result = autotune_select_algorithm(NAME, choices, [a, b, offs], layout, input_gen_fns=timing_offsets)
+    offsets_at = len(inputs) - 1
+    timing = {offsets_at: lambda node: routed_offsets(even_offsets(tokens_hint, groups, alignment, node.get_device(),
+                                                                   node.get_dtype()), alignment)}
+    if rows is not None:  # each routed row's token, within a's rows
+        a_rows = hints.optimization_hint(a.get_size()[0])
+        timing[1] = lambda node: random_rows(tokens_hint, a_rows, node.get_dtype(), node.get_device())
+    result = autotune_select_algorithm(name, choices, inputs, layout, input_gen_fns=timing)
     return result[0] if isinstance(result, tuple) else result  # (node, choice) from torch 2.12

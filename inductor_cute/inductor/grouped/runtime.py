@@ -58,6 +58,17 @@ class GroupedLauncher:
         except UnsupportedError:  # what only real tensors show (an unaligned pointer): as the op does
             out.copy_(unfused_gate(a, b, offs, self.activation))
 
+    def launch_rows(self, a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """The product of a's rows picked by `rows` (gather.py's op), gated when an activation is set."""
+        try:
+            if self.activation:
+                host_grouped.grouped_mm_gated(a, b, offs, self.activation, out, config=self._config, rows=rows)
+            else:
+                host_grouped.grouped_mm(a, b, offs, out, config=self._config, rows=rows)
+        except UnsupportedError:  # as the op does
+            out.copy_(unfused_rows(a, rows, b, offs, self.activation))
+
 
 # the gate activations as torch computes them (grouped_config.GATES)
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
@@ -68,6 +79,15 @@ def unfused_gate(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activatio
     kernel's computation without it."""
     gate, up = torch._grouped_mm(a, b, offs).chunk(2, dim=-1)
     return ACTIVATIONS[activation](gate) * up
+
+
+def unfused_rows(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                 activation: str) -> torch.Tensor:
+    """torch._grouped_mm(a[rows], b, offs), gated when `activation` names one: the gathered
+    kernel's computation without it."""
+    if activation:
+        return unfused_gate(a[rows], b, offs, activation)
+    return torch._grouped_mm(a[rows], b, offs=offs)
 
 
 _LAUNCHERS: dict[tuple, GroupedLauncher] = {}
@@ -90,6 +110,12 @@ def grouped_mm_gated(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, ou
                      activation: str) -> None:
     """The gated form of `grouped_mm` (the extern kernel of the fused MoE gate's autotuning)."""
     _launcher(config, activation).launch(a, b, offs, out)
+
+
+def grouped_mm_rows(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor,
+                    config: tuple, activation: str) -> None:
+    """The gathered form of `grouped_mm` (the extern kernel of gather.py's op's autotuning)."""
+    _launcher(config, activation).launch_rows(a, rows, b, offs, out)
 
 
 def even_offsets(tokens: int, groups: int, alignment: int, device, dtype=torch.int32) -> torch.Tensor:
@@ -115,6 +141,21 @@ def valid_offsets(offs: torch.Tensor, tokens: int) -> torch.Tensor:
     groups = len(ends)
     even = torch.arange(1, groups + 1, dtype=torch.int64) * tokens // max(groups, 1)
     return even.to(device=offs.device, dtype=offs.dtype)
+
+
+def valid_rows(rows: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`rows` itself when every index lies in [0, tokens), else seeded random indices there of its
+    shape and dtype, on its device (the gathered kernel traps on an index outside). Reads `rows` on
+    the host: for benchmarking inputs only, never on a graph's path."""
+    if rows.numel() == 0 or (int(rows.min()) >= 0 and int(rows.max()) < tokens):
+        return rows
+    return random_rows(rows.numel(), tokens, rows.dtype, rows.device)
+
+
+def random_rows(count: int, tokens: int, dtype, device) -> torch.Tensor:
+    """`count` seeded row indices in [0, tokens): each routed row's token, for timing choices."""
+    picks = torch.randint(max(tokens, 1), (count,), generator=torch.Generator().manual_seed(1))
+    return picks.to(dtype=dtype, device=device)
 
 
 ROUTED_OFFSETS_VERSION = 1  # in our choices' autotuning cache keys (extern.py): raise it when routed_offsets changes
