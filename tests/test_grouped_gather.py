@@ -190,8 +190,10 @@ def test_the_gathered_op_autotunes_our_gathered_configs_on_routed_rows(monkeypat
     problem = GroupedProblem("bfloat16", "bfloat16", "k", "k", "", "int64")
     want = candidates(problem, TOKENS, N, K_, E, 132)
     assert name == "grouped_mm_rows" and want and all(c.cluster_n == 1 for c in want)
-    assert [c.kwargs["config"] for c in choices] == [runtime.as_tuple(cfg) for cfg in want]
-    assert all(c.problem == problem and len(c.input_nodes) == 4 for c in choices)
+    unfused, *ours = choices  # torch's kernels computing the same, then ours
+    assert unfused.choice.name == "inductor_cute_grouped_mm_unfused" and len(unfused.input_nodes) == 4
+    assert [c.kwargs["config"] for c in ours] == [runtime.as_tuple(cfg) for cfg in want]
+    assert all(c.problem == problem and len(c.input_nodes) == 4 for c in ours)
     assert list(layout.size) == [TOKENS, N]
     node = SimpleNamespace(get_device=lambda: torch.device("cpu"), get_dtype=lambda: torch.int64)
     rows = kwargs["input_gen_fns"][1](node)
@@ -267,3 +269,18 @@ def test_nested_enables_restore_the_pre_pass_slot():
             assert inductor_config.post_grad_custom_pre_pass is moe_pass(False, True)
         assert inductor_config.post_grad_custom_pre_pass is moe_pass(True, False)
     assert inductor_config.post_grad_custom_pre_pass is None
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_unfused_choice_computes_what_the_op_does(gated):
+    from inductor_cute.inductor.grouped import runtime
+
+    x, w, offs = routed_inputs()
+    b, rows = w.transpose(-2, -1), torch.arange(40).flip(0) // TOP_K
+    activation = "silu" if gated else ""
+    out = torch.full((40, 48 if gated else 96), float("nan"), dtype=BF16)
+    runtime.grouped_mm_unfused(x, rows, b, offs, out=out, activation=activation)
+    assert torch.equal(out, (routed_gated if gated else routed)(x, w, offs))
+    if gated:  # the gate op's inputs: (a, b, offs)
+        runtime.grouped_mm_unfused(x[rows], b, offs, out=out, activation="silu")
+        assert torch.equal(out, routed_gated(x, w, offs))

@@ -93,7 +93,8 @@ def test_enable_installs_what_its_settings_ask_for(stock):
                                "grouped_extern_kernel": True,
                                "grouped_mm_autotuning": True, "grouped_mm_lowering": True,
                                "grouped_gated_extern_kernel": True, "grouped_mm_gated_lowering": False,
-                               "grouped_rows_extern_kernel": True, "grouped_mm_rows_lowering": False,
+                               "grouped_rows_extern_kernel": True, "grouped_unfused_extern_kernel": True,
+                               "grouped_mm_rows_lowering": False,
                                "choice_timing": True,
                                "fusion_timing_fused_nodes": True, "fusion_timing_codegened_module": True,
                                "runtime_tuning_timing": True, "m1_mm_kept": False, "block_mask_tracing": False}

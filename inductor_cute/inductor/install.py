@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from .gemm.extern import GEMM_KERNEL
-from .grouped.extern import GATED_KERNEL, GROUPED_KERNEL, ROWS_KERNEL
+from .grouped.extern import GATED_KERNEL, GROUPED_KERNEL, ROWS_KERNEL, UNFUSED_KERNEL
 from .hooks import (AttributeWrapper, DecompositionWrapper, FeedbackSaver, Hook, LoweringWrapper, ModuleHook,
                     SchedulingWrapper, _attr)
 from .hooks import stock_lowering  # noqa: F401  (public here too)
@@ -119,8 +119,10 @@ HOOKS: tuple[Hook, ...] = (
     GATED_KERNEL,
     LoweringWrapper("grouped_mm_gated_lowering", _gated_op, _attr(".grouped.gate_lowering", "gated_lowering"),
                     when=lambda settings: settings.fuse_moe_gate),
-    # the gathered rows' op (grouped/gather.py), autotuned the same way
+    # the gathered rows' op (grouped/gather.py), autotuned the same way; both fused ops' choices
+    # include torch's unfused computation
     ROWS_KERNEL,
+    UNFUSED_KERNEL,
     LoweringWrapper("grouped_mm_rows_lowering", _rows_op, _attr(".grouped.gate_lowering", "rows_lowering"),
                     when=lambda settings: settings.fuse_moe_gather),
     # autotuning times every choice as a CUDA-graph step runs it (choice_timing.py), and so do the

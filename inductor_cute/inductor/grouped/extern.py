@@ -103,10 +103,18 @@ def new_rows_choice(name: str) -> CuteGroupedChoice:
     return CuteGroupedChoice(runtime.grouped_mm_rows, name=name, has_out_variant=True)
 
 
+def new_unfused_choice(name: str) -> ExternKernelChoice:
+    """Torch's kernels for a fused op's computation (runtime.grouped_mm_unfused): the choice our
+    fused configs must beat."""
+    return ExternKernelChoice(runtime.grouped_mm_unfused, name=name, has_out_variant=True)
+
+
 # The hooks that register our extern kernels; inductor/install.py lists them with the others.
 GROUPED_KERNEL = ExternKernel("grouped_extern_kernel", "inductor_cute_grouped_mm", lambda: new_grouped_choice)
 GATED_KERNEL = ExternKernel("grouped_gated_extern_kernel", "inductor_cute_grouped_mm_gated", lambda: new_gated_choice)
 ROWS_KERNEL = ExternKernel("grouped_rows_extern_kernel", "inductor_cute_grouped_mm_rows", lambda: new_rows_choice)
+UNFUSED_KERNEL = ExternKernel("grouped_unfused_extern_kernel", "inductor_cute_grouped_mm_unfused",
+                              lambda: new_unfused_choice)
 
 
 def grouped_choice() -> CuteGroupedChoice:
@@ -119,3 +127,7 @@ def gated_choice() -> CuteGroupedChoice:
 
 def rows_choice() -> CuteGroupedChoice:
     return ROWS_KERNEL.choice()
+
+
+def unfused_choice() -> ExternKernelChoice:
+    return UNFUSED_KERNEL.choice()

@@ -6,10 +6,11 @@ gate.py gives the op Inductor's fallback lowering when it defines the op (`ensur
 enable(fuse_moe_gate=True), inductor/install.py puts `gated_lowering` in its place (a
 LoweringWrapper), which autotunes where our backend is requested and our kernel serves the call
 (grouped/lowering.py's decline reasons, the gated kernel's limits), and otherwise calls that
-fallback. Only our configs compete: the op is the fused computation, which nothing stock computes
-in one kernel (whether fusing pays is the gate pass's question, measured on the MoE block). A
-config whose benchmark failed may still be picked (every time infinite): its launcher then runs
-the computation unfused (runtime.GroupedLauncher), as the op itself does.
+fallback. Our configs compete with torch's kernels computing the same unfused
+(runtime.grouped_mm_unfused: the grouped_mm, the gather and the gate's pointwise ops in eager), so a
+fusion is kept only where it measures faster than not fusing. A config whose benchmark failed may
+still be picked (every time infinite): its launcher then runs the computation unfused
+(runtime.GroupedLauncher), as the op itself does.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _autotuned(a, rows, b, offs, activation: str):
 
     from ...host.common import sm_count
     from ...kernels.gemm import grouped_config
-    from .extern import gated_choice, rows_choice
+    from .extern import gated_choice, rows_choice, unfused_choice
     from .lowering import b_major, bound_choices, decline_reason, device_reason, exhaustive_search, grouped_call
     from .runtime import even_offsets, random_rows, routed_offsets
 
@@ -118,6 +119,8 @@ def _autotuned(a, rows, b, offs, activation: str):
     if not choices:
         log.info("inductor-cute: no config of %s compiled: its fallback", name)
         return None
+    # torch's kernels for the same computation compete: the fusion is taken only where it measures faster
+    choices.insert(0, unfused_choice().bind(inputs, layout, activation=activation))
     log.info("inductor-cute autotunes %d configs of %s for %sx%sx%s in %s groups", len(choices), name,
              tokens_hint, n_out, k, groups)
     alignment = max(1, 16 // a.get_dtype().itemsize)

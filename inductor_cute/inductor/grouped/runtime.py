@@ -118,6 +118,16 @@ def grouped_mm_rows(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, offs: 
     _launcher(config, activation).launch_rows(a, rows, b, offs, out)
 
 
+def grouped_mm_unfused(*inputs: torch.Tensor, out: torch.Tensor, activation: str) -> None:
+    """The fused ops' computation by torch's own kernels, into `out`: (a, b, offs) gated, or
+    (a, rows, b, offs) gathered (and gated when an activation is named). The autotuning choice
+    beside our fused configs (gate_lowering.py): a fusion is taken only where it measures faster."""
+    if len(inputs) == 4:
+        out.copy_(unfused_rows(*inputs, activation))
+    else:
+        out.copy_(unfused_gate(*inputs, activation))
+
+
 def even_offsets(tokens: int, groups: int, alignment: int, device, dtype=torch.int32) -> torch.Tensor:
     """Cumulative ends of `groups` groups splitting `tokens` evenly, the inner ends rounded to
     `alignment` as torch's create_offsets rounds them."""
