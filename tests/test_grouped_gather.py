@@ -284,3 +284,20 @@ def test_the_unfused_choice_computes_what_the_op_does(gated):
     if gated:  # the gate op's inputs: (a, b, offs)
         runtime.grouped_mm_unfused(x[rows], b, offs, out=out, activation="silu")
         assert torch.equal(out, routed_gated(x, w, offs))
+
+
+def test_the_models_suite_counts_fused_sites_in_output_code():
+    from inductor_cute.bench.suites.grouped_gemm import UNFUSED_CALL, gated_sites, gathered_sites
+
+    code = "\n".join([
+        "icute_grouped_mm_0 = inductor_cute.inductor.grouped.runtime.GroupedLauncher(config=(128, 256, 64, 4, 2, 1, 1, "
+        "0, True, True), activation='silu').launch_rows",
+        "icute_grouped_mm_1 = inductor_cute.inductor.grouped.runtime.GroupedLauncher(config=(128, 256, 64, 4, 2, 1, 1, "
+        "0, True, True)).launch",
+        "buf2 = torch.ops.inductor_cute.grouped_mm_rows.default(arg0_1, buf1, reinterpret_tensor(arg2_1, (3, 64, 96), "
+        "(6144, 1, 64), 0), arg3_1, '')",
+        "extern_kernels.inductor_cute_grouped_mm_unfused(arg0_1, buf1, arg2_1, arg3_1, out=buf4, activation='silu')",
+        ""])
+    assert gated_sites(code) == 1  # the gated launcher; not the plain op call, not the unfused extern
+    assert gathered_sites(code) == 2  # the gathered launcher and the op
+    assert code.count(UNFUSED_CALL) == 1

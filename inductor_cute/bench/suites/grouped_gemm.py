@@ -39,6 +39,7 @@ once (dgrad likewise, grad_out for a); wgrad: both token operands and every expe
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -202,14 +203,24 @@ def triton_runner(a, b, offs):
 # our grouped GEMM under torch.compile (inductor/grouped/): one launcher definition per call site (the
 # module path alone would also count the output code's import of it)
 GROUPED_CALL = "inductor_cute.inductor.grouped.runtime.GroupedLauncher("
-# the fused MoE gate (grouped/gate.py): its op as a fallback kernel, or an autotuned gated launcher
-GATED_CALLS = ("torch.ops.inductor_cute.grouped_mm_gated.default(", "activation='")
+# the fused MoE ops as fallback kernels (grouped/gate.py, grouped/gather.py), and torch's unfused
+# computation where their autotuning picked it (runtime.grouped_mm_unfused)
+FUSED_OP_CALLS = ("torch.ops.inductor_cute.grouped_mm_gated.default(", "torch.ops.inductor_cute.grouped_mm_rows.default(")
+UNFUSED_CALL = "extern_kernels.inductor_cute_grouped_mm_unfused("
+_GATED_LAUNCHER = re.compile(r"GroupedLauncher\(config=\([^)]*\), activation='\w+'\)")
+_GATED_ROWS_OP = re.compile(r"grouped_mm_rows\.default\(.*'\w+'\)")
 
 
 def gated_sites(code: str) -> int:
-    """Call sites of the fused MoE gate in output code (a gated GroupedLauncher is one of its
-    grouped GEMM sites too)."""
-    return sum(code.count(call) for call in GATED_CALLS)
+    """Call sites of the fused MoE gate in output code: a gated GroupedLauncher (one of its grouped
+    GEMM sites too), or the gate's op (or the gathered op with an activation) as a fallback kernel."""
+    return (len(_GATED_LAUNCHER.findall(code)) + code.count(FUSED_OP_CALLS[0])
+            + len(_GATED_ROWS_OP.findall(code)))
+
+
+def gathered_sites(code: str) -> int:
+    """Call sites of the gathered rows' grouped GEMM: a launcher calling launch_rows, or its op."""
+    return code.count(".launch_rows\n") + code.count(FUSED_OP_CALLS[1])
 
 
 def tuned_runner(a, b, offs):

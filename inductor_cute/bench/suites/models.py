@@ -45,7 +45,7 @@ from ..case import Case, named
 from ..profile import busy_us, host_gaps_us, host_syncs_per_call, idle_and_overlap_us, kernel_timeline
 from . import moe_block
 from .gemm_compiled import OUR_CALL as GEMM_CALL
-from .grouped_gemm import GATED_CALLS, GROUPED_CALL, gated_sites
+from .grouped_gemm import FUSED_OP_CALLS, GROUPED_CALL, UNFUSED_CALL, gated_sites, gathered_sites
 
 MODES = {"nocg": "max-autotune-no-cudagraphs", "cg": "max-autotune"}
 METHOD = ("wall time per step, 10 steps back to back then a sync, median of 5 rounds with the runners "
@@ -281,7 +281,7 @@ def our_kernel_calls(code: str) -> int:
             + sum(code.count(f"inductor_cute.inductor.flex.runtime.{name}(")
                   for name in ("FlexDecodeLauncher", "FlexPrefillLauncher", "FlexBackwardLauncher"))
             + code.count(GROUPED_CALL)
-            + code.count(GATED_CALLS[0])
+            + sum(code.count(call) for call in FUSED_OP_CALLS)
             + code.count(SHARED_A_CALL))
 
 
@@ -480,7 +480,8 @@ def _moe_case(step: str, tokens: int, mode_key: str) -> Case:
         note = f"{backend}: rel err vs fp32 " + ", ".join(errors)
         if r.code:
             note += (f"; cold compile {r.seconds:.1f} s, {our_kernel_calls(r.code)} call site(s) of our kernels, "
-                     f"{r.code.count(GROUPED_CALL)} of them grouped GEMMs, {gated_sites(r.code)} gated")
+                     f"{r.code.count(GROUPED_CALL)} of them grouped GEMMs, {gated_sites(r.code)} gated, "
+                     f"{gathered_sites(r.code)} gathered, {r.code.count(UNFUSED_CALL)} fused op(s) run unfused")
         notes.append(note)
     del ref_out, ref_grads
     times = wall_us(runners)
