@@ -14,6 +14,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import inductor_cute
+from inductor_cute.host import grouped_gemm as host_grouped
 from inductor_cute.inductor.grouped import gate
 from inductor_cute.inductor.grouped.moe_pass import moe_pass
 
@@ -67,17 +68,17 @@ def test_the_gated_up_projection_becomes_one_call(cpu_counts_as_cuda, fn, held):
 
 def test_the_op_runs_our_kernel(cpu_counts_as_cuda, monkeypatch):
     calls = []
-    monkeypatch.setattr(gate._host_grouped, "grouped_mm_gated", lambda *args: calls.append(args) or "ours")
+    monkeypatch.setattr(host_grouped, "grouped_mm_gated", lambda *args, **kwargs: calls.append(args) or "ours")
     x, w, offs = inputs()
     assert gate.grouped_mm_gated_op(x, w.transpose(-2, -1), offs, "silu") == "ours"
     assert calls[0][0] is x and calls[0][3] == "silu"
 
 
 def test_what_our_kernel_refuses_falls_back_unfused(cpu_counts_as_cuda, monkeypatch):
-    def refuse(*args):
+    def refuse(*args, **kwargs):
         raise inductor_cute.UnsupportedError("unaligned")
 
-    monkeypatch.setattr(gate._host_grouped, "grouped_mm_gated", refuse)
+    monkeypatch.setattr(host_grouped, "grouped_mm_gated", refuse)
     x, w, offs = inputs()
     assert torch.equal(gate.grouped_mm_gated_op(x, w.transpose(-2, -1), offs, "silu"),
                        transformers_experts(x, w, offs))

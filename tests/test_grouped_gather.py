@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 
 import inductor_cute
+from inductor_cute.host import grouped_gemm as host_grouped
 from inductor_cute.inductor.grouped import gate, gather
 from inductor_cute.inductor.grouped.moe_pass import moe_pass
 
@@ -68,7 +69,7 @@ def test_a_fused_gate_of_gathered_rows_becomes_one_gathered_gated_call(cpu_count
 
 def test_the_op_runs_our_kernel_with_the_index(cpu_counts_as_cuda, monkeypatch):
     calls = []
-    monkeypatch.setattr(gather._host_grouped, "grouped_mm", lambda *a, **kw: calls.append((a, kw)) or "ours")
+    monkeypatch.setattr(host_grouped, "grouped_mm", lambda *a, **kw: calls.append((a, kw)) or "ours")
     x, w, offs = routed_inputs()
     idx = torch.arange(40) // TOP_K
     assert gather.grouped_mm_rows_op(x, idx, w.transpose(-2, -1), offs, "") == "ours"
@@ -79,7 +80,7 @@ def test_what_our_kernel_refuses_falls_back_unfused(cpu_counts_as_cuda, monkeypa
     def refuse(*args, **kwargs):
         raise inductor_cute.UnsupportedError("unaligned")
 
-    monkeypatch.setattr(gather._host_grouped, "grouped_mm_gated", refuse)
+    monkeypatch.setattr(host_grouped, "grouped_mm_gated", refuse)
     x, w, offs = routed_inputs()
     assert torch.equal(gather.grouped_mm_rows_op(x, torch.arange(40).flip(0) // TOP_K, w.transpose(-2, -1), offs,
                                                  "silu"), routed_gated(x, w, offs))

@@ -605,11 +605,12 @@ def test_a_gated_launcher_the_kernel_refuses_computes_unfused(monkeypatch):
 
 def test_the_gated_launcher_runs_the_gated_kernel(monkeypatch):
     calls = []
-    monkeypatch.setattr(runtime.host_grouped, "grouped_mm_gated", lambda *args, config: calls.append((args, config)))
+    monkeypatch.setattr(runtime.host_grouped, "grouped_mm_gated",
+                        lambda *args, config, rows: calls.append((args, config, rows)))
     config = runtime.as_tuple(GroupedConfig(128, 256, 64, 4, 2))
     launcher = runtime.GroupedLauncher(config, "silu")
     assert eval(repr(launcher), {"GroupedLauncher": runtime.GroupedLauncher}).activation == "silu"
     a, b, offs, out = (torch.empty(1),) * 4
     launcher.launch(a, b, offs, out)
     runtime.grouped_mm_gated(a, b, offs, out=out, config=config, activation="silu")
-    assert [(args[3], cfg) for args, cfg in calls] == [("silu", GroupedConfig(128, 256, 64, 4, 2))] * 2
+    assert [(args[3], cfg, rows) for args, cfg, rows in calls] == [("silu", GroupedConfig(128, 256, 64, 4, 2), None)] * 2

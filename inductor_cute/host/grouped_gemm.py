@@ -46,8 +46,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.
     With `rows` (int32 or int64, (R,)), the product of a[rows] without the gathered copy: out (R, N)
     and offs split the R rows (the MoE permute: a the tokens, rows each routed row's token). A
     negative index counts from a's end, as in a[rows]; one outside a's rows stops the kernel with a
-    CUDA error (an illegal instruction, which ends the CUDA context), as torch's device-side index
-    check does. Index entries past offs[-1] are not read.
+    CUDA error (a trap: "unspecified launch failure", which ends the CUDA context), as torch's
+    device-side index check does. Index entries past offs[-1] are not read.
 
     Rows of `out` past offs[-1] are not written (left as they are; uninitialized when `out` is
     None). Offsets must be non-decreasing and at most `tokens`: they are read on the device only,

@@ -27,8 +27,6 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ...errors import UnsupportedError
-from ...host import grouped_gemm as _host_grouped
 from ...kernels.gemm import grouped_config
 from . import gate_lowering as _gate_lowering
 from . import runtime as _runtime
@@ -51,10 +49,7 @@ def grouped_mm_gated_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ac
     tensors but a real one refuses (an unaligned data pointer), and any device but CUDA, runs
     unfused."""
     if a.device.type in DEVICE_TYPES:
-        try:
-            return _host_grouped.grouped_mm_gated(a, b, offs, activation)
-        except UnsupportedError as e:
-            log.debug("grouped_mm_gated: %s; unfused instead", e)
+        return _runtime.fused_product(a, b, offs, activation)
     return unfused(a, b, offs, activation)
 
 

@@ -96,11 +96,10 @@ def _autotuned(a, rows, b, offs, activation: str):
     n_out = n // 2 if activation else n
     layout = FixedLayout(a.get_device(), a.get_dtype(), [tokens, n_out], [n_out, 1])
     hints = V.graph.sizevars
-    # the call's checks are those of a contiguous a of the product's rows (gather.py checked x's)
-    call = dataclasses.replace(grouped_call([a, b, offs], layout, has_bias=False),
-                               a_size=(hints.optimization_hint(tokens), int(hints.optimization_hint(k))),
-                               a_stride=(int(hints.optimization_hint(k)), 1)) if rows is not None else \
-        grouped_call([a, b, offs], layout, has_bias=False)
+    call = grouped_call([a, b, offs], layout, has_bias=False)
+    if rows is not None:  # checked as a contiguous a of the product's rows (gather.py checked x's)
+        k_hint = int(hints.optimization_hint(k))
+        call = dataclasses.replace(call, a_size=(hints.optimization_hint(tokens), k_hint), a_stride=(k_hint, 1))
     groups, k, n = (int(hints.optimization_hint(x)) for x in (groups, k, n))
     rows_dtype = str(rows.get_dtype()).removeprefix("torch.") if rows is not None else ""
     reason = decline_reason(call) or grouped_config.unsupported_reason(
@@ -119,10 +118,10 @@ def _autotuned(a, rows, b, offs, activation: str):
     if not choices:
         log.info("inductor-cute: no config of %s compiled: its fallback", name)
         return None
-    # torch's kernels for the same computation compete: the fusion is taken only where it measures faster
-    choices.insert(0, unfused_choice().bind(inputs, layout, activation=activation))
     log.info("inductor-cute autotunes %d configs of %s for %sx%sx%s in %s groups", len(choices), name,
              tokens_hint, n_out, k, groups)
+    # torch's kernels for the same computation compete: the fusion is taken only where it measures faster
+    choices.insert(0, unfused_choice().bind(inputs, layout, activation=activation))
     alignment = max(1, 16 // a.get_dtype().itemsize)
     offsets_at = len(inputs) - 1
     timing = {offsets_at: lambda node: routed_offsets(even_offsets(tokens_hint, groups, alignment, node.get_device(),

@@ -27,8 +27,6 @@ import logging
 
 import torch
 
-from ...errors import UnsupportedError
-from ...host import grouped_gemm as _host_grouped
 from . import gate_lowering as _gate_lowering
 from . import runtime as _runtime
 from . import gate as _gate
@@ -46,12 +44,7 @@ def grouped_mm_rows_op(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, off
                        activation: str) -> torch.Tensor:
     """_grouped_mm(a[rows], b, offs), gated by `activation` when one is named, in one launch."""
     if a.device.type in _gate.DEVICE_TYPES:  # (read at the call: the CPU tests add "cpu")
-        try:
-            if activation:
-                return _host_grouped.grouped_mm_gated(a, b, offs, activation, rows=rows)
-            return _host_grouped.grouped_mm(a, b, offs, rows=rows)
-        except UnsupportedError as e:
-            log.debug("grouped_mm_rows: %s; unfused instead", e)
+        return _runtime.fused_product(a, b, offs, activation, rows=rows)
     return _runtime.unfused_rows(a, rows, b, offs, activation)
 
 

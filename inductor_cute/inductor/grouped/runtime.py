@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from ...host import grouped_gemm as host_grouped
 from ...kernels.gemm.grouped_config import GroupedConfig
 
 MODULE = __name__  # what generated output code imports
+log = logging.getLogger(__name__)
 
 
 def as_tuple(config: GroupedConfig) -> tuple:
@@ -53,21 +55,34 @@ class GroupedLauncher:
         if not self.activation:
             host_grouped.grouped_mm(a, b, offs, out, config=self._config)
             return
-        try:
-            host_grouped.grouped_mm_gated(a, b, offs, self.activation, out, config=self._config)
-        except UnsupportedError:  # what only real tensors show (an unaligned pointer): as the op does
-            out.copy_(unfused_gate(a, b, offs, self.activation))
+        fused_product(a, b, offs, self.activation, out=out, config=self._config)
 
     def launch_rows(self, a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                     out: torch.Tensor) -> None:
         """The product of a's rows picked by `rows` (gather.py's op), gated when an activation is set."""
-        try:
-            if self.activation:
-                host_grouped.grouped_mm_gated(a, b, offs, self.activation, out, config=self._config, rows=rows)
-            else:
-                host_grouped.grouped_mm(a, b, offs, out, config=self._config, rows=rows)
-        except UnsupportedError:  # as the op does
-            out.copy_(unfused_rows(a, rows, b, offs, self.activation))
+        fused_product(a, b, offs, self.activation, rows=rows, out=out, config=self._config)
+
+
+def fused_product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str, *,
+                  rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  config: GroupedConfig | None = None) -> torch.Tensor:
+    """A fused MoE op's computation by our kernel (the gated product where `activation` names one,
+    of a's rows picked by `rows` when given; the ops, gate.py and gather.py, and their launchers);
+    what only real tensors show the kernel cannot take (an unaligned pointer) is computed unfused."""
+    try:
+        if activation:
+            return host_grouped.grouped_mm_gated(a, b, offs, activation, out, config=config, rows=rows)
+        return host_grouped.grouped_mm(a, b, offs, out, config=config, rows=rows)
+    except UnsupportedError as e:
+        log.debug("grouped_mm%s: %s; unfused instead", "_rows" if rows is not None else "_gated", e)
+    result = unfused_product(a, b, offs, activation, rows)
+    return result if out is None else out.copy_(result)
+
+
+def unfused_product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_product`'s computation by torch's kernels."""
+    return unfused_rows(a, rows, b, offs, activation) if rows is not None else unfused_gate(a, b, offs, activation)
 
 
 # the gate activations as torch computes them (grouped_config.GATES)
@@ -122,10 +137,8 @@ def grouped_mm_unfused(*inputs: torch.Tensor, out: torch.Tensor, activation: str
     """The fused ops' computation by torch's own kernels, into `out`: (a, b, offs) gated, or
     (a, rows, b, offs) gathered (and gated when an activation is named). The autotuning choice
     beside our fused configs (gate_lowering.py): a fusion is taken only where it measures faster."""
-    if len(inputs) == 4:
-        out.copy_(unfused_rows(*inputs, activation))
-    else:
-        out.copy_(unfused_gate(*inputs, activation))
+    a, *rows, b, offs = inputs
+    out.copy_(unfused_product(a, b, offs, activation, *rows))
 
 
 def even_offsets(tokens: int, groups: int, alignment: int, device, dtype=torch.int32) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""Stopping a kernel on input it must not read past: `trap` ends the launch with an error (the
-CUDA context reports an illegal instruction), as torch's device-side index asserts do, instead of
-reading or writing out of bounds and returning a wrong answer."""
+"""Stopping a kernel on input it must not read past: `trap` ends the launch with an error (CUDA
+reported "unspecified launch failure" on the H100, and the context is unusable after it), as
+torch's device-side index asserts do, instead of reading or writing out of bounds and returning a
+wrong answer."""
 
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op

@@ -48,7 +48,9 @@ an output element sit in the same thread's accumulator, tile_n / 2 columns apart
 Tensor conventions of the jit function: a (T, K) row-major; b (N, K, E), from torch's b (E, K, N)
 as b.permute(2, 1, 0) (b_major "k": b[g] is the transpose of an (N, K) row-major weight; "n": b[g]
 is (K, N) row-major); offs int32 (E,); d (T, N) row-major. The compiled function (TVM-FFI, env
-stream) is f(a, b, offs, d). Rows of d past offs[E-1] are not written.
+stream) is f(a, b, offs, d, rows): rows None, or (problem.rows) the int32/int64 index (T,) that
+picks a's row for each row of d, a then any number of rows (the gathered A loads by cp.async).
+Rows of d past offs[E-1] are not written.
 """
 from typing import Optional
 
@@ -84,11 +86,12 @@ class GroupedHopperGemm(HopperGemm):
         self.grouped_cfg = config
         self.gate = gate
         self.gather = gather  # a's rows picked by a row-index tensor (the MoE permute fused in)
-        if gather:
+        if gather and self.num_consumers == 2:
             # the gathering producer spills at 40 and at 48 registers (ptxas, 128x256 tiles); 56 fit
             # beside two consumer warp groups of 224 (128 * 56 + 256 * 224 <= 65536), which do not spill
-            self.producer_regs = 64 if self.num_consumers == 1 else 56
-            self.consumer_regs = self.consumer_regs if self.num_consumers == 1 else 224
+            self.producer_regs, self.consumer_regs = 56, 224
+        elif gather:  # one consumer warp group leaves the register file room
+            self.producer_regs = 64
         # output columns of a tile; a TMA box of the weight covers the same columns (gated: per half)
         self.out_tn = config.tile_n // 2 if gate else config.tile_n
 
@@ -273,8 +276,8 @@ class GroupedHopperGemm(HopperGemm):
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom, tB: cute.Tensor,
                tma_d: cute.CopyAtom, tD: cute.Tensor, mA: cute.Tensor, mD: cute.Tensor, mOffs: cute.Tensor,
-               mRows: Optional[cute.Tensor], tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
-               sB_box_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout):
+               mRows: Optional[cute.Tensor], tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+               sB_layout: cute.ComposedLayout, sB_box_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout):
         tm, tn, tk = self.tile_mnk
         out_tn = self.out_tn
         cm, cn = self.cluster_mn
