@@ -4,6 +4,9 @@ by total device time, the device time and wall time per step, and the output cod
 
     python3 benchmarks/profile_model.py [--model llama3-8b] [--layers 4] [--phase decode]
         [--batch 8] [--tokens 8192] [--mode default] [--steps 20] [--out DIR] [--runners stock,enabled]
+    python3 benchmarks/profile_model.py --model moe-block --phase fwd --tokens 4096 --mode max-autotune-no-cudagraphs
+
+--model moe-block: the models suite's MoE block (moe_block.py) at --tokens tokens, --phase fwd or train.
 
 --mode default skips autotuning (fast to compile; our GEMMs take part only in max-autotune modes).
 The enabled runner gets the models suite's enable() switches (INDUCTOR_CUTE_MODEL_ENABLE adds opt-in ones).
@@ -69,6 +72,8 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
+    if args.model == "moe-block":
+        return profile_moe_block(args)
     model = models.build_model(models.MODELS[args.model], args.layers)
     step = (models.DecodeStep if args.phase == "decode" else models.PrefillStep)(model, args.batch, args.tokens)
     text = [f"{args.model} {args.phase} B{args.batch} tokens {args.tokens}, {args.layers} layers, mode {args.mode}"]
@@ -92,6 +97,31 @@ def main() -> None:
         text.append(f"(compile {compile_s:.1f} s, our call sites {models.our_kernel_calls(chr(10).join(codes))}, "
                     f"autotuning choices timed so far in graphs / by Inductor's benchmarker: "
                     f"{counts['graph']} / {counts['stock']})")
+        text.append(report(name, wall, timeline, args.steps))
+    out = "\n\n".join(text)
+    print(out)
+    with open(os.path.join(args.out, "profile.txt"), "w") as f:
+        f.write(out + "\n")
+
+
+def profile_moe_block(args) -> None:
+    """The MoE block's step, compiled as the models suite compiles it (moe_block.make_runner)."""
+    from inductor_cute.bench.suites import models, moe_block
+
+    train = args.phase == "train"
+    block, x = moe_block.make_inputs(args.tokens, train)
+    text = [f"moe-block {args.phase} T{args.tokens}, mode {args.mode}, "
+            f"enable({models.enable_kwargs('train' if train else 'prefill')})"]
+    for name, backend in (("stock", "triton"), ("enabled", "inductor_cute")):
+        if name not in args.runners.split(","):
+            continue
+        torch._dynamo.reset()
+        runner = moe_block.make_runner(args.phase, block, x, args.mode, backend,
+                                       models.enable_kwargs("train" if train else "prefill"))
+        with open(os.path.join(args.out, f"profile-{name}-code.py"), "w") as f:
+            f.write(runner.code)
+        wall, timeline = profile(lambda run: run(), runner.run, args.steps)
+        text.append(f"(compile {runner.seconds:.1f} s, our call sites {models.our_kernel_calls(runner.code)})")
         text.append(report(name, wall, timeline, args.steps))
     out = "\n\n".join(text)
     print(out)

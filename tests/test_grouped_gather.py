@@ -157,7 +157,7 @@ def test_torch_compile_emits_the_gathered_call(cpu_counts_as_cuda, gate_too):
     x, w, offs = routed_inputs()
     torch._dynamo.reset()
     with inductor_cute.enable(fuse_moe_gate=gate_too, fuse_moe_gather=True):
-        assert inductor_config.post_grad_custom_pre_pass is moe_pass(gate_too, True)
+        assert inductor_config.post_grad_custom_pre_pass is moe_pass(gate_too, True, True)
         out, (code, *_) = run_and_get_code(torch.compile(fn), x, w, offs)
     assert "inductor_cute.grouped_mm_rows" in code and "grouped_mm_gated" not in code
     torch.testing.assert_close(out, fn(x, w, offs))
@@ -264,11 +264,13 @@ def test_fuse_moe_gather_alone_refuses_a_users_pre_pass():
 def test_nested_enables_restore_the_pre_pass_slot():
     with inductor_cute.enable(fuse_moe_gate=True):
         with inductor_cute.enable(fuse_moe_gather=True):
-            assert inductor_config.post_grad_custom_pre_pass is moe_pass(False, True)
-            with inductor_cute.enable():
+            assert inductor_config.post_grad_custom_pre_pass is moe_pass(False, True, True)
+            with inductor_cute.enable(moe_routing=False):
                 assert inductor_config.post_grad_custom_pre_pass is None
-            assert inductor_config.post_grad_custom_pre_pass is moe_pass(False, True)
-        assert inductor_config.post_grad_custom_pre_pass is moe_pass(True, False)
+            with inductor_cute.enable():
+                assert inductor_config.post_grad_custom_pre_pass is moe_pass(False, False, True)
+            assert inductor_config.post_grad_custom_pre_pass is moe_pass(False, True, True)
+        assert inductor_config.post_grad_custom_pre_pass is moe_pass(True, False, True)
     assert inductor_config.post_grad_custom_pre_pass is None
 
 

@@ -216,8 +216,8 @@ class _GraphPass:
 
 GROUP_GEMV, MOE = GRAPH_PASSES = (
     _GraphPass(("group_gemv",), "post_grad_custom_post_pass", ".gemm.shared_a", "GROUP_GEMV_PASS"),
-    _GraphPass(("fuse_moe_gate", "fuse_moe_gather"), "post_grad_custom_pre_pass", ".grouped.moe_pass", "moe_pass",
-               factory=True))
+    _GraphPass(("fuse_moe_gate", "fuse_moe_gather", "moe_routing"), "post_grad_custom_pre_pass", ".grouped.moe_pass",
+               "moe_pass", factory=True))
 
 
 class _Enabled:
@@ -233,7 +233,7 @@ class _Enabled:
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
            flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
            keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool = False,
-           fuse_moe_gather: bool = False) -> _Enabled:
+           fuse_moe_gather: bool = False, moe_routing: bool | None = None) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -287,7 +287,12 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     With `fuse_moe_gather` (off by default: compiled and CPU-checked, not yet measured), the same
     pass turns a `torch._grouped_mm` (or fused gate) of gathered rows `x[idx]`, as torchtitan-style
     MoE code permutes tokens to experts, into one grouped GEMM that reads x's rows through idx
-    (inductor/grouped/gather.py): the (tokens * top_k, hidden) copy is never written and read back."""
+    (inductor/grouped/gather.py): the (tokens * top_k, hidden) copy is never written and read back.
+    With `moe_routing` (on by default), the same pass sorts an MoE permute's top-k expert ids as
+    uint8/int16 keys (one or two radix passes instead of eight) and turns a top-k over at most 512
+    elements (the router's experts) into Inductor's Triton sort and a slice (inductor/grouped/
+    routing.py); like `group_gemv`, the default leaves a pass the user set in place and
+    `moe_routing=True` refuses to replace it."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -306,11 +311,15 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         if users_own:
             log.info("inductor-cute: post_grad_custom_post_pass is the user's; decode GEMVs are not grouped")
     pre_pass = config.post_grad_custom_pre_pass
-    if (fuse_moe_gate or fuse_moe_gather) and pre_pass is not None and not MOE.ours(pre_pass):
+    users_pre_pass = pre_pass is not None and not MOE.ours(pre_pass)
+    if (fuse_moe_gate or fuse_moe_gather or moe_routing) and users_pre_pass:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_pre_pass is already set "
-                           f"({pre_pass!r}); fuse_moe_gate and fuse_moe_gather need to install their own")
+                           f"({pre_pass!r}); fuse_moe_gate, fuse_moe_gather and moe_routing need to install "
+                           f"their own")
+    if moe_routing is None:  # the default: on, unless that would replace the user's pass
+        moe_routing = not users_pre_pass
     settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm,
-                        trace_block_masks, fuse_moe_gate, fuse_moe_gather)
+                        trace_block_masks, fuse_moe_gate, fuse_moe_gather, moe_routing)
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

@@ -28,6 +28,8 @@ class Settings:
     fuse_moe_gate: bool = _setting("gate")
     # a grouped_mm of gathered rows x[idx] reads x's rows through idx in its loads (grouped/gather.py)
     fuse_moe_gather: bool = _setting("gather")
+    # the MoE router's top-k and the permute's sort of its indices in cheaper forms (grouped/routing.py)
+    moe_routing: bool = _setting("route")
 
     def tag(self) -> str:
         return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))

@@ -1,7 +1,8 @@
 """The MoE post-grad graph pass (Inductor's `post_grad_custom_pre_pass`): with
-enable(fuse_moe_gate=True) the gate fusion (gate.py), with enable(fuse_moe_gather=True) the
-row-gather fusion (gather.py), in that order, so a fused gate whose rows are gathered becomes one
-gathered, gated call."""
+enable(moe_routing=True) (the default) the router's top-k and the permute's sort made cheap
+(routing.py), with enable(fuse_moe_gate=True) the gate fusion (gate.py), with
+enable(fuse_moe_gather=True) the row-gather fusion (gather.py), in that order, so a fused gate
+whose rows are gathered becomes one gathered, gated call."""
 
 from __future__ import annotations
 
@@ -14,32 +15,34 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ...kernels.gemm import grouped_config
-from . import gate, gather, lowering
+from . import gate, gather, lowering, routing
 
 
 class MoePass(CustomGraphPass):
-    """One object per pair of settings (`moe_pass`); its uuid (the modules that decide a rewrite
-    and which fusions it makes) enters the FX graph cache key."""
+    """One object per set of settings (`moe_pass`); its uuid (the modules that decide a rewrite
+    and which rewrites it makes) enters the FX graph cache key."""
 
-    def __init__(self, fuse_gate: bool, fuse_gather: bool) -> None:
-        self.fuse_gate, self.fuse_gather = fuse_gate, fuse_gather
+    def __init__(self, fuse_gate: bool, fuse_gather: bool, routing: bool = False) -> None:
+        self.fuse_gate, self.fuse_gather, self.routing = fuse_gate, fuse_gather, routing
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.routing:
+            routing.rewrite_routing(graph)
         if self.fuse_gate:
             gate.fuse_grouped_gates(graph)
         if self.fuse_gather:
             gather.fuse_row_gathers(graph)
 
     def uuid(self) -> str:
-        return f"{_SOURCE_HASH}-gate{int(self.fuse_gate)}-gather{int(self.fuse_gather)}"
+        return f"{_SOURCE_HASH}-gate{int(self.fuse_gate)}-gather{int(self.fuse_gather)}-route{int(self.routing)}"
 
 
-# what decides a rewrite: this pass (their order), the two fusions, the grouped lowering's decline
+# what decides a rewrite: this pass (their order), the routing rewrites, the two fusions, the grouped lowering's decline
 # reasons, the kernel's limits
 _SOURCE_HASH = hashlib.sha256(b"".join(Path(module.__file__).read_bytes() for module in (
-    sys.modules[__name__], gate, gather, lowering, grouped_config))).hexdigest()
+    sys.modules[__name__], routing, gate, gather, lowering, grouped_config))).hexdigest()
 
 
 @functools.cache  # enabling twice leaves the config value as it was
-def moe_pass(fuse_gate: bool, fuse_gather: bool) -> MoePass:
-    return MoePass(fuse_gate, fuse_gather)
+def moe_pass(fuse_gate: bool, fuse_gather: bool, routing: bool = False) -> MoePass:
+    return MoePass(fuse_gate, fuse_gather, routing)
