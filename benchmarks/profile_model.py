@@ -108,6 +108,8 @@ def profile_moe_block(args) -> None:
     """The MoE block's step, compiled as the models suite compiles it (moe_block.make_runner)."""
     from inductor_cute.bench.suites import models, moe_block
 
+    if args.phase not in ("fwd", "train"):
+        raise SystemExit(f"--model moe-block takes --phase fwd or train, not {args.phase}")
     train = args.phase == "train"
     block, x = moe_block.make_inputs(args.tokens, train)
     text = [f"moe-block {args.phase} T{args.tokens}, mode {args.mode}, "

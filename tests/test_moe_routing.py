@@ -60,7 +60,8 @@ def sorted_ids_too(logits):
 
 
 def sort_dtypes(gm):
-    return [n.args[0].meta["val"].dtype for n in gm.graph.nodes if n.target in (aten.sort.stable, aten.sort.default)]
+    graph = getattr(gm, "graph", gm)  # a GraphModule or its graph
+    return [n.args[0].meta["val"].dtype for n in graph.nodes if n.target in (aten.sort.stable, aten.sort.default)]
 
 
 @pytest.mark.parametrize("experts,key_dtype", [(128, torch.uint8), (256, torch.uint8), (300, torch.int16)])
@@ -71,7 +72,7 @@ def test_the_permute_sorts_narrow_keys_and_the_router_a_stable_sort(cpu_counts_a
     # the permute's sort of the ids first, then the router's sort of its probabilities
     assert key_dtype in sort_dtypes(gm) and torch.float32 in sort_dtypes(gm)
     fresh = torch.randn(300, experts)
-    for got, want in zip(gm(fresh), route_and_permute(fresh)):
+    for got, want in zip(gm(fresh), route_and_permute(fresh), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         exact = not want.is_floating_point()  # (the traced softmax is the decomposed one: ulps apart)
         torch.testing.assert_close(got, want, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
@@ -117,12 +118,32 @@ def test_what_the_rewrites_leave_alone(cpu_counts_as_cuda):
     assert torch.int64 in sort_dtypes(gm) and aten.topk.default not in targets(gm)
 
 
+def bool_top_k(x):
+    return torch.topk(x > 0, 2, dim=-1)
+
+
+def test_no_sort_where_inductor_would_not_make_it_a_triton_kernel_or_aten_refuses(cpu_counts_as_cuda):
+    with inductor_config.patch({"triton.persistent_reductions": False}):
+        assert aten.topk.default in targets(rewritten(long_top_k, torch.randn(4, 100)))
+    gm = traced(bool_top_k, torch.randn(4, 10))  # aten's top-k refuses bools: so must the compiled graph
+    routing.rewrite_routing(gm.graph)
+    assert aten.topk.default in targets(gm)
+
+
 def test_off_cuda_nothing_changes():
     gm = rewritten(route_and_permute, torch.randn(16, 128))  # DEVICE_TYPES unpatched: CPU tensors
     assert aten.topk.default in targets(gm) and torch.uint8 not in sort_dtypes(gm)
 
 
-def test_enable_installs_the_routing_rewrites_by_default_and_compiled_results_hold(cpu_counts_as_cuda):
+def test_enable_installs_the_routing_rewrites_by_default_and_compiled_results_hold(cpu_counts_as_cuda, monkeypatch):
+    rewritten_graphs = []
+
+    def recording(graph):  # the pass's graph after the rewrites
+        rewrite_routing(graph)
+        rewritten_graphs.append([n.target for n in graph.nodes] + sort_dtypes(graph))
+
+    rewrite_routing = routing.rewrite_routing
+    monkeypatch.setattr(routing, "rewrite_routing", recording)
     assert inductor_config.post_grad_custom_pre_pass is None
     with inductor_cute.enable():
         installed = inductor_config.post_grad_custom_pre_pass
@@ -130,8 +151,10 @@ def test_enable_installs_the_routing_rewrites_by_default_and_compiled_results_ho
         torch._dynamo.reset()
         compiled = torch.compile(route_and_permute)
         logits = torch.randn(64, 128)
-        for got, want in zip(compiled(logits), route_and_permute(logits)):
+        for got, want in zip(compiled(logits), route_and_permute(logits), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    (after,) = rewritten_graphs
+    assert aten.topk.default not in after and torch.uint8 in after
     assert inductor_config.post_grad_custom_pre_pass is None
     with inductor_cute.enable(moe_routing=False):
         assert inductor_config.post_grad_custom_pre_pass is None

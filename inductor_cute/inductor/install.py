@@ -318,6 +318,8 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
                            f"their own")
     if moe_routing is None:  # the default: on, unless that would replace the user's pass
         moe_routing = not users_pre_pass
+        if users_pre_pass:
+            log.info("inductor-cute: post_grad_custom_pre_pass is the user's; MoE routing is not rewritten")
     settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm,
                         trace_block_masks, fuse_moe_gate, fuse_moe_gather, moe_routing)
     values = _config_values(settings)

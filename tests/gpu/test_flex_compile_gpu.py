@@ -282,7 +282,8 @@ CACHED_SCRIPT = textwrap.dedent("""
     from torch.nn.attention.flex_attention import flex_attention
     import inductor_cute
     if sys.argv[1] == "enable":
-        inductor_cute.enable(flex_decode=True, group_gemv=False)  # what choices_factory(flex_decode=True) spells
+        # what choices_factory(flex_decode=True) spells: no grouped GEMV, no MoE routing pass
+        inductor_cute.enable(flex_decode=True, group_gemv=False, moe_routing=False)
     else:
         from inductor_cute.inductor import choices_factory
         torch._inductor.config.inductor_choices_class = choices_factory(flex_decode=True)

@@ -14,10 +14,14 @@ post-grad pass (moe_pass.py, with enable(moe_routing=True), the default), on CUD
    Triton kernel of Inductor's own (one row per program, in registers) that can read the softmax
    before it. The same elements come out, in the same order: the k largest, ties taken in index
    order as aten's top-k takes them, NaN counted largest (or smallest: largest=False) as both
-   order them.
+   order them; one difference: -0.0 and +0.0 are equal to the sort (index order) where aten's
+   top-k ranks +0.0 higher. The sorted rows are written whole (6 bytes an element) before the
+   slices: at most 1.5x the bytes of the top-k's input, which the unrewritten graph holds in
+   memory anyway, and which the sort's kernel may compute instead of reading (the softmax).
 
 Nothing else changes: no other sort is narrowed (the keys must come from a top-k's indices through
-views only), and a top-k over a longer or symbolic dimension stays aten's.
+views only), and a top-k over a longer or symbolic dimension, of bools, or where Inductor would not
+make the sort a Triton kernel (persistent reductions off), stays aten's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import operator
 
 import torch
+from torch._inductor import config as inductor_config
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +127,8 @@ def topk_as_sort(graph: torch.fx.Graph) -> int:
         if args is None:
             continue
         x = _value(args["self"])
+        if x.dtype == torch.bool or not inductor_config.triton.persistent_reductions:
+            continue  # aten refuses bools; without persistent reductions the sort would be aten's too
         dim = args["dim"] % x.dim()
         n, k = x.shape[dim], args["k"]
         if type(n) is not int or type(k) is not int or not 1 < n <= MAX_SORTED_TOPK or not 0 <= k <= n:
