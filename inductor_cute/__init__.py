@@ -15,8 +15,8 @@ _register_when_torch_loads()
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
            flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
-           keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool = False,
-           fuse_moe_gather: bool = False, moe_routing: bool | None = None):
+           keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool | None = None,
+           fuse_moe_gather: bool | None = None, moe_routing: bool | None = None):
     """Let torch.compile's max-autotune pick our GEMM kernels where they measure faster; returns a
     context manager that undoes it. See inductor_cute.inductor."""
     from .inductor import enable as _enable

@@ -166,8 +166,27 @@ def test_torch_compile_emits_the_gathered_call(cpu_counts_as_cuda, gate_too):
 
 def test_each_setting_pair_is_one_pass_with_its_own_cache_key():
     assert moe_pass(True, True) is moe_pass(True, True)
-    keys = {moe_pass(g, r).uuid() for g in (False, True) for r in (False, True)}
-    assert len(keys) == 4
+    keys = {moe_pass(g, r).uuid() for g in (False, True, None) for r in (False, True, None)}
+    assert len(keys) == 9
+
+
+@pytest.mark.parametrize("autotuned", [False, True])
+def test_the_default_fuses_only_where_the_graph_autotunes_with_our_backend(cpu_counts_as_cuda, autotuned):
+    # enable()'s default (None): the fused ops' autotuning weighs them against the unfused
+    # computation; without it our kernel's heuristic config would run unopposed
+    x, w, offs = routed_inputs()
+    gm = traced(routed_gated, x, w, offs)
+    with inductor_config.patch(max_autotune=autotuned, max_autotune_gemm=False,
+                               max_autotune_gemm_backends="ATEN,TRITON,ICUTE"):
+        moe_pass(None, None)(gm.graph)
+    fused = [n for n in gm.graph.nodes if n.target is gather.OP]
+    assert len(fused) == (1 if autotuned else 0)
+    if autotuned:
+        assert fused[0].args[-1] == "silu"  # the gate fused too: one gathered, gated call
+    with inductor_config.patch(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON"):  # ours not asked for
+        gm = traced(routed_gated, x, w, offs)
+        moe_pass(None, None)(gm.graph)
+        assert gather.OP not in targets(gm)
 
 
 # ---- the gathered op's autotuning (grouped/gate_lowering.py), on fake CUDA tensors
@@ -264,13 +283,13 @@ def test_fuse_moe_gather_alone_refuses_a_users_pre_pass():
 def test_nested_enables_restore_the_pre_pass_slot():
     with inductor_cute.enable(fuse_moe_gate=True):
         with inductor_cute.enable(fuse_moe_gather=True):
-            assert inductor_config.post_grad_custom_pre_pass is moe_pass(False, True, True)
-            with inductor_cute.enable(moe_routing=False):
+            assert inductor_config.post_grad_custom_pre_pass is moe_pass(None, True, True)
+            with inductor_cute.enable(moe_routing=False, fuse_moe_gate=False, fuse_moe_gather=False):
                 assert inductor_config.post_grad_custom_pre_pass is None
             with inductor_cute.enable():
-                assert inductor_config.post_grad_custom_pre_pass is moe_pass(False, False, True)
-            assert inductor_config.post_grad_custom_pre_pass is moe_pass(False, True, True)
-        assert inductor_config.post_grad_custom_pre_pass is moe_pass(True, False, True)
+                assert inductor_config.post_grad_custom_pre_pass is moe_pass(None, None, True)
+            assert inductor_config.post_grad_custom_pre_pass is moe_pass(None, True, True)
+        assert inductor_config.post_grad_custom_pre_pass is moe_pass(True, None, True)
     assert inductor_config.post_grad_custom_pre_pass is None
 
 

@@ -29,6 +29,10 @@ GROUPED_MM = torch.ops.aten._grouped_mm.default
 CONFIG_KEYS = ("inductor_choices_class", "max_autotune_gemm_backends", "benchmark_epilogue_fusion",
                "post_grad_custom_post_pass", "post_grad_custom_pre_pass", "triton.enable_pdl")
 
+# the Settings enable() makes of its defaults: the grouped GEMV and MoE routing passes on, the MoE
+# fusions where autotuned (None)
+ENABLE_DEFAULTS = dict(group_gemv=True, moe_routing=True, fuse_moe_gate=None, fuse_moe_gather=None)
+
 
 def state() -> dict:
     """Everything a hook or enable() may replace, by identity."""
@@ -87,7 +91,8 @@ def test_enable_installs_what_its_settings_ask_for(stock):
         assert common.device_codegens["cuda"].scheduling.replaced is stock["cuda codegen"].scheduling
         assert install.stock_lowering(HOP) is stock["flex lowering"]
         assert inductor_config.benchmark_epilogue_fusion is False
-    with inductor_cute.enable(fuse_epilogues=False, flex_decode=False, trace_block_masks=False):
+    with inductor_cute.enable(fuse_epilogues=False, flex_decode=False, trace_block_masks=False, fuse_moe_gate=False,
+                              fuse_moe_gather=False):
         assert installed() == {"gemm_extern_kernel": True, "gemm_feedback_log": True, "cuda_scheduling": False,
                                "flex_attention_lowering": False, "flex_attention_backward_lowering": False,
                                "grouped_extern_kernel": True,
@@ -116,10 +121,10 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
     assert install.Settings().flex_prefill is False  # opt-in
     with inductor_cute.enable(flex_decode=False, flex_prefill=True):
         assert installed()["flex_attention_lowering"]
-        assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True, group_gemv=True, moe_routing=True)
-        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0-tbm1-gate0-gather0-route1")
+        assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True, **ENABLE_DEFAULTS)
+        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0-tbm1-gatea-gathera-route1")
     with inductor_cute.enable():
-        assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False, group_gemv=True, moe_routing=True)
+        assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False, **ENABLE_DEFAULTS)
         # training through our kernels is opt-in: the backward lowering, installed for traced masks'
         # captures, declines (test_flex_backward_lowering.py: "opt-in: enable(flex_backward=True)")
         assert not V.choices.settings.flex_backward and installed()["flex_attention_backward_lowering"]
@@ -129,8 +134,8 @@ def test_flex_backward_installs_the_backward_lowering(stock):
     assert install.Settings().flex_backward is False  # opt-in
     with inductor_cute.enable(flex_backward=True):
         assert installed()["flex_attention_lowering"] and installed()["flex_attention_backward_lowering"]
-        assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True, moe_routing=True)
-        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0-m1mm0-tbm1-gate0-gather0-route1")
+        assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True, **ENABLE_DEFAULTS)
+        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0-m1mm0-tbm1-gatea-gathera-route1")
 
 
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
@@ -138,15 +143,15 @@ def test_nesting_with_other_settings_restores_each_level_exactly(stock):
     outer = state()
     inductor_cute.enable(fuse_epilogues=False, flex_decode=False, trace_block_masks=False)  # takes hooks out
     assert not installed()["cuda_scheduling"] and not installed()["flex_attention_lowering"]
-    assert V.choices.settings == install.Settings(fuse_epilogues=False, flex_decode=False, group_gemv=True,
-                                                  trace_block_masks=False, moe_routing=True)
-    assert install.active_settings() == install.Settings(group_gemv=True, trace_block_masks=False, moe_routing=True)
+    assert V.choices.settings == install.Settings(fuse_epilogues=False, flex_decode=False,
+                                                  trace_block_masks=False, **ENABLE_DEFAULTS)
+    assert install.active_settings() == install.Settings(trace_block_masks=False, **ENABLE_DEFAULTS)
     inductor_cute.enable(fuse_epilogues=True, flex_decode=False)
     assert install.active_settings().fuse_epilogues and installed()["cuda_scheduling"]
     inductor_cute.disable()
     inductor_cute.disable()
     assert_same(outer, state())  # the same objects back, not copies
-    assert V.choices.settings == install.Settings(fuse_epilogues=True, flex_decode=True, group_gemv=True, moe_routing=True)
+    assert V.choices.settings == install.Settings(fuse_epilogues=True, flex_decode=True, **ENABLE_DEFAULTS)
     inductor_cute.disable()
     assert_same(stock, state())
     assert not any(installed().values())
@@ -240,7 +245,7 @@ def test_this_threads_choices_follow_the_config(stock):
     assert not isinstance(V.choices, CuteChoices)  # built from the stock config (and kept by Inductor)
     with inductor_cute.enable(flex_decode=False):
         assert isinstance(V.choices, CuteChoices)
-        assert V.choices.settings == install.Settings(flex_decode=False, group_gemv=True, moe_routing=True)
+        assert V.choices.settings == install.Settings(flex_decode=False, **ENABLE_DEFAULTS)
         assert V.choices.uuid() == inductor_config.inductor_choices_class().uuid()
     with inductor_config.patch(inductor_choices_class=install.choices_factory(flex_decode=True)):
         assert V.choices.settings == install.Settings(flex_decode=True)  # the config set directly after disable()
@@ -260,13 +265,13 @@ def test_another_threads_choices_follow_the_config(stock):
 
         assert settings() is None  # stock, built before enable()
         with inductor_cute.enable(flex_backward=True):
-            assert settings() == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True, moe_routing=True)
+            assert settings() == install.Settings(flex_decode=True, flex_backward=True, **ENABLE_DEFAULTS)
             with inductor_cute.enable(flex_backward=False):  # no use of V.choices in between
-                assert settings() == install.Settings(flex_decode=True, flex_backward=False, group_gemv=True, moe_routing=True)
-            assert settings() == install.Settings(flex_decode=True, flex_backward=True, group_gemv=True, moe_routing=True)
+                assert settings() == install.Settings(flex_decode=True, flex_backward=False, **ENABLE_DEFAULTS)
+            assert settings() == install.Settings(flex_decode=True, flex_backward=True, **ENABLE_DEFAULTS)
         assert settings() is None
         with inductor_cute.enable(fuse_epilogues=True):
-            assert settings() == install.Settings(fuse_epilogues=True, flex_decode=True, group_gemv=True, moe_routing=True)
+            assert settings() == install.Settings(fuse_epilogues=True, flex_decode=True, **ENABLE_DEFAULTS)
         assert settings() is None
 
 
@@ -354,7 +359,8 @@ def test_pdl_turns_on_inductors_dependent_launch_for_the_enabled_level_only():
 def test_choices_factory_gives_what_enable_sets_for_the_same_settings(stock):
     # a graph cached by an enabled process is found by one that sets the factory directly
     # (tests/gpu/test_flex_compile_gpu.py: test_fx_cached_graph_runs_in_a_fresh_process)
-    with inductor_cute.enable(flex_decode=True, group_gemv=False, moe_routing=False):
+    with inductor_cute.enable(flex_decode=True, group_gemv=False, moe_routing=False, fuse_moe_gate=False,
+                              fuse_moe_gather=False):
         assert inductor_config.inductor_choices_class is install.choices_factory(flex_decode=True)
     with inductor_cute.enable(flex_decode=True):  # the grouped GEMV pass on: another key
         assert inductor_config.inductor_choices_class is not install.choices_factory(flex_decode=True)

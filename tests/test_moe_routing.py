@@ -147,7 +147,7 @@ def test_enable_installs_the_routing_rewrites_by_default_and_compiled_results_ho
     assert inductor_config.post_grad_custom_pre_pass is None
     with inductor_cute.enable():
         installed = inductor_config.post_grad_custom_pre_pass
-        assert installed is moe_pass(False, False, True)
+        assert installed is moe_pass(None, None, True)
         torch._dynamo.reset()
         compiled = torch.compile(route_and_permute)
         logits = torch.randn(64, 128)
@@ -156,7 +156,7 @@ def test_enable_installs_the_routing_rewrites_by_default_and_compiled_results_ho
     (after,) = rewritten_graphs
     assert aten.topk.default not in after and torch.uint8 in after
     assert inductor_config.post_grad_custom_pre_pass is None
-    with inductor_cute.enable(moe_routing=False):
+    with inductor_cute.enable(moe_routing=False, fuse_moe_gate=False, fuse_moe_gather=False):
         assert inductor_config.post_grad_custom_pre_pass is None
 
 

@@ -118,13 +118,13 @@ HOOKS: tuple[Hook, ...] = (
     # the fused MoE gate's op: its configs autotuned (grouped/gate_lowering.py)
     GATED_KERNEL,
     LoweringWrapper("grouped_mm_gated_lowering", _gated_op, _attr(".grouped.gate_lowering", "gated_lowering"),
-                    when=lambda settings: settings.fuse_moe_gate),
+                    when=lambda settings: settings.fuse_moe_gate is not False),
     # the gathered rows' op (grouped/gather.py), autotuned the same way; both fused ops' choices
     # include torch's unfused computation
     ROWS_KERNEL,
     UNFUSED_KERNEL,
     LoweringWrapper("grouped_mm_rows_lowering", _rows_op, _attr(".grouped.gate_lowering", "rows_lowering"),
-                    when=lambda settings: settings.fuse_moe_gather),
+                    when=lambda settings: settings.fuse_moe_gather is not False),
     # autotuning times every choice as a CUDA-graph step runs it (choice_timing.py), and so do the
     # scheduler's fusion decisions, which weigh those timings against fused kernels' timings
     AttributeWrapper("choice_timing", "torch._inductor.select_algorithm:AlgorithmSelectorCache", "benchmark_choice",
@@ -201,7 +201,7 @@ class _GraphPass:
     factory: bool = False
 
     def asked(self, settings: Settings) -> bool:
-        return any(getattr(settings, name) for name in self.settings)
+        return any(getattr(settings, name) is not False for name in self.settings)  # (None: where autotuned)
 
     def instance(self, settings: Settings | None = None):
         made = _attr(self.module, self.name)()
@@ -232,8 +232,8 @@ class _Enabled:
 
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
            flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
-           keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool = False,
-           fuse_moe_gather: bool = False, moe_routing: bool | None = None) -> _Enabled:
+           keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool | None = None,
+           fuse_moe_gather: bool | None = None, moe_routing: bool | None = None) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -278,21 +278,24 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     have some", so the step reads the padding from it at run time). On the H200 that took the GPU's wait
     for the host from 270-1140 us to ~60 us per 4-layer Llama decode step. It applies to graphs
     Dynamo traces while it is on: enable it before the model's first compiled call.
-    With `fuse_moe_gate` (off by default: compiled and CPU-checked, not yet measured), a post-grad
-    pass (Inductor's `post_grad_custom_pre_pass`) turns the MoE up projection's
-    `silu(gate) * up` of a fused gate_up `torch._grouped_mm` (chunked or split in halves, as
-    transformers' grouped_mm experts write it) into one grouped GEMM with the gate in its epilogue
-    (inductor/grouped/gate.py), so the (tokens, 2F) product is never stored, its configs autotuned
-    under max-autotune (inductor/grouped/gate_lowering.py); a pass the user set there is refused.
-    With `fuse_moe_gather` (off by default: compiled and CPU-checked, not yet measured), the same
-    pass turns a `torch._grouped_mm` (or fused gate) of gathered rows `x[idx]`, as torchtitan-style
-    MoE code permutes tokens to experts, into one grouped GEMM that reads x's rows through idx
-    (inductor/grouped/gather.py): the (tokens * top_k, hidden) copy is never written and read back.
+    With `fuse_moe_gate` and `fuse_moe_gather` (default None: in graphs compiled with max-autotune
+    and our backend; True: in every graph; False: never), a post-grad pass (Inductor's
+    `post_grad_custom_pre_pass`) turns the MoE up projection's `silu(gate) * up` of a fused gate_up
+    `torch._grouped_mm` (chunked or split in halves, as transformers' grouped_mm experts write it)
+    into one grouped GEMM with the gate in its epilogue (inductor/grouped/gate.py), so the
+    (tokens, 2F) product is never stored, and a `torch._grouped_mm` (or fused gate) of gathered rows
+    `x[idx]`, as torchtitan-style MoE code permutes tokens to experts, into one grouped GEMM that
+    reads x's rows through idx (inductor/grouped/gather.py): the (tokens * top_k, hidden) copy is
+    never written and read back. Under max-autotune the fused calls' configs are autotuned against
+    torch's unfused computation (inductor/grouped/gate_lowering.py), so a fusion stays only where it
+    measures faster; that is why the default leaves graphs without max-autotune alone. (H100, the
+    Qwen3-30B-A3B MoE block's forward: 1.26x stock at 4096 and 16384 tokens with both, 1.15x
+    without.) Training graphs keep their products: they save the rows and the gate for the backward.
     With `moe_routing` (on by default), the same pass sorts an MoE permute's top-k expert ids as
     uint8/int16 keys (one or two radix passes instead of eight) and turns a top-k over at most 512
     elements (the router's experts) into Inductor's Triton sort and a slice (inductor/grouped/
-    routing.py); like `group_gemv`, the default leaves a pass the user set in place and
-    `moe_routing=True` refuses to replace it."""
+    routing.py). A pass the user set in that slot is left in place by the defaults (the MoE graphs
+    are then not rewritten), and an explicit True for any of the three refuses to replace it."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -316,10 +319,11 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_pre_pass is already set "
                            f"({pre_pass!r}); fuse_moe_gate, fuse_moe_gather and moe_routing need to install "
                            f"their own")
-    if moe_routing is None:  # the default: on, unless that would replace the user's pass
-        moe_routing = not users_pre_pass
-        if users_pre_pass:
-            log.info("inductor-cute: post_grad_custom_pre_pass is the user's; MoE routing is not rewritten")
+    if users_pre_pass:  # the defaults: on (the fusions where autotuned), unless that would replace the user's pass
+        fuse_moe_gate, fuse_moe_gather, moe_routing = bool(fuse_moe_gate), bool(fuse_moe_gather), bool(moe_routing)
+        log.info("inductor-cute: post_grad_custom_pre_pass is the user's; MoE graphs are not rewritten")
+    elif moe_routing is None:
+        moe_routing = True
     settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm,
                         trace_block_masks, fuse_moe_gate, fuse_moe_gather, moe_routing)
     values = _config_values(settings)

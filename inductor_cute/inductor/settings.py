@@ -24,15 +24,20 @@ class Settings:
     keep_m1_mm: bool = _setting("m1mm")  # M = 1 mm's stay mm's under coordinate descent (gemm/m1.py)
     # create_block_mask(_compile=True) traced into the graph (block_masks.py)
     trace_block_masks: bool = _setting("tbm", True)
-    # silu(gate) * up of a grouped_mm product becomes one gated grouped GEMM (grouped/gate.py)
-    fuse_moe_gate: bool = _setting("gate")
-    # a grouped_mm of gathered rows x[idx] reads x's rows through idx in its loads (grouped/gather.py)
-    fuse_moe_gather: bool = _setting("gather")
+    # silu(gate) * up of a grouped_mm product becomes one gated grouped GEMM (grouped/gate.py);
+    # None (enable()'s default): only in graphs that autotune with our backend (grouped/moe_pass.py)
+    fuse_moe_gate: bool | None = _setting("gate")
+    # a grouped_mm of gathered rows x[idx] reads x's rows through idx in its loads (grouped/gather.py); None as above
+    fuse_moe_gather: bool | None = _setting("gather")
     # the MoE router's top-k and the permute's sort of its indices in cheaper forms (grouped/routing.py)
     moe_routing: bool = _setting("route")
 
     def tag(self) -> str:
-        return "-".join(f"{f.metadata['tag']}{int(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        return "-".join(f"{f.metadata['tag']}{_spelled(getattr(self, f.name))}" for f in dataclasses.fields(self))
+
+
+def _spelled(value: bool | None) -> str:
+    return "a" if value is None else str(int(value))  # "a": where autotuned (see the fields)
 
 
 def active_settings() -> Settings:

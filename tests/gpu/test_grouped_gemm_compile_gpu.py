@@ -125,7 +125,9 @@ def test_moe_block_with_default_backends_matches_eager(sizes, caplog):
     w13 = torch.randn(experts, 2 * ffn, hidden, device=DEV, generator=g).div_(hidden ** 0.5).bfloat16()
     w2 = torch.randn(experts, hidden, ffn, device=DEV, generator=g).div_(ffn ** 0.5).bfloat16()
     offs = offsets(sizes)
-    with inductor_cute.enable(), caplog.at_level("INFO", logger="inductor_cute"):
+    # the plain products (the fusions, on by default under max-autotune, have their tests below)
+    with inductor_cute.enable(fuse_moe_gate=False, fuse_moe_gather=False), \
+            caplog.at_level("INFO", logger="inductor_cute"):
         backends = inductor_config.max_autotune_gemm_backends
         assert "ICUTE" in backends and "ATEN" in backends.upper()
         out = torch.compile(moe_block, mode="max-autotune-no-cudagraphs")(x, w13, w2, offs)

@@ -1,5 +1,6 @@
 """The MoE up projection with its gate fused (issue 14): a post-grad graph pass (Inductor's
-`post_grad_custom_pre_pass`, with enable(fuse_moe_gate=True)) that finds
+`post_grad_custom_pre_pass`, with enable()'s fuse_moe_gate: under max-autotune by default, see
+moe_pass.py) that finds
 
     gate, up = torch._grouped_mm(x, w_gate_up, offs).chunk(2, dim=-1)      (or torch.split in halves)
     h = F.silu(gate) * up

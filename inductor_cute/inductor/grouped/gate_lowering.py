@@ -3,7 +3,7 @@ backend: its configs are autotuned like `_grouped_mm`'s (timed on routed group s
 otherwise Inductor would call the op as a fallback kernel with the untuned heuristic config.
 
 gate.py gives the op Inductor's fallback lowering when it defines the op (`ensure_fallback`); with
-enable(fuse_moe_gate=True), inductor/install.py puts `gated_lowering` in its place (a
+enable()'s fuse_moe_gate not False, inductor/install.py puts `gated_lowering` in its place (a
 LoweringWrapper), which autotunes where our backend is requested and our kernel serves the call
 (grouped/lowering.py's decline reasons, the gated kernel's limits), and otherwise calls that
 fallback. Our configs compete with torch's kernels computing the same unfused
@@ -43,7 +43,7 @@ def ensure_fallback(op) -> None:
 
 
 def gated_lowering(a, b, offs, activation: str):
-    """The gate op's lowering while enable(fuse_moe_gate=True): autotuned when our backend is
+    """The gate op's lowering while enable()'s fuse_moe_gate is not False: autotuned when our backend is
     requested and the choices build, else the fallback kernel."""
     import torch
 
@@ -52,7 +52,7 @@ def gated_lowering(a, b, offs, activation: str):
 
 
 def rows_lowering(a, rows, b, offs, activation: str):
-    """The gathered rows' op's lowering (gather.py) while enable(fuse_moe_gather=True): as the gate's."""
+    """The gathered rows' op's lowering (gather.py) while fuse_moe_gather is not False: as the gate's."""
     import torch
 
     return _lowering(torch.ops.inductor_cute.grouped_mm_rows.default, (a, rows, b, offs, activation),  # gather.OP

@@ -1,5 +1,5 @@
 """The MoE permute's row gather fused into the grouped GEMM (issue 14): a rewrite, in the MoE
-post-grad pass (moe_pass.py, with enable(fuse_moe_gather=True)), of
+post-grad pass (moe_pass.py, with enable()'s fuse_moe_gather: under max-autotune by default), of
 
     rows = x[idx]                                   (aten.index.Tensor, idx 1-D int32/int64)
     torch._grouped_mm(rows, w, offs)                or gate.py's grouped_mm_gated(rows, w, offs, act)

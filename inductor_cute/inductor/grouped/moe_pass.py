@@ -1,8 +1,12 @@
 """The MoE post-grad graph pass (Inductor's `post_grad_custom_pre_pass`): with
 enable(moe_routing=True) (the default) the router's top-k and the permute's sort made cheap
-(routing.py), with enable(fuse_moe_gate=True) the gate fusion (gate.py), with
-enable(fuse_moe_gather=True) the row-gather fusion (gather.py), in that order, so a fused gate
-whose rows are gathered becomes one gathered, gated call."""
+(routing.py), with enable(fuse_moe_gate=...) the gate fusion (gate.py), with
+enable(fuse_moe_gather=...) the row-gather fusion (gather.py), in that order, so a fused gate
+whose rows are gathered becomes one gathered, gated call. A fusion set True is made in every
+graph; set None (enable()'s default) only where the graph autotunes with our backend
+(max-autotune), where the fused op's choices include torch's unfused computation, so a fusion
+stays only where it measures faster; elsewhere our kernel would run its untuned heuristic config
+unopposed."""
 
 from __future__ import annotations
 
@@ -22,19 +26,29 @@ class MoePass(CustomGraphPass):
     """One object per set of settings (`moe_pass`); its uuid (the modules that decide a rewrite
     and which rewrites it makes) enters the FX graph cache key."""
 
-    def __init__(self, fuse_gate: bool, fuse_gather: bool, routing: bool = False) -> None:
+    def __init__(self, fuse_gate: bool | None, fuse_gather: bool | None, routing: bool = False) -> None:
         self.fuse_gate, self.fuse_gather, self.routing = fuse_gate, fuse_gather, routing
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.routing:
             routing.rewrite_routing(graph)
-        if self.fuse_gate:
+        if _wanted(self.fuse_gate):
             gate.fuse_grouped_gates(graph)
-        if self.fuse_gather:
+        if _wanted(self.fuse_gather):
             gather.fuse_row_gathers(graph)
 
     def uuid(self) -> str:
-        return f"{_SOURCE_HASH}-gate{int(self.fuse_gate)}-gather{int(self.fuse_gather)}-route{int(self.routing)}"
+        # (where a fusion depends on max-autotune, Inductor's own key holds that config)
+        return f"{_SOURCE_HASH}-gate{self.fuse_gate}-gather{self.fuse_gather}-route{int(self.routing)}"
+
+
+def _wanted(fusion: bool | None) -> bool:
+    """Whether a fusion set so is made in the graph being compiled (module docstring)."""
+    if fusion is None:
+        from ..gemm.choices import backend_requested
+
+        return backend_requested()
+    return fusion
 
 
 # what decides a rewrite: this pass (their order), the routing rewrites, the two fusions, the grouped lowering's decline
@@ -44,5 +58,5 @@ _SOURCE_HASH = hashlib.sha256(b"".join(Path(module.__file__).read_bytes() for mo
 
 
 @functools.cache  # enabling twice leaves the config value as it was
-def moe_pass(fuse_gate: bool, fuse_gather: bool, routing: bool = False) -> MoePass:
+def moe_pass(fuse_gate: bool | None, fuse_gather: bool | None, routing: bool = False) -> MoePass:
     return MoePass(fuse_gate, fuse_gather, routing)
