@@ -170,23 +170,36 @@ def test_each_setting_pair_is_one_pass_with_its_own_cache_key():
     assert len(keys) == 9
 
 
-@pytest.mark.parametrize("autotuned", [False, True])
-def test_the_default_fuses_only_where_the_graph_autotunes_with_our_backend(cpu_counts_as_cuda, autotuned):
+@pytest.mark.parametrize("autotuned,hopper", [(False, True), (True, True), (True, False)])
+def test_the_default_fuses_only_where_the_graph_autotunes_with_our_backend(cpu_counts_as_cuda, monkeypatch,
+                                                                          autotuned, hopper):
     # enable()'s default (None): the fused ops' autotuning weighs them against the unfused
-    # computation; without it our kernel's heuristic config would run unopposed
+    # computation; without it our kernel's heuristic config would run unopposed, and on another
+    # GPU the op would run eager's unfused computation
+    from inductor_cute.inductor.grouped import moe_pass as moe_pass_module
+
+    monkeypatch.setattr(moe_pass_module, "kernels_run_on", lambda graph: hopper)
     x, w, offs = routed_inputs()
     gm = traced(routed_gated, x, w, offs)
     with inductor_config.patch(max_autotune=autotuned, max_autotune_gemm=False,
                                max_autotune_gemm_backends="ATEN,TRITON,ICUTE"):
         moe_pass(None, None)(gm.graph)
-    fused = [n for n in gm.graph.nodes if n.target is gather.OP]
-    assert len(fused) == (1 if autotuned else 0)
-    if autotuned:
-        assert fused[0].args[-1] == "silu"  # the gate fused too: one gathered, gated call
-    with inductor_config.patch(max_autotune=True, max_autotune_gemm_backends="ATEN,TRITON"):  # ours not asked for
+    fused = [n for n in gm.graph.nodes if n.target in (gather.OP, gate.OP)]
+    assert len(fused) == (1 if autotuned and hopper else 0)
+    if fused:
+        assert fused[0].target is gather.OP and fused[0].args[-1] == "silu"  # one gathered, gated call
+    with inductor_config.patch(max_autotune=False, max_autotune_gemm=True,  # ours not asked for
+                               max_autotune_gemm_backends="ATEN,TRITON"):
         gm = traced(routed_gated, x, w, offs)
         moe_pass(None, None)(gm.graph)
-        assert gather.OP not in targets(gm)
+        assert gather.OP not in targets(gm) and gate.OP not in targets(gm)
+
+
+def test_the_default_needs_a_hopper_gpu_for_the_graphs_inputs(cpu_counts_as_cuda):
+    from inductor_cute.inductor.grouped.moe_pass import kernels_run_on
+
+    gm = traced(routed_gated, *routed_inputs())
+    assert not kernels_run_on(gm.graph)  # CPU inputs (CUDA, when there is one, is checked for sm_90)
 
 
 # ---- the gathered op's autotuning (grouped/gate_lowering.py), on fake CUDA tensors

@@ -109,6 +109,17 @@ def test_enable_installs_what_its_settings_ask_for(stock):
             install.stock_lowering(HOP)
 
 
+def test_the_defaults_install_the_moe_pass_and_the_fused_ops_lowerings(stock):
+    # the fusions default to "where autotuned": their lowerings autotune them, so they must be in
+    with inductor_cute.enable():
+        assert installed()["grouped_mm_gated_lowering"] and installed()["grouped_mm_rows_lowering"]
+        assert inductor_config.post_grad_custom_pre_pass.uuid().endswith("-gatea-gathera-route1")
+    with inductor_cute.enable(fuse_moe_gate=0, fuse_moe_gather=0, moe_routing=0, group_gemv=0):  # falsy: off
+        assert not installed()["grouped_mm_gated_lowering"] and not installed()["grouped_mm_rows_lowering"]
+        assert inductor_config.post_grad_custom_pre_pass is None
+        assert inductor_config.post_grad_custom_post_pass is None
+
+
 def test_traced_block_masks_alone_install_the_flex_lowering(stock):
     # it realizes the captured tensors of the calls the stock lowering gets (test_block_masks.py)
     with inductor_cute.enable(flex_decode=False):

@@ -201,7 +201,7 @@ class _GraphPass:
     factory: bool = False
 
     def asked(self, settings: Settings) -> bool:
-        return any(getattr(settings, name) is not False for name in self.settings)  # (None: where autotuned)
+        return any(value is None or bool(value) for value in (getattr(settings, name) for name in self.settings))
 
     def instance(self, settings: Settings | None = None):
         made = _attr(self.module, self.name)()
@@ -287,8 +287,9 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     `x[idx]`, as torchtitan-style MoE code permutes tokens to experts, into one grouped GEMM that
     reads x's rows through idx (inductor/grouped/gather.py): the (tokens * top_k, hidden) copy is
     never written and read back. Under max-autotune the fused calls' configs are autotuned against
-    torch's unfused computation (inductor/grouped/gate_lowering.py), so a fusion stays only where it
-    measures faster; that is why the default leaves graphs without max-autotune alone. (H100, the
+    eager's unfused computation (inductor/grouped/gate_lowering.py; not against what stock Inductor
+    fuses the unfused graph into), so a fusion is dropped where it measures slower than that; that
+    is why the default leaves graphs without max-autotune, or off Hopper, alone. (H100, the
     Qwen3-30B-A3B MoE block's forward: 1.26x stock at 4096 and 16384 tokens with both, 1.15x
     without.) Training graphs keep their products: they save the rows and the gate for the backward.
     With `moe_routing` (on by default), the same pass sorts an MoE permute's top-k expert ids as
@@ -324,8 +325,10 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
         log.info("inductor-cute: post_grad_custom_pre_pass is the user's; MoE graphs are not rewritten")
     elif moe_routing is None:
         moe_routing = True
-    settings = Settings(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm,
-                        trace_block_masks, fuse_moe_gate, fuse_moe_gather, moe_routing)
+    fuse_moe_gate, fuse_moe_gather = (None if f is None else bool(f) for f in (fuse_moe_gate, fuse_moe_gather))
+    settings = Settings(bool(fuse_epilogues), bool(flex_decode), bool(flex_prefill), bool(flex_backward),
+                        bool(group_gemv), bool(pdl), bool(keep_m1_mm), bool(trace_block_masks), fuse_moe_gate,
+                        fuse_moe_gather, bool(moe_routing))
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

@@ -33,10 +33,10 @@ class Settings:
     moe_routing: bool = _setting("route")
 
     def tag(self) -> str:
-        return "-".join(f"{f.metadata['tag']}{_spelled(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        return "-".join(f"{f.metadata['tag']}{spelled(getattr(self, f.name))}" for f in dataclasses.fields(self))
 
 
-def _spelled(value: bool | None) -> str:
+def spelled(value: bool | None) -> str:
     return "a" if value is None else str(int(value))  # "a": where autotuned (see the fields)
 
 

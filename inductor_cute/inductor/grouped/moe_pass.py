@@ -4,9 +4,11 @@ enable(moe_routing=True) (the default) the router's top-k and the permute's sort
 enable(fuse_moe_gather=...) the row-gather fusion (gather.py), in that order, so a fused gate
 whose rows are gathered becomes one gathered, gated call. A fusion set True is made in every
 graph; set None (enable()'s default) only where the graph autotunes with our backend
-(max-autotune), where the fused op's choices include torch's unfused computation, so a fusion
-stays only where it measures faster; elsewhere our kernel would run its untuned heuristic config
-unopposed."""
+(max-autotune) on a GPU our kernels run on, where the fused op's choices include torch's unfused
+computation (in eager's form: the GEMM, then the gate's or the gather's own kernels, not what
+stock Inductor would fuse them into), so a fusion is dropped where it measures slower than that;
+elsewhere our kernel would run its untuned heuristic config unopposed, or (another GPU) the op
+would run eager's unfused computation where stock Inductor fuses its pointwise part."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ...kernels.gemm import grouped_config
+from ..settings import spelled
 from . import gate, gather, lowering, routing
 
 
@@ -32,23 +35,38 @@ class MoePass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.routing:
             routing.rewrite_routing(graph)
-        if _wanted(self.fuse_gate):
+        if _wanted(self.fuse_gate, graph):
             gate.fuse_grouped_gates(graph)
-        if _wanted(self.fuse_gather):
+        if _wanted(self.fuse_gather, graph):
             gather.fuse_row_gathers(graph)
 
     def uuid(self) -> str:
-        # (where a fusion depends on max-autotune, Inductor's own key holds that config)
-        return f"{_SOURCE_HASH}-gate{self.fuse_gate}-gather{self.fuse_gather}-route{int(self.routing)}"
+        # (where a fusion depends on max-autotune and the GPU, Inductor's own key holds both)
+        return (f"{_SOURCE_HASH}-gate{spelled(self.fuse_gate)}-gather{spelled(self.fuse_gather)}"
+                f"-route{spelled(self.routing)}")
 
 
-def _wanted(fusion: bool | None) -> bool:
-    """Whether a fusion set so is made in the graph being compiled (module docstring)."""
+def _wanted(fusion: bool | None, graph: torch.fx.Graph) -> bool:
+    """Whether a fusion set so is made in `graph` (module docstring)."""
     if fusion is None:
         from ..gemm.choices import backend_requested
 
-        return backend_requested()
+        return backend_requested() and kernels_run_on(graph)
     return fusion
+
+
+def kernels_run_on(graph: torch.fx.Graph) -> bool:
+    """Whether the graph's CUDA inputs are all on GPUs our kernels run on (Hopper)."""
+    from ...runtime.arch import device_arch
+
+    devices = {v.device for n in graph.nodes if n.op == "placeholder"
+               for v in [n.meta.get("val")] if isinstance(v, torch.Tensor) and v.device.type == "cuda"}
+    try:
+        for device in devices:
+            device_arch(device.index or 0)
+    except Exception:  # UnsupportedError: another GPU, none visible
+        return False
+    return bool(devices)
 
 
 # what decides a rewrite: this pass (their order), the routing rewrites, the two fusions, the grouped lowering's decline

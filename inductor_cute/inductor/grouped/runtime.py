@@ -75,34 +75,37 @@ def fused_product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activati
         return host_grouped.grouped_mm(a, b, offs, out, config=config, rows=rows)
     except UnsupportedError as e:
         log.debug("grouped_mm%s: %s; unfused instead", "_rows" if rows is not None else "_gated", e)
-    result = unfused_product(a, b, offs, activation, rows)
-    return result if out is None else out.copy_(result)
+    return unfused_product(a, b, offs, activation, rows, out=out)
 
 
 def unfused_product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str,
-                    rows: torch.Tensor | None = None) -> torch.Tensor:
-    """`fused_product`'s computation by torch's kernels."""
-    return unfused_rows(a, rows, b, offs, activation) if rows is not None else unfused_gate(a, b, offs, activation)
+                    rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_product`'s computation by torch's kernels (into `out` when given: the gate's product
+    straight into it)."""
+    a_rows = a if rows is None else a[rows]
+    if activation:
+        return unfused_gate(a_rows, b, offs, activation, out=out)
+    result = torch._grouped_mm(a_rows, b, offs=offs)
+    return result if out is None else out.copy_(result)
 
 
 # the gate activations as torch computes them (grouped_config.GATES)
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 
 
-def unfused_gate(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str) -> torch.Tensor:
+def unfused_gate(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """act(gate) * up of torch._grouped_mm(a, b, offs) with b's columns [gate | up]: the fused
-    kernel's computation without it."""
+    kernel's computation without it (into `out` when given)."""
     gate, up = torch._grouped_mm(a, b, offs).chunk(2, dim=-1)
-    return ACTIVATIONS[activation](gate) * up
+    return torch.mul(ACTIVATIONS[activation](gate), up, out=out)
 
 
 def unfused_rows(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                  activation: str) -> torch.Tensor:
     """torch._grouped_mm(a[rows], b, offs), gated when `activation` names one: the gathered
     kernel's computation without it."""
-    if activation:
-        return unfused_gate(a[rows], b, offs, activation)
-    return torch._grouped_mm(a[rows], b, offs=offs)
+    return unfused_product(a, b, offs, activation, rows)
 
 
 _LAUNCHERS: dict[tuple, GroupedLauncher] = {}
@@ -138,7 +141,7 @@ def grouped_mm_unfused(*inputs: torch.Tensor, out: torch.Tensor, activation: str
     (a, rows, b, offs) gathered (and gated when an activation is named). The autotuning choice
     beside our fused configs (gate_lowering.py): a fusion is taken only where it measures faster."""
     a, *rows, b, offs = inputs
-    out.copy_(unfused_product(a, b, offs, activation, *rows))
+    unfused_product(a, b, offs, activation, *rows, out=out)
 
 
 def even_offsets(tokens: int, groups: int, alignment: int, device, dtype=torch.int32) -> torch.Tensor:
