@@ -103,6 +103,8 @@ for s in $steps; do
         grouped_routing) step grouped_routing 400 python3 benchmarks/grouped_routing.py ;;
         gather) step gather 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gather_gpu.py -q -rf -n 8 -p no:cacheprovider ;;
         grouped_gather) step grouped_gather 400 python3 benchmarks/grouped_gather.py ;;
+        # ours per cluster shape against Triton's template on the MoE block's routing (work rounds)
+        grouped_rounds) step grouped_rounds 400 python3 benchmarks/grouped_rounds.py ;;
         # issue 14's MoE block (Qwen3-30B-A3B shapes): forward at 4096 and 16384 tokens, a training step
         moe_block) step moe_block 560 python3 -m inductor_cute bench models --match moe-block --out "$OUT/moe-block" ;;
         grouped_quick) step grouped_quick 560 python3 -m inductor_cute bench grouped_gemm --quick --out "$OUT/grouped" ;;

@@ -1,0 +1,79 @@
+"""Is our grouped GEMM behind Inductor's Triton template on routed groups because of its cluster
+shapes' work rounds? The MoE block's three products Triton wins in its training step (Qwen3-30B-A3B
+at 4096 tokens, the block's own router): the up projection's forward, and both input gradients
+(their weights N-major). Side by side in one process, on the same offsets: eager
+torch._grouped_mm, Inductor's Triton template (compiled and autotuned now, stock), and ours in
+1x1, 1x2 and 2x1 clusters (128x256 and 128x128 tiles, overlap_last + staged_partial), each with
+its count of work units and of rounds over the SMs: a 2x1 cluster whose group has an odd number
+of row tiles leaves its second CTA computing rows past the group (docs/perf-notes.md, twenty-fifth
+session).
+
+    python3 benchmarks/grouped_rounds.py [tokens]
+"""
+
+import dataclasses
+import math
+import sys
+
+import torch
+
+from inductor_cute.bench.suites import moe_block
+from inductor_cute.bench.suites.grouped_gemm import triton_runner
+from inductor_cute.bench.timing import time_side_by_side
+from inductor_cute.host.grouped_gemm import grouped_mm
+from inductor_cute.kernels.gemm.grouped_config import GroupedConfig, GroupedProblem, spec, unsupported_reason
+from inductor_cute.runtime import precompile
+
+SHAPES = [(128, 256, 4), (128, 128, 6)]  # (tile_m, tile_n, stages)
+CLUSTERS = [(1, 1), (1, 2), (2, 1)]
+
+
+def work(sizes: list[int], n: int, cfg: GroupedConfig, sms: int) -> tuple[int, int]:
+    """(work units, rounds): cluster blocks of tiles per group, dealt to sms / cluster size clusters."""
+    col_blocks = math.ceil(math.ceil(n / cfg.tile_n) / cfg.cluster_n)
+    units = sum(math.ceil(math.ceil(rows / cfg.tile_m) / cfg.cluster_m) * col_blocks for rows in sizes if rows)
+    return units, math.ceil(units / (sms // cfg.cluster_size))
+
+
+def main() -> None:
+    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(torch.cuda.get_device_name(0), f"T{tokens}")
+    block, x = moe_block.make_inputs(tokens, False)
+    sizes = moe_block.rows_per_expert(block, x)
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    rows = tokens * block.model.topk
+    w_up, w_down = block.w_gate_up.detach(), block.w_down.detach()  # (E, 2F, hidden), (E, hidden, F)
+    # (name, a's width, the weight as torch._grouped_mm takes it, b_major)
+    forms = [("up fwd", w_up.shape[2], w_up.transpose(1, 2), "k"),
+             ("up dgrad", w_up.shape[1], w_up, "n"),
+             ("down dgrad", w_down.shape[1], w_down, "n")]
+    print(f"rows per expert: min {min(sizes)} mean {sum(sizes) / len(sizes):.0f} max {max(sizes)}")
+    for name, k, b, b_major in forms:
+        n = b.shape[2]
+        problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major)
+        a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        configs = [GroupedConfig(tm, tn, 64, stages, 2, cm, cn, overlap_last=True, staged_partial=True)
+                   for tm, tn, stages in SHAPES for cm, cn in CLUSTERS]
+        configs = [c for c in configs if unsupported_reason(problem, c, n=n, k=k, groups=len(sizes)) is None]
+        precompile([spec(problem, c, sms) for c in configs])
+        fns = {"aten": lambda: torch._grouped_mm(a, b, offs=offs)}
+        triton, note = triton_runner(a, b, offs)
+        if triton is not None:
+            fns["triton"] = triton
+        for c in configs:
+            fns[c.describe()] = lambda c=c: grouped_mm(a, b, offs, out, config=c)
+        times = time_side_by_side(fns, reps=50)
+        print(f"{name}: ({rows}, {k}) x ({len(sizes)}, {k}, {n}), b {b_major}-major; {note}")
+        full = dataclasses.replace(configs[0], cluster_m=1, cluster_n=1)
+        tiles, triton_rounds = work(sizes, n, dataclasses.replace(full, tile_n=256), sms)
+        print(f"    (128x256 tiles: {tiles}, {triton_rounds} rounds of {sms})")
+        for key, us in sorted(times.items(), key=lambda kv: kv[1]):
+            c = next((c for c in configs if c.describe() == key), None)
+            count = "" if c is None else "  units {} rounds {}".format(*work(sizes, n, c, sms))
+            print(f"    {us:9.1f} us  {times['aten'] / us:5.2f}x aten{count}  {key}")
+
+
+if __name__ == "__main__":
+    main()
