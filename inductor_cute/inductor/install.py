@@ -201,7 +201,7 @@ class _GraphPass:
     factory: bool = False
 
     def asked(self, settings: Settings) -> bool:
-        return any(value is None or bool(value) for value in (getattr(settings, name) for name in self.settings))
+        return any(getattr(settings, name) is not False for name in self.settings)  # (None: where autotuned)
 
     def instance(self, settings: Settings | None = None):
         made = _attr(self.module, self.name)()

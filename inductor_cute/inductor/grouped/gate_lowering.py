@@ -104,7 +104,7 @@ def _autotuned(a, rows, b, offs, activation: str):
     rows_dtype = str(rows.get_dtype()).removeprefix("torch.") if rows is not None else ""
     reason = decline_reason(call) or grouped_config.unsupported_reason(
         grouped_config.GroupedProblem(gate=activation, rows=rows_dtype), n=n, k=k, groups=groups) or \
-        device_reason(layout)
+        device_reason(layout.device)
     if reason:
         log.info("inductor-cute leaves %s %s x %s to its fallback: %s", name, call.a_size, call.b_size, reason)
         return None

@@ -45,7 +45,7 @@ def grouped_mm_rows_op(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, off
     """_grouped_mm(a[rows], b, offs), gated by `activation` when one is named, in one launch."""
     if a.device.type in _gate.DEVICE_TYPES:  # (read at the call: the CPU tests add "cpu")
         return _runtime.fused_product(a, b, offs, activation, rows=rows)
-    return _runtime.unfused_rows(a, rows, b, offs, activation)
+    return _runtime.unfused_product(a, b, offs, activation, rows)
 
 
 _LIBRARY.impl("grouped_mm_rows", grouped_mm_rows_op, "CompositeExplicitAutograd")

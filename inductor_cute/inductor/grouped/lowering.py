@@ -237,12 +237,12 @@ def _m_robust_only(input_nodes, layout, has_bias: bool) -> bool:
         m_robust_only(_bmm_inputs(input_nodes, layout), "bmm")
 
 
-def device_reason(layout) -> str | None:
-    """Why our kernels cannot run on the output's device (no Hopper GPU there), in one line."""
+def device_reason(device) -> str | None:
+    """Why our kernels cannot run on `device` (not a Hopper GPU), in one line."""
     from ...runtime.arch import device_arch
 
     try:
-        device_arch(layout.device.index or 0)
+        device_arch(device.index or 0)
     except Exception as e:
         return first_line(e)
     return None
@@ -273,7 +273,7 @@ def grouped_choices(input_nodes, layout, has_bias: bool) -> list:
         from ..gemm.choices import gemm_choices
 
         return gemm_choices(_bmm_inputs(input_nodes, layout), "bmm", layout=layout)
-    reason = reason or device_reason(layout)
+    reason = reason or device_reason(layout.device)
     if reason:
         log.info("inductor-cute skips grouped_mm %s x %s: %s", call.a_size, call.b_size, reason)
         return []

@@ -57,16 +57,9 @@ def _wanted(fusion: bool | None, graph: torch.fx.Graph) -> bool:
 
 def kernels_run_on(graph: torch.fx.Graph) -> bool:
     """Whether the graph's CUDA inputs are all on GPUs our kernels run on (Hopper)."""
-    from ...runtime.arch import device_arch
-
     devices = {v.device for n in graph.nodes if n.op == "placeholder"
                for v in [n.meta.get("val")] if isinstance(v, torch.Tensor) and v.device.type == "cuda"}
-    try:
-        for device in devices:
-            device_arch(device.index or 0)
-    except Exception:  # UnsupportedError: another GPU, none visible
-        return False
-    return bool(devices)
+    return bool(devices) and all(lowering.device_reason(device) is None for device in devices)
 
 
 # what decides a rewrite: this pass (their order), the routing rewrites, the two fusions, the grouped lowering's decline

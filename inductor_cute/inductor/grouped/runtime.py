@@ -101,13 +101,6 @@ def unfused_gate(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activatio
     return torch.mul(ACTIVATIONS[activation](gate), up, out=out)
 
 
-def unfused_rows(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-                 activation: str) -> torch.Tensor:
-    """torch._grouped_mm(a[rows], b, offs), gated when `activation` names one: the gathered
-    kernel's computation without it."""
-    return unfused_product(a, b, offs, activation, rows)
-
-
 _LAUNCHERS: dict[tuple, GroupedLauncher] = {}
 
 
