@@ -294,6 +294,25 @@ def test_runners_are_checked_against_the_reference_when_a_case_has_one():
     assert harness._check(_case(), {"inductor_cute": ref}) == []
 
 
+def test_outputs_are_compared_chunk_by_chunk_over_every_element(monkeypatch):
+    # (outputs of billions of elements are compared a chunk at a time: each chunk must count)
+    import dataclasses
+
+    monkeypatch.setattr(harness, "_CHUNK", 5)
+    ref = torch.arange(1.0, 24.0)
+    late = ref.clone()
+    late[-1] += 0.5  # in the last, partial chunk
+    bad = dict(harness._check(_case(), {"aten": ref, "inductor_cute": late.bfloat16()}))
+    assert set(bad) == {"inductor_cute"} and "max abs err 0.5" in bad["inductor_cute"]
+    # atol of the reference's largest magnitude, found in any chunk
+    relative = dataclasses.replace(_case(), atol=0.03, rtol=0.0, atol_of_max=True)
+    assert harness._check(relative, {"aten": ref, "inductor_cute": late}) == []  # 0.5 <= 0.03 * 23
+    poisoned = ref.clone()
+    poisoned[7] = float("nan")
+    unchecked = dataclasses.replace(_case(), atol=float("inf"), rtol=float("inf"))
+    assert set(dict(harness._check(unchecked, {"aten": ref, "inductor_cute": poisoned}))) == {"inductor_cute"}
+
+
 def test_variant_runners_are_one_fixed_config_each(monkeypatch):
     # each runner's name means the same config whatever the host's defaults are
     import inductor_cute.host.common as common

@@ -31,6 +31,18 @@ def _own_copy(out):
     return out.clone() if isinstance(out, torch.Tensor) else out
 
 
+# elements compared at once: fp32 temporaries of a few hundred MB, whatever the output's size (a
+# DeepSeek-V3 weight gradient has 3.8e9 elements: whole-tensor fp32 temporaries did not fit 80 GB)
+_CHUNK = 1 << 26
+
+
+def _chunk_pairs(o: torch.Tensor, r: torch.Tensor):
+    """(o, r) chunk by chunk, flattened, in fp32."""
+    o, r = o.reshape(-1), r.reshape(-1)
+    for i in range(0, r.numel(), _CHUNK):
+        yield o[i:i + _CHUNK].float(), r[i:i + _CHUNK].float()
+
+
 def _mismatch(case: Case, backend: str, out, ref, ref_name: str) -> str | None:
     """Why `out` (a tensor or a tuple of them) is not `ref` within the case's tolerance; None if it is."""
     outs, refs = _parts(out), _parts(ref)
@@ -40,17 +52,18 @@ def _mismatch(case: Case, backend: str, out, ref, ref_name: str) -> str | None:
         which = f" #{i}" if len(refs) > 1 else ""
         if o.shape != r.shape:
             return f"{backend} output{which} has shape {tuple(o.shape)}, {ref_name} {tuple(r.shape)}"
-        o, r = o.float(), r.float()
         if math.isinf(case.atol) and math.isinf(case.rtol):
             # unchecked (a suite that reports its own agreement): allclose would read rtol * |0| as
             # inf * 0 = NaN and reject every output holding an exact zero; only non-finite values
             # where the reference is finite count
-            if (~o.isfinite() & r.isfinite()).any():
+            if any((~oc.isfinite() & rc.isfinite()).any() for oc, rc in _chunk_pairs(o, r)):
                 return f"{backend} output{which} has non-finite values where {ref_name} is finite"
             continue
-        atol = case.atol * float(r.abs().max()) if case.atol_of_max and r.numel() else case.atol
-        if not torch.allclose(o, r, atol=atol, rtol=case.rtol):
-            err = (o - r).abs().max().item()
+        atol = case.atol
+        if case.atol_of_max and r.numel():
+            atol *= max(float(rc.abs().max()) for _, rc in _chunk_pairs(o, r))
+        if not all(torch.allclose(oc, rc, atol=atol, rtol=case.rtol) for oc, rc in _chunk_pairs(o, r)):
+            err = max(float((oc - rc).abs().max()) for oc, rc in _chunk_pairs(o, r))
             return f"{backend} output{which} differs from {ref_name} (max abs err {err:.3g}, atol {atol:.3g})"
     return None
 
