@@ -30,6 +30,7 @@ import torch
 from . import gate_lowering as _gate_lowering
 from . import runtime as _runtime
 from . import gate as _gate
+from . import nodes
 from .gate import OP as GATED_OP
 from .gate import product_decline_reason
 
@@ -79,10 +80,6 @@ def rows_decline_reason(x, idx, b, offs, activation: str) -> str | None:
                                   activation, rows=str(idx.dtype).removeprefix("torch."))
 
 
-def _value(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 def _product_args(node: torch.fx.Node):
     """(a, b, offs, activation) of a grouped product we rewrite: _grouped_mm's forward form with
     offsets, no bias and no other output dtype than a's, or the fused gate's op; None otherwise."""
@@ -91,8 +88,8 @@ def _product_args(node: torch.fx.Node):
     if node.target is _GROUPED_MM:
         args = dict(zip(("self", "mat2", "offs", "bias", "out_dtype"), node.args)) | dict(node.kwargs)
         a, out_dtype = args.get("self"), args.get("out_dtype")
-        if args.get("offs") is None or args.get("bias") is not None or _value(a) is None or \
-                out_dtype not in (None, _value(a).dtype):
+        if args.get("offs") is None or args.get("bias") is not None or nodes.value(a) is None or \
+                out_dtype not in (None, nodes.value(a).dtype):
             return None
         return a, args["mat2"], args["offs"], ""
     if node.target is GATED_OP and len(node.args) == 4:
@@ -113,7 +110,7 @@ def _gather_args(node) -> tuple | None:
 def _declined(x, idx, products: list) -> str | None:
     """Why the products (a, b, offs, activation, node) of x[idx] are not all rewritten; None when they are."""
     for a, b, offs, activation, _ in products:
-        values = [_value(n) for n in (x, idx, b, offs)]
+        values = [nodes.value(n) for n in (x, idx, b, offs)]
         if any(v is None for v in values):
             return "an operand without a traced value"
         reason = rows_decline_reason(*values, activation)

@@ -32,19 +32,15 @@ import operator
 import torch
 from torch._inductor import config as inductor_config
 
+from . import nodes
+
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 DEVICE_TYPES = ("cuda",)  # where the rewrites apply (the CPU tests add "cpu")
 MAX_SORTED_TOPK = 512  # Inductor's Triton sort takes rows up to this length (ir.Sort.create)
 _SORTS = (aten.sort.stable, aten.sort.default)
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
-          aten.alias.default)
 _TOPK_SIGNATURE = ("self", "k", "dim", "largest", "sorted")
-
-
-def _value(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _topk_args(node) -> dict | None:
@@ -52,7 +48,7 @@ def _topk_args(node) -> dict | None:
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target is not aten.topk.default:
         return None
     args = {"dim": -1, "largest": True, "sorted": True} | dict(zip(_TOPK_SIGNATURE, node.args)) | dict(node.kwargs)
-    x = _value(args["self"])
+    x = nodes.value(args["self"])
     if x is None or x.device.type not in DEVICE_TYPES or x.dim() == 0:
         return None
     return args
@@ -61,14 +57,14 @@ def _topk_args(node) -> dict | None:
 def _index_bound(node) -> int | None:
     """An exclusive upper bound of the values of `node` where it is a top-k's indices seen through
     views (the size of the dimension the top-k ran over, when static), else None."""
-    while isinstance(node, torch.fx.Node) and node.target in _VIEWS:
+    while isinstance(node, torch.fx.Node) and node.target in nodes.VIEWS:
         node = node.args[0]
     if not (isinstance(node, torch.fx.Node) and node.target is operator.getitem and node.args[1] == 1):
         return None
     args = _topk_args(node.args[0])
     if args is None:
         return None
-    size = _value(args["self"]).shape[args["dim"]]
+    size = nodes.value(args["self"]).shape[args["dim"]]
     return size if type(size) is int else None
 
 
@@ -80,15 +76,6 @@ def _narrow_dtype(bound: int) -> torch.dtype | None:
     return None
 
 
-def _call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None, *, like) -> torch.fx.Node:
-    """A new call of `target` with its traced value computed on the fake tensors of its inputs."""
-    node = graph.call_function(target, args, kwargs or {})
-    fake = [_value(a) if isinstance(a, torch.fx.Node) else a for a in args]
-    with _value(like).fake_mode:
-        node.meta["val"] = target(*fake, **(kwargs or {}))
-    return node
-
-
 def narrow_sort_keys(graph: torch.fx.Graph) -> int:
     """Sort top-k indices as the narrowest integer that holds them (rewrite 1); the number narrowed."""
     narrowed = 0
@@ -96,21 +83,22 @@ def narrow_sort_keys(graph: torch.fx.Graph) -> int:
         if sort.op != "call_function" or sort.target not in _SORTS:
             continue
         keys = sort.args[0]
-        bound, value = _index_bound(keys), _value(keys)
+        bound, value = _index_bound(keys), nodes.value(keys)
         dtype = _narrow_dtype(bound) if bound is not None else None
         if dtype is None or value is None or value.dtype not in (torch.int32, torch.int64):
             continue
         with graph.inserting_before(sort):
-            narrow = _call(graph, torch.ops.prims.convert_element_type.default, (keys, dtype), like=keys)
+            narrow = nodes.call(graph, torch.ops.prims.convert_element_type.default, (keys, dtype), like=keys)
         sort.replace_input_with(keys, narrow)
         wide_dtype = value.dtype
         for user in list(sort.users):  # the sorted keys, widened back for whoever reads them
             if user.target is operator.getitem and user.args[1] == 0 and user.users:
                 with graph.inserting_after(user):
-                    wide = _call(graph, torch.ops.prims.convert_element_type.default, (user, wide_dtype), like=user)
+                    wide = nodes.call(graph, torch.ops.prims.convert_element_type.default, (user, wide_dtype),
+                                      like=user)
                 user.replace_all_uses_with(wide, delete_user_cb=lambda n: n is not wide)
-        with _value(narrow).fake_mode:  # the sort's own traced values, of the narrow keys
-            sort.meta["val"] = sort.target(_value(narrow), *sort.args[1:], **sort.kwargs)
+        with nodes.value(narrow).fake_mode:  # the sort's own traced values, of the narrow keys
+            sort.meta["val"] = sort.target(nodes.value(narrow), *sort.args[1:], **sort.kwargs)
         for user in sort.users:
             if user.target is operator.getitem:
                 user.meta["val"] = sort.meta["val"][user.args[1]]
@@ -126,7 +114,7 @@ def topk_as_sort(graph: torch.fx.Graph) -> int:
         args = _topk_args(node)
         if args is None:
             continue
-        x = _value(args["self"])
+        x = nodes.value(args["self"])
         if x.dtype == torch.bool or not inductor_config.triton.persistent_reductions:
             continue  # aten refuses bools; without persistent reductions the sort would be aten's too
         dim = args["dim"] % x.dim()
@@ -137,12 +125,12 @@ def topk_as_sort(graph: torch.fx.Graph) -> int:
         if len(outputs) != len(node.users):
             continue
         with graph.inserting_before(node):
-            sort = _call(graph, aten.sort.stable, (args["self"],),
+            sort = nodes.call(graph, aten.sort.stable, (args["self"],),
                          {"stable": True, "dim": dim, "descending": bool(args["largest"])}, like=args["self"])
-            parts = [_call(graph, operator.getitem, (sort, i), like=args["self"]) for i in (0, 1)]
-            firsts = [_call(graph, aten.slice.Tensor, (part, dim, 0, k), like=args["self"]) for part in parts]
+            parts = [nodes.call(graph, operator.getitem, (sort, i), like=args["self"]) for i in (0, 1)]
+            firsts = [nodes.call(graph, aten.slice.Tensor, (part, dim, 0, k), like=args["self"]) for part in parts]
             # contiguous, as top-k's outputs are (a view of them may need it)
-            firsts = [_call(graph, aten.clone.default, (first,), {"memory_format": torch.contiguous_format},
+            firsts = [nodes.call(graph, aten.clone.default, (first,), {"memory_format": torch.contiguous_format},
                             like=args["self"]) for first in firsts]
         for user in outputs:
             user.replace_all_uses_with(firsts[user.args[1]])

@@ -1,0 +1,26 @@
+"""FX-node helpers the MoE graph rewrites share: a node's traced value, new calls with theirs."""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+# ops that keep a tensor's elements in order (the rewrites look through them)
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+         aten.alias.default)
+
+
+def value(node):
+    """The traced (fake) value of an FX node; None for anything else or a node without one."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None, *, like) -> torch.fx.Node:
+    """A new call of `target` with its traced value computed on the fake tensors of its inputs
+    (in the fake mode of node `like`'s value)."""
+    node = graph.call_function(target, args, kwargs or {})
+    fake = [[value(i) if isinstance(i, torch.fx.Node) else i for i in a] if isinstance(a, (list, tuple))
+            else value(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    with value(like).fake_mode:
+        node.meta["val"] = target(*fake, **(kwargs or {}))
+    return node
