@@ -16,13 +16,13 @@ _register_when_torch_loads()
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
            flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
            keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool | None = None,
-           fuse_moe_gather: bool | None = None, moe_routing: bool | None = None):
+           fuse_moe_gather: bool | None = None, moe_routing: bool | None = None, moe_scatters: bool | None = None):
     """Let torch.compile's max-autotune pick our GEMM kernels where they measure faster; returns a
     context manager that undoes it. See inductor_cute.inductor."""
     from .inductor import enable as _enable
 
     return _enable(fuse_epilogues, flex_decode, flex_prefill, flex_backward, group_gemv, pdl, keep_m1_mm,
-                   trace_block_masks, fuse_moe_gate, fuse_moe_gather, moe_routing)
+                   trace_block_masks, fuse_moe_gate, fuse_moe_gather, moe_routing, moe_scatters)
 
 
 def disable() -> None:

@@ -27,11 +27,12 @@ HOP = torch.ops.higher_order.flex_attention
 BACKWARD_HOP = torch.ops.higher_order.flex_attention_backward
 GROUPED_MM = torch.ops.aten._grouped_mm.default
 CONFIG_KEYS = ("inductor_choices_class", "max_autotune_gemm_backends", "benchmark_epilogue_fusion",
-               "post_grad_custom_post_pass", "post_grad_custom_pre_pass", "triton.enable_pdl")
+               "post_grad_custom_post_pass", "post_grad_custom_pre_pass", "joint_custom_pre_pass", "triton.enable_pdl")
 
-# the Settings enable() makes of its defaults: the grouped GEMV and MoE routing passes on, the MoE
-# fusions where autotuned (None)
-ENABLE_DEFAULTS = dict(group_gemv=True, moe_routing=True, fuse_moe_gate=None, fuse_moe_gather=None)
+# the Settings enable() makes of its defaults: the grouped GEMV, MoE routing and scatter passes on,
+# the MoE fusions where autotuned (None)
+ENABLE_DEFAULTS = dict(group_gemv=True, moe_routing=True, fuse_moe_gate=None, fuse_moe_gather=None,
+                       moe_scatters=True)
 
 
 def state() -> dict:
@@ -114,10 +115,12 @@ def test_the_defaults_install_the_moe_pass_and_the_fused_ops_lowerings(stock):
     with inductor_cute.enable():
         assert installed()["grouped_mm_gated_lowering"] and installed()["grouped_mm_rows_lowering"]
         assert inductor_config.post_grad_custom_pre_pass.uuid().endswith("-gatea-gathera-route1")
-    with inductor_cute.enable(fuse_moe_gate=0, fuse_moe_gather=0, moe_routing=0, group_gemv=0):  # falsy: off
+    with inductor_cute.enable(fuse_moe_gate=0, fuse_moe_gather=0, moe_routing=0, group_gemv=0,
+                              moe_scatters=0):  # falsy: off
         assert not installed()["grouped_mm_gated_lowering"] and not installed()["grouped_mm_rows_lowering"]
         assert inductor_config.post_grad_custom_pre_pass is None
         assert inductor_config.post_grad_custom_post_pass is None
+        assert inductor_config.joint_custom_pre_pass is None
 
 
 def test_traced_block_masks_alone_install_the_flex_lowering(stock):
@@ -133,7 +136,7 @@ def test_flex_prefill_alone_installs_the_flex_lowering(stock):
     with inductor_cute.enable(flex_decode=False, flex_prefill=True):
         assert installed()["flex_attention_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=False, flex_prefill=True, **ENABLE_DEFAULTS)
-        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0-tbm1-gatea-gathera-route1")
+        assert V.choices.uuid().endswith("flex0-prefill1-bwd0-ggemv1-pdl0-m1mm0-tbm1-gatea-gathera-route1-scat1")
     with inductor_cute.enable():
         assert V.choices.settings == install.Settings(flex_decode=True, flex_prefill=False, **ENABLE_DEFAULTS)
         # training through our kernels is opt-in: the backward lowering, installed for traced masks'
@@ -146,7 +149,7 @@ def test_flex_backward_installs_the_backward_lowering(stock):
     with inductor_cute.enable(flex_backward=True):
         assert installed()["flex_attention_lowering"] and installed()["flex_attention_backward_lowering"]
         assert V.choices.settings == install.Settings(flex_decode=True, flex_backward=True, **ENABLE_DEFAULTS)
-        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0-m1mm0-tbm1-gatea-gathera-route1")
+        assert V.choices.uuid().endswith("flex1-prefill0-bwd1-ggemv1-pdl0-m1mm0-tbm1-gatea-gathera-route1-scat1")
 
 
 def test_nesting_with_other_settings_restores_each_level_exactly(stock):
@@ -348,7 +351,7 @@ def test_settings_enter_the_factorys_tag():
     tags = {install.choices_factory(f, d, p, b)().uuid() for f in (False, True) for d in (False, True)
             for p in (False, True) for b in (False, True)}
     assert len(tags) == 16
-    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0-pdl0-m1mm0-tbm1-gate0-gather0-route0")
+    assert install.choices_factory(True, False)().uuid().endswith("fuse1-flex0-prefill0-bwd0-ggemv0-pdl0-m1mm0-tbm1-gate0-gather0-route0-scat0")
     assert install.choices_factory(True, False)().settings == install.Settings(True, False)
 
 
@@ -371,7 +374,7 @@ def test_choices_factory_gives_what_enable_sets_for_the_same_settings(stock):
     # a graph cached by an enabled process is found by one that sets the factory directly
     # (tests/gpu/test_flex_compile_gpu.py: test_fx_cached_graph_runs_in_a_fresh_process)
     with inductor_cute.enable(flex_decode=True, group_gemv=False, moe_routing=False, fuse_moe_gate=False,
-                              fuse_moe_gather=False):
+                              fuse_moe_gather=False, moe_scatters=False):
         assert inductor_config.inductor_choices_class is install.choices_factory(flex_decode=True)
     with inductor_cute.enable(flex_decode=True):  # the grouped GEMV pass on: another key
         assert inductor_config.inductor_choices_class is not install.choices_factory(flex_decode=True)

@@ -186,7 +186,7 @@ def test_fusion_installs_our_cuda_scheduling_and_restores_everything():
         assert isinstance(common.device_codegens["cuda"].scheduling(None), CuteCUDAScheduling)
         assert common.device_codegens["cuda"].wrapper_codegen is stock.wrapper_codegen
         assert inductor_config.benchmark_epilogue_fusion is False
-        assert inductor_config.inductor_choices_class().uuid().endswith("fuse1-flex1-prefill0-bwd0-ggemv1-pdl0-m1mm0-tbm1-gatea-gathera-route1")
+        assert inductor_config.inductor_choices_class().uuid().endswith("fuse1-flex1-prefill0-bwd0-ggemv1-pdl0-m1mm0-tbm1-gatea-gathera-route1-scat1")
     assert common.device_codegens["cuda"] is stock and not fusion_enabled()
     assert inductor_config.benchmark_epilogue_fusion == before
     with inductor_cute.enable():

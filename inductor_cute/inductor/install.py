@@ -214,10 +214,27 @@ class _GraphPass:
         return value is not None and isinstance(value, type(self.instance()))
 
 
-GROUP_GEMV, MOE = GRAPH_PASSES = (
+    def users_pass(self, asked: dict) -> bool:
+        """Whether the slot holds the user's pass; raises where one of this pass's switches in
+        `asked` is set True (a default, None, leaves the user's pass in place instead)."""
+        from torch._inductor import config
+
+        value = getattr(config, self.slot)
+        users = value is not None and not self.ours(value)
+        on = [name for name, switch in asked.items() if switch]
+        if users and on:
+            raise RuntimeError(f"inductor-cute: torch._inductor.config.{self.slot} is already set ({value!r}); "
+                               f"{' and '.join(on)} need(s) to install inductor-cute's own")
+        if users:
+            log.info("inductor-cute: %s is the user's; %s stay(s) off", self.slot, ", ".join(asked))
+        return users
+
+
+GROUP_GEMV, MOE, SCATTERS = GRAPH_PASSES = (
     _GraphPass(("group_gemv",), "post_grad_custom_post_pass", ".gemm.shared_a", "GROUP_GEMV_PASS"),
     _GraphPass(("fuse_moe_gate", "fuse_moe_gather", "moe_routing"), "post_grad_custom_pre_pass", ".grouped.moe_pass",
-               "moe_pass", factory=True))
+               "moe_pass", factory=True),
+    _GraphPass(("moe_scatters",), "joint_custom_pre_pass", ".grouped.scatters", "SCATTERS_PASS"))
 
 
 class _Enabled:
@@ -233,7 +250,8 @@ class _Enabled:
 def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill: bool = False,
            flex_backward: bool = False, group_gemv: bool | None = None, pdl: bool = False,
            keep_m1_mm: bool = False, trace_block_masks: bool = True, fuse_moe_gate: bool | None = None,
-           fuse_moe_gather: bool | None = None, moe_routing: bool | None = None) -> _Enabled:
+           fuse_moe_gather: bool | None = None, moe_routing: bool | None = None,
+           moe_scatters: bool | None = None) -> _Enabled:
     """Offer inductor-cute GEMMs to torch.compile's max-autotune (mm, addmm, bmm, baddbmm).
 
     With `fuse_epilogues`, a winning GEMM of ours takes the pointwise ops after it into its
@@ -296,7 +314,12 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     uint8/int16 keys (one or two radix passes instead of eight) and turns a top-k over at most 512
     elements (the router's experts) into Inductor's Triton sort and a slice (inductor/grouped/
     routing.py). A pass the user set in that slot is left in place by the defaults (the MoE graphs
-    are then not rewritten), and an explicit True for any of the three refuses to replace it."""
+    are then not rewritten), and an explicit True for any of the three refuses to replace it.
+    With `moe_scatters` (on by default), a joint-graph pass (Inductor's `joint_custom_pre_pass`)
+    turns accumulating scatters whose index is a sort's permutation, its inverse or the
+    permutation divided by top-k (an MoE permute's backward, torchtitan's scatter-add combine)
+    into gathers, summing each token's k rows in a fixed order instead of atomic adds into zeros
+    (inductor/grouped/scatters.py); a user's pass in that slot is treated as above."""
     from torch._inductor import config
 
     from .gemm.choices import CuteChoices
@@ -305,30 +328,23 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     if current is not None and getattr(current, "func", current) is not CuteChoices:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
                            f"({current!r}); inductor-cute needs to install its own")
-    user_pass = config.post_grad_custom_post_pass
-    users_own = user_pass is not None and not GROUP_GEMV.ours(user_pass)
-    if group_gemv and users_own:
-        raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_post_pass is already set "
-                           f"({user_pass!r}); group_gemv needs to install its own")
-    if group_gemv is None:  # the default: on, unless that would replace the user's pass
-        group_gemv = not users_own
-        if users_own:
-            log.info("inductor-cute: post_grad_custom_post_pass is the user's; decode GEMVs are not grouped")
-    pre_pass = config.post_grad_custom_pre_pass
-    users_pre_pass = pre_pass is not None and not MOE.ours(pre_pass)
-    if (fuse_moe_gate or fuse_moe_gather or moe_routing) and users_pre_pass:
-        raise RuntimeError(f"inductor-cute: torch._inductor.config.post_grad_custom_pre_pass is already set "
-                           f"({pre_pass!r}); fuse_moe_gate, fuse_moe_gather and moe_routing need to install "
-                           f"their own")
-    if users_pre_pass:  # the defaults: on (the fusions where autotuned), unless that would replace the user's pass
-        fuse_moe_gate, fuse_moe_gather, moe_routing = bool(fuse_moe_gate), bool(fuse_moe_gather), bool(moe_routing)
-        log.info("inductor-cute: post_grad_custom_pre_pass is the user's; MoE graphs are not rewritten")
+    if GROUP_GEMV.users_pass({"group_gemv": group_gemv}):  # the defaults: on, unless that would replace the user's pass
+        group_gemv = False
+    elif group_gemv is None:
+        group_gemv = True
+    moe_switches = {"fuse_moe_gate": fuse_moe_gate, "fuse_moe_gather": fuse_moe_gather, "moe_routing": moe_routing}
+    if MOE.users_pass(moe_switches):
+        fuse_moe_gate = fuse_moe_gather = moe_routing = False
     elif moe_routing is None:
         moe_routing = True
+    if SCATTERS.users_pass({"moe_scatters": moe_scatters}):
+        moe_scatters = False
+    elif moe_scatters is None:
+        moe_scatters = True
     fuse_moe_gate, fuse_moe_gather = (None if f is None else bool(f) for f in (fuse_moe_gate, fuse_moe_gather))
     settings = Settings(bool(fuse_epilogues), bool(flex_decode), bool(flex_prefill), bool(flex_backward),
                         bool(group_gemv), bool(pdl), bool(keep_m1_mm), bool(trace_block_masks), fuse_moe_gate,
-                        fuse_moe_gather, bool(moe_routing))
+                        fuse_moe_gather, bool(moe_routing), bool(moe_scatters))
     values = _config_values(settings)
     saved = _Saved({key: getattr(config, key) for key in values}, frozenset(h.name for h in HOOKS if h.installed()))
     try:

@@ -31,6 +31,8 @@ class Settings:
     fuse_moe_gather: bool | None = _setting("gather")
     # the MoE router's top-k and the permute's sort of its indices in cheaper forms (grouped/routing.py)
     moe_routing: bool = _setting("route")
+    # accumulating scatters whose index is a sort's permutation become gathers (grouped/scatters.py)
+    moe_scatters: bool = _setting("scat")
 
     def tag(self) -> str:
         return "-".join(f"{f.metadata['tag']}{spelled(getattr(self, f.name))}" for f in dataclasses.fields(self))

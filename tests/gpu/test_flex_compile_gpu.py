@@ -282,9 +282,9 @@ CACHED_SCRIPT = textwrap.dedent("""
     from torch.nn.attention.flex_attention import flex_attention
     import inductor_cute
     if sys.argv[1] == "enable":
-        # what choices_factory(flex_decode=True) spells: no grouped GEMV, no MoE pass
+        # what choices_factory(flex_decode=True) spells: no grouped GEMV, no MoE passes
         inductor_cute.enable(flex_decode=True, group_gemv=False, moe_routing=False, fuse_moe_gate=False,
-                             fuse_moe_gather=False)
+                             fuse_moe_gather=False, moe_scatters=False)
     else:
         from inductor_cute.inductor import choices_factory
         torch._inductor.config.inductor_choices_class = choices_factory(flex_decode=True)
