@@ -5,6 +5,8 @@ random data; scatters whose index is not provably such a permutation stay; torch
 enable() applies the pass to a training step's joint graph by default. CPU tensors stand in for
 CUDA ones (`DEVICE_TYPES` patched). GPU runs: tests/gpu/test_moe_scatters_gpu.py."""
 
+import operator
+
 import pytest
 import torch
 from torch._inductor import config as inductor_config
@@ -18,6 +20,11 @@ aten = torch.ops.aten
 TOKENS, TOP_K, HIDDEN, EXPERTS = 24, 4, 40, 6
 PAIRS = TOKENS * TOP_K
 SCATTERS = (aten.index_put.default, aten.scatter_add.default)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
 
 
 @pytest.fixture
@@ -92,13 +99,26 @@ def test_each_form_becomes_a_gather_and_computes_the_same(cpu_counts_as_cuda, fn
     values = [fresh(*shape, dtype=dtype) for shape in value_shapes]
     gm = rewritten(fn, experts, *values, expect=1)
     assert not set(SCATTERS) & set(targets(gm))
-    # the sums against an fp64 reference: no further from it than eager's own
     want = fn(experts, *[v.double() for v in values])
     got, eager = gm(experts, *values), fn(experts, *values)
     assert got.dtype == dtype and got.shape == want.shape
-    assert (got.double() - want).abs().max() <= (eager.double() - want).abs().max() + 1e-12
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # another order of fp32 additions
         torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-5)
+    else:  # the sums against an fp64 reference: no further from it than eager's bf16 ones
+        assert (got.double() - want).abs().max() <= (eager.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("unrolled", [True, False])
+def test_the_k_fold_sum_adds_k_gathers_up_to_a_bound_and_reduces_beyond_it(cpu_counts_as_cuda, monkeypatch,
+                                                                          unrolled):
+    monkeypatch.setattr(scatters, "MAX_UNROLLED_K", TOP_K if unrolled else TOP_K - 1)
+    experts, grad_rows = experts_ids(), fresh(PAIRS, HIDDEN, dtype=torch.bfloat16)
+    gm = rewritten(permute_backward, experts, grad_rows, expect=1)
+    gathers = targets(gm).count(aten.index.Tensor)
+    assert (gathers, aten.sum.dim_IntList in targets(gm)) == ((TOP_K, False) if unrolled else (1, True))
+    want = permute_backward(experts, grad_rows.double())
+    assert (gm(experts, grad_rows).double() - want).abs().max() <= \
+        (permute_backward(experts, grad_rows).double() - want).abs().max()
 
 
 def test_the_graphs_own_inverse_is_reused_and_one_is_made_where_it_has_none(cpu_counts_as_cuda):
@@ -118,6 +138,36 @@ def test_the_graphs_own_inverse_is_reused_and_one_is_made_where_it_has_none(cpu_
     assert targets(gm).count(aten.scatter.src) == 1
 
 
+def test_a_narrow_inverse_of_the_graphs_is_not_taken_for_an_index(cpu_counts_as_cuda):
+    def int16_inverse_beside(experts, grad_rows):  # int16 "inverse" for some other use: no index
+        order = order_of(experts)
+        narrow = torch.empty(PAIRS, dtype=torch.int16).scatter(0, order, torch.arange(PAIRS, dtype=torch.int16))
+        return permute_backward(experts, grad_rows), narrow
+
+    args = experts_ids(), fresh(PAIRS, HIDDEN)
+    gm = rewritten(int16_inverse_beside, *args, expect=1)
+    assert targets(gm).count(aten.scatter.src) == 2  # the int16 one and an int64 one made
+    for got, want in zip(gm(*args), int16_inverse_beside(*args), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_every_node_made_carries_its_sources_provenance(cpu_counts_as_cuda):
+    # (the partitioner reads activation-checkpoint tags and a region's memory budget on every node)
+    gm = traced(permute_backward, experts_ids(), fresh(PAIRS, HIDDEN, dtype=torch.bfloat16))
+    before = set(gm.graph.nodes)
+    for node in before:
+        node.meta["custom"] = {"mark": node.name}
+    scatter = next(n for n in before if n.target is aten.index_put.default)
+    perm = next(n for n in before if n.target is operator.getitem and n.args[1] == 1)
+    assert scatters.gather_permuted_scatters(gm.graph) == 1
+    made = [n for n in gm.graph.nodes if n not in before]
+    inverse_part = {aten.empty.memory_format, torch.ops.prims.iota.default, aten.scatter.src}
+    assert len(made) > 3 and {n.target for n in made} >= inverse_part
+    for n in made:
+        source = perm if n.target in inverse_part else scatter
+        assert n.meta["custom"] == {"mark": source.name}, n
+
+
 def not_a_sort(perm, grad_rows):  # a permutation the graph cannot prove is one
     return torch.zeros(TOKENS, HIDDEN).index_put((perm // TOP_K,), grad_rows, accumulate=True)
 
@@ -126,7 +176,7 @@ def rows_do_not_match(experts, grad_rows):  # n // k is TOKENS, the destination 
     return torch.zeros(TOKENS + 1, HIDDEN).index_put((order_of(experts) // TOP_K,), grad_rows, accumulate=True)
 
 
-def other_divisor(experts, grad_rows):  # perm // 2 over TOKENS * 4 pairs: 2 * TOKENS destination rows
+def other_divisor(experts, grad_rows):  # perm // 3 over TOKENS * 4 pairs into 2 * TOKENS rows
     return torch.zeros(2 * TOKENS, HIDDEN).index_put((order_of(experts) // 3,), grad_rows, accumulate=True)
 
 
@@ -143,7 +193,19 @@ def broadcast_values(experts, grad_row):  # one row for all pairs: the values ar
     return torch.zeros(TOKENS, HIDDEN).index_put((order_of(experts) // TOP_K,), grad_row, accumulate=True)
 
 
+def broadcast_along_dim_0(experts, values):  # index[i, j] = perm[j]: constant down the scatter's dim
+    order = order_of(experts)
+    return torch.zeros(PAIRS, PAIRS).scatter_add(0, order.clone().expand(PAIRS, PAIRS), values)
+
+
+def column_with_a_leading_dim(experts, values):  # index[b, i, h] = perm[i]: an expand that adds dim 0
+    order = order_of(experts)
+    return torch.zeros(PAIRS, PAIRS, 3).scatter_add(0, order.view(PAIRS, 1).expand(PAIRS, PAIRS, 3), values)
+
+
 @pytest.mark.parametrize("fn, args", [
+    (broadcast_along_dim_0, lambda: (experts_ids(), fresh(PAIRS, PAIRS))),
+    (column_with_a_leading_dim, lambda: (experts_ids(), fresh(PAIRS, PAIRS, 3))),
     (not_a_sort, lambda: (torch.randperm(PAIRS), fresh(PAIRS, HIDDEN))),
     (rows_do_not_match, lambda: (experts_ids(), fresh(PAIRS, HIDDEN))),
     (other_divisor, lambda: (experts_ids(), fresh(PAIRS, HIDDEN))),
