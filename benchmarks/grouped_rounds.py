@@ -1,7 +1,8 @@
 """Is our grouped GEMM behind Inductor's Triton template on routed groups because of its cluster
 shapes' work rounds? The MoE block's three products Triton wins in its training step (Qwen3-30B-A3B
 at 4096 tokens, the block's own router): the up projection's forward, and both input gradients
-(their weights N-major). Side by side in one process, on the same offsets: eager
+(their weights N-major), and its two weight gradients (ours with and without the whole-tile
+store). Side by side in one process, on the same offsets: eager
 torch._grouped_mm, Inductor's Triton template (compiled and autotuned now, stock), and ours in
 1x1, 1x2 and 2x1 clusters (128x256 and 128x128 tiles, overlap_last + staged_partial), each with
 its count of work units and of rounds over the SMs: a 2x1 cluster whose group has an odd number
@@ -73,6 +74,35 @@ def main() -> None:
             c = next((c for c in configs if c.describe() == key), None)
             count = "" if c is None else "  units {} rounds {}".format(*work(sizes, n, c, sms))
             print(f"    {us:9.1f} us  {times['aten'] / us:5.2f}x aten{count}  {key}")
+    weight_gradients(block, sizes, offs, rows)
+
+
+def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int) -> None:
+    """The block's two weight gradients (autograd's layout: grad.t() M-major, x N-major), ours with
+    and without the whole-tile store (GroupedConfig.store_whole_tile) against eager's CUTLASS, on
+    the same offsets: where a unit reduces ~256 tokens, its 64 KB store follows its MMAs."""
+    from inductor_cute.kernels.gemm import grouped_wgrad_config as wg
+
+    problem = wg.WgradProblem()
+    hidden, ffn = block.w_down.shape[1], block.w_down.shape[2]
+    for name, m, n in (("up wgrad", 2 * ffn, hidden), ("down wgrad", hidden, ffn)):
+        grad = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        a = grad.t()
+        out = torch.empty(len(sizes), m, n, device="cuda", dtype=torch.bfloat16)
+        configs = [GroupedConfig(tm, tn, 64, stages, w, store_whole_tile=whole)
+                   for tm, tn, w, stages, whole in ((128, 256, 2, 4, False), (128, 256, 2, 3, True),
+                                                    (128, 128, 2, 6, False), (128, 128, 2, 5, True))]
+        configs = [c for c in configs if wg.unsupported_reason(problem, c, m=m, n=n, groups=len(sizes)) is None]
+        precompile([wg.spec(problem, c, torch.cuda.get_device_properties(0).multi_processor_count) for c in configs])
+        fns = {"aten": lambda: torch._grouped_mm(a, x, offs=offs)}
+        for c in configs:
+            fns[c.describe()] = lambda c=c: grouped_mm(a, x, offs, out, config=c)
+        times = time_side_by_side(fns, reps=50)
+        units = wg.work_units(m, n, len(sizes), 128, 256)
+        print(f"{name}: ({m}, {rows}) x ({rows}, {n}) -> ({len(sizes)}, {m}, {n}); 128x256 units {units}")
+        for key, us in sorted(times.items(), key=lambda kv: kv[1]):
+            print(f"    {us:9.1f} us  {times['aten'] / us:5.2f}x aten  {key}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 
 from inductor_cute.kernels.gemm.config import SMEM_BUDGET
 from inductor_cute.kernels.gemm.grouped_config import MAX_GROUPS, GroupedConfig, smem_bytes
+from inductor_cute.kernels.gemm import grouped_wgrad_config
 from inductor_cute.kernels.gemm.grouped_wgrad_config import (WgradProblem, candidates, default_config, spec,
                                                              unsupported_reason, work_units)
 from inductor_cute.runtime.compiler import compile_spec
@@ -18,6 +19,7 @@ TOKEN_MAJOR = WgradProblem("bfloat16", "bfloat16", "k", "k")
 VARIANTS = {
     "autograd-layout-default": (AUTOGRAD, default_config(AUTOGRAD, 7168, 4096, 8192, groups=32)),
     "token-major-64x128-one-warpgroup": (TOKEN_MAJOR, GroupedConfig(64, 128, 64, 8, 1)),
+    "autograd-layout-whole-tile-store": (AUTOGRAD, GroupedConfig(128, 256, 64, 3, 2, store_whole_tile=True)),
 }
 
 
@@ -25,7 +27,7 @@ VARIANTS = {
 def compiled(request):
     problem, config = VARIANTS[request.param]
     result = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True)
-    result.problem = problem
+    result.problem, result.config = problem, config
     return result
 
 
@@ -50,6 +52,17 @@ def test_ptxas_reports_no_spills_and_no_serialized_wgmma(compiled):
     assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report)
     assert not re.search(r"[1-9]\d* bytes spill", report)
     assert "wgmma.mma_async instructions are serialized" not in report  # C7512 or C7519
+
+
+def test_the_whole_tile_store_commits_one_group_of_stores_a_tile(compiled):
+    # every subtile staged, then all of them stored at once: one commit and two epilogue barriers a
+    # tile, where the subtile buffers take a commit and two barriers a subtile
+    ptx = compiled.ptx
+    stores = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx))
+    commits = len(re.findall(r"cp\.async\.bulk\.commit_group", ptx))
+    barriers = len(re.findall(r"bar\.sync", ptx))
+    whole = compiled.config.store_whole_tile
+    assert stores > 1 and (commits == 1, barriers <= 4) == (whole, whole)
 
 
 def test_variants_fit_shared_memory():
@@ -90,3 +103,24 @@ def test_layout_is_part_of_the_kernel_spec():
     cfg = GroupedConfig(128, 128, 64, 6, 2)
     assert spec(AUTOGRAD, cfg).name != spec(TOKEN_MAJOR, cfg).name
     assert spec(AUTOGRAD, cfg).module.endswith("grouped_wgrad_sm90")
+
+
+def test_the_whole_tile_store_is_the_weight_gradients_and_must_fit():
+    whole = GroupedConfig(128, 256, 64, 3, 2, store_whole_tile=True)
+    assert unsupported_reason(AUTOGRAD, whole) is None
+    assert smem_bytes(whole, tables=1) - smem_bytes(GroupedConfig(128, 256, 64, 3, 2), tables=1) == 128 * 256 * 2 - \
+        2 * 128 * 32 * 2  # the whole tile where two subtiles were
+    assert "shared memory" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, store_whole_tile=True))
+    from inductor_cute.kernels.gemm.grouped_config import GroupedProblem
+    from inductor_cute.kernels.gemm.grouped_config import unsupported_reason as forward_reason
+    assert "weight gradient" in forward_reason(GroupedProblem(), whole)
+    assert "whole-tile-store" in whole.describe() and whole.as_params()["store_whole_tile"] is True
+    assert "store_whole_tile" not in GroupedConfig(128, 256, 64, 3, 2).as_params()  # older specs keep their keys
+
+
+def test_the_whole_tile_store_is_offered_only_once_gpu_checked(monkeypatch):
+    offered = lambda: [c.store_whole_tile for c in candidates(AUTOGRAD, 2048, 1536, 32768, groups=128)]  # noqa: E731
+    monkeypatch.setattr(grouped_wgrad_config, "WHOLE_TILE_STORE_GPU_CHECKED", False)
+    assert not any(offered())
+    monkeypatch.setattr(grouped_wgrad_config, "WHOLE_TILE_STORE_GPU_CHECKED", True)
+    assert any(offered()) and not all(offered())

@@ -19,6 +19,7 @@ from torch._inductor.utils import run_and_get_code
 
 import inductor_cute
 from inductor_cute import ops
+from inductor_cute.kernels.gemm.grouped_config import GroupedConfig
 from inductor_cute.kernels.gemm.grouped_wgrad_config import WgradProblem, candidates
 
 pytestmark = pytest.mark.gpu
@@ -110,6 +111,22 @@ def test_all_groups_empty():
 def test_every_candidate_config(index):
     config = candidates(WgradProblem(), 512, 512, 2048, groups=16, exhaustive=True)[index]
     check_wgrad([0, 300, 5, 1, 700, 129, 64, 0, 250, 3, 17, 400, 0, 44, 90, 45], 512, 512, config=config)
+
+
+# the whole-tile store (unoffered until these pass: grouped_wgrad_config.WHOLE_TILE_STORE_GPU_CHECKED):
+# tiles of one unit after another through one staging buffer each, partial tiles at M and N, empty
+# groups, both operand layouts, a CTA with many units (its buffers reused while the stores drain)
+WHOLE_TILE_CONFIGS = [GroupedConfig(128, 256, 64, 3, 2, store_whole_tile=True),
+                      GroupedConfig(128, 128, 64, 5, 2, store_whole_tile=True),
+                      GroupedConfig(64, 128, 64, 7, 1, store_whole_tile=True)]
+
+
+@pytest.mark.parametrize("config", WHOLE_TILE_CONFIGS, ids=lambda c: c.describe())
+@pytest.mark.parametrize("a_major,b_major,m,n", [("m", "n", 2048, 1536), ("k", "k", 264, 1000), ("m", "n", 40, 24)])
+def test_the_whole_tile_store(config, a_major, b_major, m, n):
+    sizes = [(i * 53) % 300 for i in range(64)]  # 0 to 299 tokens (the first group empty): ~1000 units
+    tokens = -(-sum(sizes) // 8) * 8  # (token-major rows of 16 bytes; the tokens past the last group are inf)
+    check_wgrad(sizes, m, n, a_major, b_major, tokens=tokens, config=config)
 
 
 def test_weight_gradient_matches_torch_grouped_mm():

@@ -74,12 +74,16 @@ class GroupedConfig:
     # a partial tile (the group's rows end inside it) is stored through the staging buffer in
     # 16-byte pieces of its rows, not by 2-byte predicated stores from registers
     staged_partial: bool = False
+    # (the weight gradient's) the epilogue stages the whole output tile in shared memory, one
+    # buffer per subtile, and its TMA stores drain while the next unit's mainloop runs: two barriers
+    # a tile instead of two a subtile, and no wait for a buffer within the tile
+    store_whole_tile: bool = False
 
     def as_params(self) -> dict:
         """The fields, those added later left out when off (the specs that predate them keep their
         keys)."""
         params = dataclasses.asdict(self)
-        for name in ("prefetch", "overlap_last", "staged_partial"):
+        for name in ("prefetch", "overlap_last", "staged_partial", "store_whole_tile"):
             if not params[name]:
                 del params[name]
         return params
@@ -93,8 +97,9 @@ class GroupedConfig:
         prefetch = f" prefetch {self.prefetch}" if self.prefetch else ""
         overlap = " overlap-last" if self.overlap_last else ""
         staged = " staged-partial" if self.staged_partial else ""
+        whole = " whole-tile-store" if self.store_whole_tile else ""
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} stages {self.stages} wg {self.consumer_warpgroups}"
-                f"{cluster}{prefetch}{overlap}{staged}")
+                f"{cluster}{prefetch}{overlap}{staged}{whole}")
 
 
 def table_bytes(max_groups: int = MAX_GROUPS) -> int:
@@ -107,6 +112,8 @@ def smem_bytes(cfg: GroupedConfig, ab_bytes: int = 2, out_bytes: int = 2, tables
     gradient 1)."""
     ab = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes * cfg.stages
     epi = 64 * cfg.consumer_warpgroups * EPI_N * out_bytes * EPI_STAGES  # outgoing D subtiles
+    if cfg.store_whole_tile:
+        epi = cfg.tile_m * cfg.tile_n * out_bytes
     total = 1024 + ab + epi + table_bytes() * tables // 2  # 1 KB for mbarriers
     return -(-total // 1024) * 1024  # the shared-storage struct is 1 KB aligned
 
@@ -138,6 +145,8 @@ def unsupported_reason(problem: GroupedProblem, config: GroupedConfig | None = N
 
 
 def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
+    if c.store_whole_tile:
+        return "store_whole_tile is the weight gradient's (the forward stores through two subtile buffers)"
     if p.rows and (c.tile_k != 64 or c.cluster_n != 1):
         # 128 producer threads copy 16 rows of 8 pieces a pass, their tokens in registers; a 1x2
         # cluster would multicast token rows that each CTA gathers itself

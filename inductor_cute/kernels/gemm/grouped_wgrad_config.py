@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import grouped_config
-from .config import SM_COUNT
+from .config import SM_COUNT, SMEM_BUDGET
 from .grouped_config import MAX_GROUPS, MAX_STAGES, GroupedConfig
 
 KERNEL_MODULE = "inductor_cute.kernels.gemm.grouped_wgrad_sm90"
@@ -58,7 +58,14 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
         return ("the weight gradient runs without clusters, prefetch, overlap_last or staged_partial (its groups "
                 "split K)")
     # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
-    return grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name), config)
+    reason = grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name),
+                                               dataclasses.replace(config, store_whole_tile=False))
+    if reason is None and config.store_whole_tile:  # the whole tile's buffer beside the ring, one table
+        need = grouped_config.smem_bytes(config, grouped_config.ELEMENT_BYTES[p.dtype_name],
+                                         grouped_config.ELEMENT_BYTES[p.out_dtype_name], tables=1)
+        if need > SMEM_BUDGET:
+            return f"shared memory {need} B exceeds {SMEM_BUDGET} B (the whole tile staged)"
+    return reason
 
 
 def _deepest(cfg: GroupedConfig, p: WgradProblem) -> GroupedConfig | None:
@@ -87,16 +94,25 @@ def default_config(problem: WgradProblem, m: int, n: int, tokens: int | None = N
     return _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2]), problem)
 
 
+# The whole-tile store (GroupedConfig.store_whole_tile) joins the candidates once its GPU tests have
+# passed (tests/gpu/test_grouped_wgrad_gpu.py). Written in the twenty-sixth session, compiled only:
+# the Qwen3-30B-A3B weight gradients at 4096 tokens (~256 tokens a unit, 4 k-blocks) took 818 us on
+# an H100 against ~558 at the bytes floor, a unit's MMAs and its 64 KB store run one after the other.
+WHOLE_TILE_STORE_GPU_CHECKED = False
+
+
 def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None, groups: int = 1,
                num_sms: int = SM_COUNT, exhaustive: bool = False) -> list[GroupedConfig]:
     """Valid configs: the default first, then the other tile shapes at their deepest pipelines
-    (and tile_k 128 with `exhaustive`)."""
+    (and tile_k 128 with `exhaustive`), each also storing whole tiles once that is GPU-checked."""
     out = [default_config(problem, m, n, tokens, groups, num_sms)]
+    stores = (False, True) if WHOLE_TILE_STORE_GPU_CHECKED else (False,)
     for tm, tn, wg in grouped_config._SHAPES:
         for tk in ((64, 128) if exhaustive else (64,)):
-            cfg = _deepest(GroupedConfig(tm, tn, tk, MAX_STAGES, wg), problem)
-            if cfg is not None and cfg not in out:
-                out.append(cfg)
+            for whole in stores:
+                cfg = _deepest(GroupedConfig(tm, tn, tk, MAX_STAGES, wg, store_whole_tile=whole), problem)
+                if cfg is not None and cfg not in out:
+                    out.append(cfg)
     return out
 
 

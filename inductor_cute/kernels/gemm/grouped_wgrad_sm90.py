@@ -26,6 +26,13 @@ found on a GPU; masking accumulator rows is impossible since tokens are the redu
 costs at most (tile_m + tile_n) * tile_k shared-memory stores per work unit, spread over the
 consumer threads, against the unit's whole group of tokens streamed through TMA.
 
+With `store_whole_tile` (the config's), the epilogue writes every subtile of the tile into its own
+staging buffer and the store warp then issues all their TMA stores as one group, which drains
+while the next unit's k-blocks run; the next epilogue first waits for that group's reads. Two
+barriers a tile instead of two a subtile, for a tile of shared memory (fewer ring stages): where a
+unit's reduction is short (MoE weight gradients at a few hundred tokens an expert), its store
+otherwise follows its MMAs instead of overlapping the next unit's.
+
 Tensor conventions of the jit function: a (M, T), M-major (a_major "m": the transposed view of a
 row-major (T, M), what autograd passes) or token-major ("k"); b (N, T), from torch's b (T, N) as
 b.t(): N-major ("n": b row-major) or token-major ("k"); offs int32 (E,); d (M, N, E), from torch's
@@ -36,6 +43,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
@@ -59,6 +67,14 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
         self.a_major_mn, self.b_major_mn = a_major == "m", b_major == "n"  # tokens are not contiguous
         # k-blocks of a token-major operand start at 16-byte aligned tokens (bf16/fp16: 8)
         self.token_align = 1 if self.a_major_mn and self.b_major_mn else 8
+        self.store_whole_tile = config.store_whole_tile
+
+    def _setup(self):
+        super()._setup()
+        if self.store_whole_tile:  # a staging buffer for every subtile of the tile
+            tm, tn, _ = self.tile_mnk
+            subtiles = (tm // self.epi_tile[0]) * (tn // self.epi_tile[1])
+            self.sD_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, subtiles)
 
     def _shared_storage(self):
         st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
@@ -215,8 +231,8 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
             k_blocks = cute.size(tCrA, mode=[2])
             r2s, tRS_sD, tRS_acc, tRS_cD, tRS_rD, tRS_rOut = self._epilogue_fragments(tiled_mma, acc, sD, ctid)
             n_vals = cute.size(tRS_rD)
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=EPI_STAGES,
+            store_pipe = pipeline.PipelineTmaStore.create(  # whole tiles: one group of stores a tile
+                num_stages=1 if self.store_whole_tile else EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
             is_store_warp = warp_idx == 4
 
@@ -257,14 +273,30 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                 # ---- epilogue: whole tiles by TMA (it clips at M and N), zeros for an empty group
                 gD_t = cute.zipped_divide(gD[(None, None, tile.m, tile.n, tile.batch)], self.epi_tile)
                 bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
-                for e in cutlass.range_constexpr(n_epi):
-                    for v in cutlass.range_constexpr(n_vals):
-                        tRS_rD[v] = tRS_acc[e * n_vals + v]
-                    tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
-                    buf = (n_done * n_epi + e) % EPI_STAGES
-                    self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d, bsD[(None, buf)],
-                                            bgD[(None, epi_order.get_hier_coord(e))], epi_barrier, store_pipe,
-                                            is_store_warp)
+                if cutlass.const_expr(self.store_whole_tile):
+                    if is_store_warp:  # the last tile's stores have read its buffers (they drained in our mainloop)
+                        store_pipe.producer_acquire()
+                    epi_barrier.arrive_and_wait()
+                    for e in cutlass.range_constexpr(n_epi):
+                        for v in cutlass.range_constexpr(n_vals):
+                            tRS_rD[v] = tRS_acc[e * n_vals + v]
+                        tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
+                        cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, e)])
+                    cute.arch.fence_proxy("async.shared", space="cta")  # for the TMA unit's reads
+                    epi_barrier.arrive_and_wait()
+                    if is_store_warp:
+                        for e in cutlass.range_constexpr(n_epi):
+                            cute.copy(tma_d, bsD[(None, e)], bgD[(None, epi_order.get_hier_coord(e))])
+                        store_pipe.producer_commit()
+                else:
+                    for e in cutlass.range_constexpr(n_epi):
+                        for v in cutlass.range_constexpr(n_vals):
+                            tRS_rD[v] = tRS_acc[e * n_vals + v]
+                        tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
+                        buf = (n_done * n_epi + e) % EPI_STAGES
+                        self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d,
+                                                bsD[(None, buf)], bgD[(None, epi_order.get_hier_coord(e))],
+                                                epi_barrier, store_pipe, is_store_warp)
                 n_done += 1
                 work = scheduler.next(work)
             store_pipe.producer_tail()
@@ -272,10 +304,11 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
-          cluster_m=1, cluster_n=1, prefetch=0, num_sms=SM_COUNT):
+          cluster_m=1, cluster_n=1, prefetch=0, store_whole_tile=False, num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = WgradProblem(dtype_name, out_dtype_name, a_major, b_major)
-    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch)
+    cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch,
+                        store_whole_tile=store_whole_tile)
     err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)
