@@ -96,7 +96,9 @@ def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int) -> 
         configs = [c for c in configs if wg.unsupported_reason(problem, c, m=m, n=n, groups=len(sizes)) is None]
         precompile([wg.spec(problem, c, torch.cuda.get_device_properties(0).multi_processor_count) for c in configs])
         fns = {"aten": lambda: torch._grouped_mm(a, x, offs=offs)}
-        for c in configs:
+        want = fns["aten"]()
+        for c in configs:  # each checked once before it is timed (the whole-tile store is new)
+            torch.testing.assert_close(grouped_mm(a, x, offs, out, config=c), want, atol=5e-2, rtol=2e-2)
             fns[c.describe()] = lambda c=c: grouped_mm(a, x, offs, out, config=c)
         times = time_side_by_side(fns, reps=50)
         units = wg.work_units(m, n, len(sizes), 128, 256)

@@ -60,9 +60,12 @@ def test_the_whole_tile_store_commits_one_group_of_stores_a_tile(compiled):
     ptx = compiled.ptx
     stores = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx))
     commits = len(re.findall(r"cp\.async\.bulk\.commit_group", ptx))
-    barriers = len(re.findall(r"bar\.sync", ptx))
-    whole = compiled.config.store_whole_tile
-    assert stores > 1 and (commits == 1, barriers <= 4) == (whole, whole)
+    barriers = len(re.findall(r"bar\.sync", ptx))  # call sites (the epilogue's loop is unrolled)
+    config = compiled.config
+    subtiles = config.tile_m // (64 * config.consumer_warpgroups) * (config.tile_n // 32)
+    whole = config.store_whole_tile
+    assert stores > 1 and (commits == 1, barriers < subtiles) == (whole, whole)
+    assert whole or barriers >= 2 * subtiles
 
 
 def test_variants_fit_shared_memory():

@@ -124,9 +124,19 @@ WHOLE_TILE_CONFIGS = [GroupedConfig(128, 256, 64, 3, 2, store_whole_tile=True),
 @pytest.mark.parametrize("config", WHOLE_TILE_CONFIGS, ids=lambda c: c.describe())
 @pytest.mark.parametrize("a_major,b_major,m,n", [("m", "n", 2048, 1536), ("k", "k", 264, 1000), ("m", "n", 40, 24)])
 def test_the_whole_tile_store(config, a_major, b_major, m, n):
-    sizes = [(i * 53) % 300 for i in range(64)]  # 0 to 299 tokens (the first group empty): ~1000 units
-    tokens = -(-sum(sizes) // 8) * 8  # (token-major rows of 16 bytes; the tokens past the last group are inf)
+    sizes = [(i * 53) % 300 for i in range(64)]  # 0 to 299 tokens (the first group empty)
+    # tokens past the last group (inf: must not reach an output), a multiple of 8 (token-major rows)
+    tokens = -(-(sum(sizes) + 1) // 8) * 8
     check_wgrad(sizes, m, n, a_major, b_major, tokens=tokens, config=config)
+
+
+@pytest.mark.parametrize("config", WHOLE_TILE_CONFIGS, ids=lambda c: c.describe())
+def test_the_whole_tile_store_of_back_to_back_epilogues(config):
+    # empty and one-k-block groups: a CTA's epilogues follow each other with (almost) no MMAs between,
+    # an empty group's zero tile right after a nonzero one, each CTA reusing its buffers many times:
+    # a tile written before the last one's stores have read the buffers shows as wrong blocks
+    sizes = [0, 5, 0, 70, 0, 1, 0, 33] * 16
+    check_wgrad(sizes, 264, 256, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
 
 
 def test_weight_gradient_matches_torch_grouped_mm():

@@ -109,7 +109,7 @@ def table_bytes(max_groups: int = MAX_GROUPS) -> int:
 
 def smem_bytes(cfg: GroupedConfig, ab_bytes: int = 2, out_bytes: int = 2, tables: int = 2) -> int:
     """Shared memory of one CTA with `tables` group tables (the forward keeps 2, the weight
-    gradient 1)."""
+    gradient 1); the outgoing D buffers are two subtiles, or the whole tile (store_whole_tile)."""
     ab = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes * cfg.stages
     epi = 64 * cfg.consumer_warpgroups * EPI_N * out_bytes * EPI_STAGES  # outgoing D subtiles
     if cfg.store_whole_tile:
