@@ -105,6 +105,15 @@ for s in $steps; do
         grouped_gather) step grouped_gather 400 python3 benchmarks/grouped_gather.py ;;
         # ours per cluster shape against Triton's template on the MoE block's routing (work rounds)
         grouped_rounds) step grouped_rounds 400 python3 benchmarks/grouped_rounds.py ;;
+        # the MoE scatters made gathers (inductor/grouped/scatters.py) and the weight gradient's whole-tile
+        # store (GroupedConfig.store_whole_tile), then the training step in default mode (no autotuning:
+        # the scatter pass and the non-GEMM kernels side by side, ~100 s)
+        moe_scatters) step moe_scatters 200 python3 -m pytest -m gpu tests/gpu/test_moe_scatters_gpu.py -q -rf -n 4 \
+                   -p no:cacheprovider ;;
+        wgrad_whole) step wgrad_whole 300 python3 -m pytest -m gpu tests/gpu/test_grouped_wgrad_gpu.py -q -rf -n 4 \
+                   -p no:cacheprovider -k whole_tile ;;
+        moe_train_default) step moe_train_default 240 python3 benchmarks/profile_model.py --model moe-block \
+                   --phase train --tokens 4096 --mode default --steps 10 ;;
         # issue 14's MoE block (Qwen3-30B-A3B shapes): forward at 4096 and 16384 tokens, a training step
         moe_block) step moe_block 560 python3 -m inductor_cute bench models --match moe-block --out "$OUT/moe-block" ;;
         grouped_quick) step grouped_quick 560 python3 -m inductor_cute bench grouped_gemm --quick --out "$OUT/grouped" ;;
