@@ -8,6 +8,14 @@ aten = torch.ops.aten
 # ops that keep a tensor's elements in order (the rewrites look through them)
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
          aten.alias.default)
+SORTS = (aten.sort.stable, aten.sort.default)
+
+
+def through_views(node):
+    """The node `node` views (through VIEWS), or `node` itself."""
+    while isinstance(node, torch.fx.Node) and node.target in VIEWS:
+        node = node.args[0]
+    return node
 
 
 def value(node):

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 DEVICE_TYPES = ("cuda",)  # where the rewrites apply (the CPU tests add "cpu")
 MAX_SORTED_TOPK = 512  # Inductor's Triton sort takes rows up to this length (ir.Sort.create)
-_SORTS = (aten.sort.stable, aten.sort.default)
 _TOPK_SIGNATURE = ("self", "k", "dim", "largest", "sorted")
 
 
@@ -57,8 +56,7 @@ def _topk_args(node) -> dict | None:
 def _index_bound(node) -> int | None:
     """An exclusive upper bound of the values of `node` where it is a top-k's indices seen through
     views (the size of the dimension the top-k ran over, when static), else None."""
-    while isinstance(node, torch.fx.Node) and node.target in nodes.VIEWS:
-        node = node.args[0]
+    node = nodes.through_views(node)
     if not (isinstance(node, torch.fx.Node) and node.target is operator.getitem and node.args[1] == 1):
         return None
     args = _topk_args(node.args[0])
@@ -80,7 +78,7 @@ def narrow_sort_keys(graph: torch.fx.Graph) -> int:
     """Sort top-k indices as the narrowest integer that holds them (rewrite 1); the number narrowed."""
     narrowed = 0
     for sort in list(graph.nodes):
-        if sort.op != "call_function" or sort.target not in _SORTS:
+        if sort.op != "call_function" or sort.target not in nodes.SORTS:
             continue
         keys = sort.args[0]
         bound, value = _index_bound(keys), nodes.value(keys)
@@ -126,12 +124,12 @@ def topk_as_sort(graph: torch.fx.Graph) -> int:
             continue
         with graph.inserting_before(node):
             sort = nodes.call(graph, aten.sort.stable, (args["self"],),
-                         {"stable": True, "dim": dim, "descending": bool(args["largest"])}, like=args["self"])
+                              {"stable": True, "dim": dim, "descending": bool(args["largest"])}, like=args["self"])
             parts = [nodes.call(graph, operator.getitem, (sort, i), like=args["self"]) for i in (0, 1)]
             firsts = [nodes.call(graph, aten.slice.Tensor, (part, dim, 0, k), like=args["self"]) for part in parts]
             # contiguous, as top-k's outputs are (a view of them may need it)
             firsts = [nodes.call(graph, aten.clone.default, (first,), {"memory_format": torch.contiguous_format},
-                            like=args["self"]) for first in firsts]
+                                 like=args["self"]) for first in firsts]
         for user in outputs:
             user.replace_all_uses_with(firsts[user.args[1]])
             graph.erase_node(user)

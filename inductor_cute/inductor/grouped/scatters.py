@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 DEVICE_TYPES = ("cuda",)  # where the rewrite applies (the CPU tests add "cpu")
-_SORTS = (aten.sort.stable, aten.sort.default)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Up to this k, a token's k rows are added as k gathers (a pointwise kernel, each load a whole row);
 # beyond it, summed as a (tokens, k, row) reduction over k, which Inductor's kernel reads k rows
@@ -55,12 +54,6 @@ MAX_UNROLLED_K = 32
 # what the replacement keeps of its own (the rest, provenance, it takes from the scatter; not the
 # scatter's op, which would name its kernels)
 _OWN_META = ("val", "tensor_meta", "eager_input_vals", "original_aten")
-
-
-def _through_views(node):
-    while isinstance(node, torch.fx.Node) and node.target in nodes.VIEWS:
-        node = node.args[0]
-    return node
 
 
 def _static_length(node) -> int | None:
@@ -75,9 +68,9 @@ def _permutation(node) -> torch.fx.Node | None:
     """The sort-indices node `node` is (through views that keep it 1-D), if it is a sort's indices
     of a 1-D tensor: a permutation of range(n)."""
     n = _static_length(node)
-    node = _through_views(node)
+    node = nodes.through_views(node)
     if n is None or not (isinstance(node, torch.fx.Node) and node.target is operator.getitem
-                         and node.args[1] == 1 and node.args[0].target in _SORTS):
+                         and node.args[1] == 1 and node.args[0].target in nodes.SORTS):
         return None
     return node if _static_length(node.args[0].args[0]) == n else None
 
@@ -86,7 +79,7 @@ def _inverse_of(node) -> torch.fx.Node | None:
     """perm where `node` is `scatter(t, 0, perm, arange(n))` of n elements: perm's inverse (each
     element of t is overwritten, perm being a permutation)."""
     n = _static_length(node)
-    node = _through_views(node)
+    node = nodes.through_views(node)
     if n is None or not isinstance(node, torch.fx.Node) or node.target is not aten.scatter.src or len(node.args) != 4:
         return None
     t, dim, index, src = node.args
@@ -108,15 +101,13 @@ def _is_arange(node, n: int) -> bool:
 
 def _floor_divided(node) -> tuple | None:
     """(x, k) where `node` is x // k for a positive int k."""
-    node = _through_views(node)
+    node = nodes.through_views(node)
     if not isinstance(node, torch.fx.Node):
         return None
-    if node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor":
-        x, k = node.args
-    elif node.target is aten.floor_divide.default:
-        x, k = node.args
-    else:
+    floor = node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") == "floor"
+    if not (floor or node.target is aten.floor_divide.default):
         return None
+    x, k = node.args
     return (x, k) if type(k) is int and k > 0 else None
 
 
@@ -211,19 +202,17 @@ class _Inverses:
     def _make(self, perm: torch.fx.Node) -> torch.fx.Node:
         """perm's inverse, with perm's provenance (activation-checkpoint and memory-budget tags too)."""
         n, v = _static_length(perm), nodes.value(perm)
-        with self.graph.inserting_after(perm):  # each right after perm: made last to first
-            inverse = self.graph.call_function(aten.scatter.src)
-            positions = nodes.call(self.graph, prims.iota.default, (n,),
-                                   {"start": 0, "step": 1, "dtype": v.dtype, "device": v.device,
-                                    "requires_grad": False}, like=perm)
-            empty = nodes.call(self.graph, aten.empty.memory_format, ([n],), {"dtype": v.dtype, "device": v.device},
-                               like=perm)
-        inverse.args = (empty, 0, perm, positions)
-        with v.fake_mode:
-            inverse.meta["val"] = aten.scatter.src(nodes.value(empty), 0, v, nodes.value(positions))
-        for made in (empty, positions, inverse):
+        dtype_device = {"dtype": v.dtype, "device": v.device}
+
+        def after(node, target, *args, **kwargs):
+            with self.graph.inserting_after(node):
+                made = nodes.call(self.graph, target, args, kwargs, like=perm)
             _take_provenance(made, perm)
-        return inverse
+            return made
+
+        empty = after(perm, aten.empty.memory_format, [n], **dtype_device)
+        positions = after(empty, prims.iota.default, n, start=0, step=1, requires_grad=False, **dtype_device)
+        return after(positions, aten.scatter.src, empty, 0, perm, positions)
 
 
 def _take_provenance(made: torch.fx.Node, source: torch.fx.Node) -> None:
