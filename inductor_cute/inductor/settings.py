@@ -5,6 +5,8 @@ scheduling reads `active_settings()`."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from pathlib import Path
 
 
 def _setting(tag: str, default: bool = False):
@@ -36,6 +38,12 @@ class Settings:
 
     def tag(self) -> str:
         return "-".join(f"{f.metadata['tag']}{spelled(getattr(self, f.name))}" for f in dataclasses.fields(self))
+
+
+def source_hash(*modules) -> str:
+    """A graph pass's uuid part: a hash of the source of the modules that decide its rewrites (a
+    changed rewrite must not find graphs cached before it)."""
+    return hashlib.sha256(b"".join(Path(module.__file__).read_bytes() for module in modules)).hexdigest()
 
 
 def spelled(value: bool | None) -> str:

@@ -14,10 +14,9 @@ of the hidden states, and the post-grad graph keeps them apart.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import operator
-from pathlib import Path
+import sys
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -25,6 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from ...errors import UnsupportedError
 from ...host import gemm as _host_gemm
 from ...host.common import DTYPE_NAMES
+from ..settings import source_hash
 
 log = logging.getLogger(__name__)
 
@@ -196,5 +196,5 @@ class GroupGemvPass(CustomGraphPass):
         return _SOURCE_HASH
 
 
-_SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+_SOURCE_HASH = source_hash(sys.modules[__name__])
 GROUP_GEMV_PASS = GroupGemvPass()

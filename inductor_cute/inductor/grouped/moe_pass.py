@@ -13,16 +13,14 @@ would run eager's unfused computation where stock Inductor fuses its pointwise p
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
-from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ...kernels.gemm import grouped_config
-from ..settings import spelled
-from . import gate, gather, lowering, routing
+from ..settings import source_hash, spelled
+from . import gate, gather, lowering, nodes, routing
 
 
 class MoePass(CustomGraphPass):
@@ -62,10 +60,9 @@ def kernels_run_on(graph: torch.fx.Graph) -> bool:
     return bool(devices) and all(lowering.device_reason(device) is None for device in devices)
 
 
-# what decides a rewrite: this pass (their order), the routing rewrites, the two fusions, the grouped lowering's decline
-# reasons, the kernel's limits
-_SOURCE_HASH = hashlib.sha256(b"".join(Path(module.__file__).read_bytes() for module in (
-    sys.modules[__name__], routing, gate, gather, lowering, grouped_config))).hexdigest()
+# what decides a rewrite: this pass (their order), the routing rewrites, the two fusions, their node helpers, the
+# grouped lowering's decline reasons, the kernel's limits
+_SOURCE_HASH = source_hash(sys.modules[__name__], routing, gate, gather, nodes, lowering, grouped_config)
 
 
 @functools.cache  # enabling twice leaves the config value as it was

@@ -31,15 +31,14 @@ positive int. Everything else stays as it was.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import operator
 import sys
-from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..settings import source_hash
 from . import nodes
 
 log = logging.getLogger(__name__)
@@ -285,6 +284,5 @@ class ScattersPass(CustomGraphPass):
         return _SOURCE_HASH
 
 
-_SOURCE_HASH = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (nodes, sys.modules[__name__])))\
-    .hexdigest()
+_SOURCE_HASH = source_hash(nodes, sys.modules[__name__])
 SCATTERS_PASS = ScattersPass()
