@@ -214,9 +214,10 @@ class _GraphPass:
         return value is not None and isinstance(value, type(self.instance()))
 
 
-    def users_pass(self, asked: dict) -> bool:
-        """Whether the slot holds the user's pass; raises where one of this pass's switches in
-        `asked` is set True (a default, None, leaves the user's pass in place instead)."""
+    def switches(self, asked: dict, on_by_default: tuple = ()) -> list:
+        """This pass's switches (`asked`, by name) as enable() sets them: all off where the slot
+        holds the user's pass (one set True for it raises instead), else those in `on_by_default`
+        on where left None (the others' None stays: where autotuned)."""
         from torch._inductor import config
 
         value = getattr(config, self.slot)
@@ -227,7 +228,8 @@ class _GraphPass:
                                f"{' and '.join(on)} need(s) to install inductor-cute's own")
         if users:
             log.info("inductor-cute: %s is the user's; %s stay(s) off", self.slot, ", ".join(asked))
-        return users
+            return [False] * len(asked)
+        return [True if switch is None and name in on_by_default else switch for name, switch in asked.items()]
 
 
 GROUP_GEMV, MOE, SCATTERS = GRAPH_PASSES = (
@@ -328,19 +330,12 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     if current is not None and getattr(current, "func", current) is not CuteChoices:
         raise RuntimeError(f"inductor-cute: torch._inductor.config.inductor_choices_class is already set "
                            f"({current!r}); inductor-cute needs to install its own")
-    if GROUP_GEMV.users_pass({"group_gemv": group_gemv}):  # the defaults: on, unless that would replace the user's pass
-        group_gemv = False
-    elif group_gemv is None:
-        group_gemv = True
-    moe_switches = {"fuse_moe_gate": fuse_moe_gate, "fuse_moe_gather": fuse_moe_gather, "moe_routing": moe_routing}
-    if MOE.users_pass(moe_switches):
-        fuse_moe_gate = fuse_moe_gather = moe_routing = False
-    elif moe_routing is None:
-        moe_routing = True
-    if SCATTERS.users_pass({"moe_scatters": moe_scatters}):
-        moe_scatters = False
-    elif moe_scatters is None:
-        moe_scatters = True
+    # the defaults: on (the MoE fusions: where autotuned), unless that would replace the user's pass
+    (group_gemv,) = GROUP_GEMV.switches({"group_gemv": group_gemv}, ("group_gemv",))
+    fuse_moe_gate, fuse_moe_gather, moe_routing = MOE.switches(
+        {"fuse_moe_gate": fuse_moe_gate, "fuse_moe_gather": fuse_moe_gather, "moe_routing": moe_routing},
+        ("moe_routing",))
+    (moe_scatters,) = SCATTERS.switches({"moe_scatters": moe_scatters}, ("moe_scatters",))
     fuse_moe_gate, fuse_moe_gather = (None if f is None else bool(f) for f in (fuse_moe_gate, fuse_moe_gather))
     settings = Settings(bool(fuse_epilogues), bool(flex_decode), bool(flex_prefill), bool(flex_backward),
                         bool(group_gemv), bool(pdl), bool(keep_m1_mm), bool(trace_block_masks), fuse_moe_gate,
