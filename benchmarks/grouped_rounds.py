@@ -74,10 +74,10 @@ def main() -> None:
             c = next((c for c in configs if c.describe() == key), None)
             count = "" if c is None else "  units {} rounds {}".format(*work(sizes, n, c, sms))
             print(f"    {us:9.1f} us  {times['aten'] / us:5.2f}x aten{count}  {key}")
-    weight_gradients(block, sizes, offs, rows)
+    weight_gradients(block, sizes, offs, rows, sms)
 
 
-def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int) -> None:
+def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms: int) -> None:
     """The block's two weight gradients (autograd's layout: grad.t() M-major, x N-major), ours with
     and without the whole-tile store (GroupedConfig.store_whole_tile) against eager's CUTLASS, on
     the same offsets: where a unit reduces ~256 tokens, its 64 KB store follows its MMAs."""
@@ -94,7 +94,7 @@ def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int) -> 
                    for tm, tn, w, stages, whole in ((128, 256, 2, 4, False), (128, 256, 2, 3, True),
                                                     (128, 128, 2, 6, False), (128, 128, 2, 5, True))]
         configs = [c for c in configs if wg.unsupported_reason(problem, c, m=m, n=n, groups=len(sizes)) is None]
-        precompile([wg.spec(problem, c, torch.cuda.get_device_properties(0).multi_processor_count) for c in configs])
+        precompile([wg.spec(problem, c, sms) for c in configs])
         fns = {"aten": lambda: torch._grouped_mm(a, x, offs=offs)}
         want = fns["aten"]()
         for c in configs:  # each checked once before it is timed (the whole-tile store is new)
