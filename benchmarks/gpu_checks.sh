@@ -87,11 +87,11 @@ for s in $steps; do
         all) step all 470 python3 -m pytest -m gpu tests/gpu -q -rf -n 14 -p no:cacheprovider ;;
         all_kernels) step all_kernels 540 python3 -m pytest -m gpu -q -rf -n 14 -p no:cacheprovider \
                    tests/gpu/test_flex_{decode,prefill,backward,launch}_gpu.py tests/gpu/test_gemm_gpu.py \
-                   tests/gpu/test_gemv{,_group}_gpu.py tests/gpu/test_grouped_{gemm,wgrad}_gpu.py tests/gpu/test_rmsnorm_gpu.py ;;
+                   tests/gpu/test_gemv{,_group}_gpu.py tests/gpu/test_grouped_{gemm,wgrad,gather}_gpu.py tests/gpu/test_rmsnorm_gpu.py ;;
         all_compiled) step all_compiled 540 python3 -m pytest -m gpu -q -rf -n 14 -p no:cacheprovider \
                    tests/gpu/test_flex_{backward_lowering,compile,coverage,prefill_lowering}_gpu.py \
                    tests/gpu/test_{choice_timing,gemv_shared_a_pass,grouped_gemm_compile,inductor_dynamic_m,inductor}_gpu.py \
-                   tests/gpu/test_{moe_block,transformers_families}_gpu.py ;;
+                   tests/gpu/test_{moe_block,moe_routing,moe_scatters,transformers_families}_gpu.py ;;
         # one decode model case, 4 layers, CUDA graphs: CASE="llama3-8b decode B32 KV4096 cg" by default
         model) INDUCTOR_CUTE_MODEL_LAYERS=4 step model 540 python3 -m inductor_cute bench models \
                    --match "${CASE:-llama3-8b decode B32 KV4096 cg}" --out "$OUT/models" ;;
