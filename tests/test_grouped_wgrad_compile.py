@@ -8,7 +8,6 @@ import pytest
 
 from inductor_cute.kernels.gemm.config import SMEM_BUDGET
 from inductor_cute.kernels.gemm.grouped_config import MAX_GROUPS, GroupedConfig, smem_bytes
-from inductor_cute.kernels.gemm import grouped_wgrad_config
 from inductor_cute.kernels.gemm.grouped_wgrad_config import (WgradProblem, candidates, default_config, spec,
                                                              unsupported_reason, work_units)
 from inductor_cute.runtime.compiler import compile_spec
@@ -20,6 +19,9 @@ VARIANTS = {
     "autograd-layout-default": (AUTOGRAD, default_config(AUTOGRAD, 7168, 4096, 8192, groups=32)),
     "token-major-64x128-one-warpgroup": (TOKEN_MAJOR, GroupedConfig(64, 128, 64, 8, 1)),
     "autograd-layout-whole-tile-store": (AUTOGRAD, GroupedConfig(128, 256, 64, 3, 2, store_whole_tile=True)),
+    "autograd-layout-cluster-2x1": (AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)),
+    "token-major-cluster-1x2-whole-tile-store": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 5, 2, cluster_n=2,
+                                                                           store_whole_tile=True)),
 }
 
 
@@ -64,8 +66,22 @@ def test_the_whole_tile_store_commits_one_group_of_stores_a_tile(compiled):
     config = compiled.config
     subtiles = config.tile_m // (64 * config.consumer_warpgroups) * (config.tile_n // 32)
     whole = config.store_whole_tile
-    assert stores > 1 and (commits == 1, barriers < subtiles) == (whole, whole)
+    # (whole: the epilogue's two, the boundary mask's and the group table's, whatever the tile)
+    assert stores > 1 and (commits == 1, barriers <= 4) == (whole, whole)
     assert whole or barriers >= 2 * subtiles
+
+
+def test_clusters_multicast_the_shared_operand_and_release_their_peers_stages(compiled):
+    ptx = compiled.ptx
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared\S*global\S*", ptx)
+    multicast = [op for op in loads if "multicast::cluster" in op]
+    if compiled.config.cluster_size == 1:
+        assert not multicast and "barrier.cluster" not in ptx
+        return
+    # one operand's loads multicast, the other's plain; peers meet before either signals the other
+    assert 0 < len(multicast) < len(loads)
+    assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
+    assert re.search(r"mbarrier\.arrive\S*shared::cluster", ptx)  # a release to the peer CTA
 
 
 def test_variants_fit_shared_memory():
@@ -96,7 +112,8 @@ def test_unsupported_inputs_are_named():
     assert "N=12" in unsupported_reason(AUTOGRAD, n=12)
     assert str(MAX_GROUPS) in unsupported_reason(AUTOGRAD, groups=MAX_GROUPS + 1)
     assert "shared memory" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 128, 4, 2))
-    assert "cluster" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2))
+    assert unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)) is None
+    assert "cluster" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, cluster_n=2))
     assert "overlap_last" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, overlap_last=True))
     assert "staged_partial" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, staged_partial=True))
     assert unsupported_reason(AUTOGRAD, m=7168, n=4096, groups=256) is None
@@ -121,9 +138,28 @@ def test_the_whole_tile_store_is_the_weight_gradients_and_must_fit():
     assert "store_whole_tile" not in GroupedConfig(128, 256, 64, 3, 2).as_params()  # older specs keep their keys
 
 
-def test_the_whole_tile_store_is_offered_only_once_gpu_checked(monkeypatch):
-    offered = lambda: [c.store_whole_tile for c in candidates(AUTOGRAD, 2048, 1536, 32768, groups=128)]  # noqa: E731
-    monkeypatch.setattr(grouped_wgrad_config, "WHOLE_TILE_STORE_GPU_CHECKED", False)
-    assert not any(offered())
-    monkeypatch.setattr(grouped_wgrad_config, "WHOLE_TILE_STORE_GPU_CHECKED", True)
-    assert any(offered()) and not all(offered())
+def test_the_whole_tile_store_is_offered_only_in_its_gpu_checked_forms():
+    for exhaustive in (False, True):
+        offered = candidates(AUTOGRAD, 2048, 1536, 32768, groups=128, exhaustive=exhaustive)
+        whole = [c for c in offered if c.store_whole_tile]
+        assert whole and len(whole) < len(offered)
+        assert all(c.tile_m == 128 and c.tile_k == 64 for c in whole)
+        # each is the twin of an offered config that stores by subtiles
+        assert all(any(o.tile_m == c.tile_m and o.tile_n == c.tile_n and o.tile_k == c.tile_k
+                       and not o.store_whole_tile for o in offered) for c in whole)
+
+
+def test_clusters_are_offered_once_gpu_checked(monkeypatch):
+    from inductor_cute.kernels.gemm import grouped_wgrad_config
+
+    def clustered(**kw):
+        return [c for c in candidates(AUTOGRAD, 2048, 1536, 32768, groups=128, **kw) if c.cluster_size > 1]
+
+    assert clustered(clusters=False) == []
+    offered = clustered(clusters=True)
+    assert {(c.cluster_m, c.cluster_n) for c in offered} == {(2, 1), (1, 2)}
+    assert all(c.tile_m == 128 and c.tile_k == 64 and unsupported_reason(AUTOGRAD, c) is None for c in offered)
+    monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_GPU_CHECKED", False)
+    assert clustered() == []
+    monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_GPU_CHECKED", True)
+    assert clustered() == offered

@@ -113,7 +113,7 @@ def test_every_candidate_config(index):
     check_wgrad([0, 300, 5, 1, 700, 129, 64, 0, 250, 3, 17, 400, 0, 44, 90, 45], 512, 512, config=config)
 
 
-# the whole-tile store (unoffered until these pass: grouped_wgrad_config.WHOLE_TILE_STORE_GPU_CHECKED):
+# the whole-tile store (offered in these forms: grouped_wgrad_config.offers_whole_tile_store):
 # tiles of one unit after another through one staging buffer each, partial tiles at M and N, empty
 # groups, both operand layouts, a CTA with many units (its buffers reused while the stores drain)
 WHOLE_TILE_CONFIGS = [GroupedConfig(128, 256, 64, 3, 2, store_whole_tile=True),
@@ -137,6 +137,30 @@ def test_the_whole_tile_store_of_back_to_back_epilogues(config):
     # a tile written before the last one's stores have read the buffers shows as wrong blocks
     sizes = [0, 5, 0, 70, 0, 1, 0, 33] * 16
     check_wgrad(sizes, 264, 256, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
+
+
+# clusters (offered once these pass: grouped_wgrad_config.CLUSTERS_GPU_CHECKED): the peers share one
+# operand's k-blocks by multicast; odd tile counts put one peer's tile past M (2x1) or N (1x2), where
+# it must load and release as usual and store nothing; both operand layouts, the boundary mask in
+# each CTA's copy of a stage, with and without the whole-tile store
+CLUSTER_CONFIGS = [GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2),
+                   GroupedConfig(128, 128, 64, 5, 2, cluster_m=2, store_whole_tile=True),
+                   GroupedConfig(128, 128, 64, 5, 2, cluster_n=2, store_whole_tile=True)]
+
+
+@pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=lambda c: c.describe())
+@pytest.mark.parametrize("a_major,b_major,m,n", [("m", "n", 1536, 2048), ("k", "k", 264, 1000), ("m", "k", 1000, 264),
+                                                 ("k", "n", 40, 24)])
+def test_clusters(config, a_major, b_major, m, n):
+    sizes = [(i * 53) % 300 for i in range(24)]  # 0 to 299 tokens (the first group empty)
+    tokens = -(-(sum(sizes) + 1) // 8) * 8  # tokens past the last group (inf)
+    check_wgrad(sizes, m, n, a_major, b_major, tokens=tokens, config=config)
+
+
+@pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=lambda c: c.describe())
+def test_clusters_of_back_to_back_epilogues(config):
+    sizes = [0, 5, 0, 70, 0, 1, 0, 33] * 16
+    check_wgrad(sizes, 264, 264, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
 
 
 def test_weight_gradient_matches_torch_grouped_mm():

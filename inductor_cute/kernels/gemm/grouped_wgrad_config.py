@@ -54,9 +54,8 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
         return f"{groups} groups: between 1 and {MAX_GROUPS} are supported"
     if config is None:
         return None
-    if config.cluster_size > 1 or config.prefetch or config.overlap_last or config.staged_partial:
-        return ("the weight gradient runs without clusters, prefetch, overlap_last or staged_partial (its groups "
-                "split K)")
+    if config.prefetch or config.overlap_last or config.staged_partial:
+        return "the weight gradient runs without prefetch, overlap_last or staged_partial (its groups split K)"
     # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
     reason = grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name),
                                                dataclasses.replace(config, store_whole_tile=False))
@@ -94,25 +93,39 @@ def default_config(problem: WgradProblem, m: int, n: int, tokens: int | None = N
     return _deepest(GroupedConfig(chosen[0], chosen[1], 64, MAX_STAGES, chosen[2]), problem)
 
 
-# The whole-tile store (GroupedConfig.store_whole_tile) joins the candidates once its GPU tests have
-# passed (tests/gpu/test_grouped_wgrad_gpu.py). Written in the twenty-sixth session, compiled only:
-# the Qwen3-30B-A3B weight gradients at 4096 tokens (~256 tokens a unit, 4 k-blocks) took 818 us on
-# an H100 against ~558 at the bytes floor, a unit's MMAs and its 64 KB store run one after the other.
-WHOLE_TILE_STORE_GPU_CHECKED = False
+# The whole-tile store (GroupedConfig.store_whole_tile) is offered with 128-row tiles and 64-wide
+# k-blocks: the forms its GPU tests ran (tests/gpu/test_grouped_wgrad_gpu.py, all passed in the
+# twenty-seventh session). On the Qwen3-30B-A3B weight gradients at 4096 tokens (H100) 128x128 with
+# it won the down projection's round (244 us against 248 for 128x256 without); 64-row tiles with it
+# lost every round, and tile_k 128 with it has not run on a GPU.
+def offers_whole_tile_store(tile_m: int, tile_k: int) -> bool:
+    return tile_m == 128 and tile_k == 64
+
+
+# Clusters (2x1: two row tiles share b's token block; 1x2: two column tiles share a's) join the
+# candidates once their GPU tests have passed (tests/gpu/test_grouped_wgrad_gpu.py -k cluster).
+# Written in the twenty-seventh session, compiled only: the weight gradients of Qwen3-30B-A3B at
+# 4096 tokens loaded their operands out of L2 at ~4.8 TB/s on an H100 (192 KB a 128x256 unit of
+# ~256 tokens), so operand traffic, not the MMAs, bounds them; a 2x1 cluster cuts it by a third.
+CLUSTERS_GPU_CHECKED = False
+CLUSTER_SHAPES = ((2, 1), (1, 2))
 
 
 def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None, groups: int = 1,
-               num_sms: int = SM_COUNT, exhaustive: bool = False) -> list[GroupedConfig]:
+               num_sms: int = SM_COUNT, exhaustive: bool = False, clusters: bool | None = None) -> list[GroupedConfig]:
     """Valid configs: the default first, then the other tile shapes at their deepest pipelines
-    (and tile_k 128 with `exhaustive`), each also storing whole tiles once that is GPU-checked."""
+    (and tile_k 128 with `exhaustive`), each also storing whole tiles where that is offered, then
+    the 128-row shapes in clusters (with `clusters`, by default once CLUSTERS_GPU_CHECKED)."""
     out = [default_config(problem, m, n, tokens, groups, num_sms)]
-    stores = (False, True) if WHOLE_TILE_STORE_GPU_CHECKED else (False,)
+    clustered = CLUSTERS_GPU_CHECKED if clusters is None else clusters
     for tm, tn, wg in grouped_config._SHAPES:
         for tk in ((64, 128) if exhaustive else (64,)):
-            for whole in stores:
-                cfg = _deepest(GroupedConfig(tm, tn, tk, MAX_STAGES, wg, store_whole_tile=whole), problem)
-                if cfg is not None and cfg not in out:
-                    out.append(cfg)
+            shapes = ((1, 1),) + (CLUSTER_SHAPES if clustered and tm == 128 and tk == 64 else ())
+            for cm, cn in shapes:
+                for whole in ((False, True) if offers_whole_tile_store(tm, tk) else (False,)):
+                    cfg = _deepest(GroupedConfig(tm, tn, tk, MAX_STAGES, wg, cm, cn, store_whole_tile=whole), problem)
+                    if cfg is not None and cfg not in out:
+                        out.append(cfg)
     return out
 
 

@@ -16,8 +16,9 @@ group's first token). An empty group has no k-block and stores zeros.
 
 The group's last k-block runs past `end` into the next group's tokens (or TMA's zeros past the
 last token); where an operand is token-major, the first starts up to 7 tokens before the group
-(TMA's innermost coordinate must be 16-byte aligned). Those tokens must not contribute. We chose to zero them in shared memory, in both
-operands (0 * inf would still be NaN), after the stage has landed and before the WGMMA reads it:
+(TMA's innermost coordinate must be 16-byte aligned). Those tokens must not contribute. We chose
+to zero them in shared memory, in both operands (0 * inf would still be NaN), after the stage has
+landed and before the WGMMA reads it:
 the consumer warps write zeros, fence the generic proxy against the async one and meet at a
 named barrier. The other ways cost more where it matters: per-group tensor maps (TMA zero-fill
 at the group's edge) need descriptor updates in global memory and proxy fences whenever a CTA
@@ -25,6 +26,15 @@ moves to another group, plus one descriptor slot per CTA, and a descriptor mista
 found on a GPU; masking accumulator rows is impossible since tokens are the reduction. The mask
 costs at most (tile_m + tile_n) * tile_k shared-memory stores per work unit, spread over the
 consumer threads, against the unit's whole group of tokens streamed through TMA.
+
+Clusters (config cluster_m x cluster_n, at most 2 CTAs) take one block of output tiles of one
+group, so both CTAs run the same k-blocks: the two row tiles of a 2x1 cluster share the token
+block of b (each loads half of it by TMA into both), the two column tiles of a 1x2 cluster that of
+a. A unit's operands are a few hundred tokens deep against a whole output tile, so operand loads
+out of L2 (192 KB a 128x256 unit) bound the kernel, not its MMAs: a 2x1 cluster cuts them by a
+third. Each CTA masks the boundary tokens in its own copy of a stage. A CTA whose tile lies past M
+or N (an odd tile count) loads its half and computes as usual (its peer's stages need its loads
+and releases) and skips the epilogue.
 
 With `store_whole_tile` (the config's), the epilogue writes every subtile of the tile into its own
 staging buffer and the store warp then issues all their TMA stores as one group, which drains
@@ -60,7 +70,7 @@ from .sm90 import CUTE_DTYPES
 
 class GroupedWgradHopperGemm(GroupedHopperGemm):
     """The forward's CTA over (group, M tile, N tile) work units, reducing over each group's
-    tokens; cooperative consumers, no cluster."""
+    tokens; cooperative consumers, clusters of one group's tiles."""
 
     def __init__(self, config: GroupedConfig, a_major: str, b_major: str, num_sms: int = SM_COUNT):
         super().__init__(config, b_major, num_sms=num_sms, a_major=a_major)
@@ -96,20 +106,24 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
         self.ab_dtype, self.d_dtype = mA.element_type, mD.element_type
         self._setup()
         tm, tn, tk = self.tile_mnk
-        tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
-                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk))
-        tma_b, gB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
-                                                cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk))
+        cm, cn = self.cluster_mn
+        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA,
+                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk),
+                                                num_multicast=self.mcast_a)
+        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB,
+                                                cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk),
+                                                num_multicast=self.mcast_b)
         tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
                                                 cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
-        work_units = cute.ceil_div(mD.shape[0], tm) * cute.ceil_div(mD.shape[1], tn) * mOffs.shape[0]
+        clusters_m = cute.ceil_div(cute.ceil_div(mD.shape[0], tm), cm)
+        work_units = clusters_m * cute.ceil_div(cute.ceil_div(mD.shape[1], tn), cn) * mOffs.shape[0]
         grid_z = TileScheduler.launch_clusters(work_units, self.max_clusters)
         self.shared_storage = self._shared_storage()
         assert self.shared_storage.size_in_bytes() == smem_bytes(
             self.grouped_cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8, tables=1)
         self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mOffs, self.tiled_mma,
                     self.sA_layout, self.sB_layout, self.sD_layout
-                    ).launch(grid=[1, 1, grid_z], block=[self.threads, 1, 1], cluster=[1, 1, 1],
+                    ).launch(grid=[cm, cn, grid_z], block=[self.threads, 1, 1], cluster=[cm, cn, 1],
                              min_blocks_per_mp=1, stream=stream)
 
     def _k_span(self, sEnds: cute.Tensor, group):
@@ -160,6 +174,7 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sD_layout: cute.ComposedLayout):
         tm, tn, tk = self.tile_mnk
+        cm, cn = self.cluster_mn
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -167,6 +182,8 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_d)
+        cta_layout = cute.make_layout((cm, cn, 1))
+        cta_coord = cta_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -178,6 +195,8 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
             cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
         ab_pipe = self._ab_pipeline(storage.ab_bars, ab_bytes)
         cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.cluster_size > 1):
+            cute.arch.cluster_arrive_relaxed()  # peers must not signal our barriers before they exist
 
         # the group table; the CTA-wide sync after it also publishes the pipeline barriers' init
         tokens = tA.shape[1]
@@ -186,16 +205,20 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
 
         gD = cute.local_tile(tD, (tm, tn), (None, None, None))  # (tm, tn, tiles_m, tiles_n, groups)
         tiles = GroupedRaster.create(cute.size(gD, mode=[2]), cute.size(gD, mode=[3]), cute.size(gD, mode=[4]),
-                                     (1, 1), self.raster_group)
-        scheduler = TileScheduler.create(tiles, (0, 0))
+                                     (cm, cn), self.raster_group)
+        scheduler = TileScheduler.create(tiles, cta_coord)
         epi_tiles = (tm // self.epi_tile[0], tn // self.epi_tile[1])
         epi_order = cute.make_layout(epi_tiles, stride=(epi_tiles[1], 1))  # n fastest, like the acc
         n_epi = epi_tiles[0] * epi_tiles[1]
+
+        if cutlass.const_expr(self.cluster_size > 1):
+            cute.arch.cluster_wait()
 
         # ================================================================ producer
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
+                a_mask, b_mask = self._mcast_masks(cta_layout, cta_coord)
                 ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
                 work = scheduler.first()
                 while scheduler.valid(work):
@@ -204,15 +227,18 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                     # k-blocks from the group's (aligned) first token; the consumers mask both ends
                     gA = cute.local_tile(cute.domain_offset((0, start), tA), (tm, tk), (tile.m, None))
                     gB = cute.local_tile(cute.domain_offset((0, start), tB), (tn, tk), (tile.n, None))
-                    tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                    # in a cluster each CTA loads its half of the shared operand's block into both
+                    tAsA, tAgA = cpasync.tma_partition(tma_a, cta_coord[1], cute.make_layout(cn),
                                                        cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-                    tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                    tBsB, tBgB = cpasync.tma_partition(tma_b, cta_coord[0], cute.make_layout(cm),
                                                        cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
                     for kt in range(cute.ceil_div(span, tk)):
                         ab_pipe.producer_acquire(ab_state)
                         bar = ab_pipe.producer_get_barrier(ab_state)
-                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, ab_state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=a_mask)
+                        cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, ab_state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=b_mask)
                         ab_pipe.producer_commit(ab_state)
                         ab_state.advance()
                     work = scheduler.next(work)
@@ -271,33 +297,35 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                     release_state.advance()
 
                 # ---- epilogue: whole tiles by TMA (it clips at M and N), zeros for an empty group
-                gD_t = cute.zipped_divide(gD[(None, None, tile.m, tile.n, tile.batch)], self.epi_tile)
-                bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
-                if cutlass.const_expr(self.store_whole_tile):
-                    if is_store_warp:  # the last tile's stores have read its buffers (they drained in our mainloop)
-                        store_pipe.producer_acquire()
-                    epi_barrier.arrive_and_wait()
-                    for e in cutlass.range_constexpr(n_epi):
-                        for v in cutlass.range_constexpr(n_vals):
-                            tRS_rD[v] = tRS_acc[e * n_vals + v]
-                        tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
-                        cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, e)])
-                    cute.arch.fence_proxy("async.shared", space="cta")  # for the TMA unit's reads
-                    epi_barrier.arrive_and_wait()
-                    if is_store_warp:
+                # (a cluster peer's tile past M or N: nothing to store)
+                if tile.m * tm < tD.shape[0] and tile.n * tn < tD.shape[1]:
+                    gD_t = cute.zipped_divide(gD[(None, None, tile.m, tile.n, tile.batch)], self.epi_tile)
+                    bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
+                    if cutlass.const_expr(self.store_whole_tile):
+                        if is_store_warp:  # the last tile's stores have read its buffers (they drained in our mainloop)
+                            store_pipe.producer_acquire()
+                        epi_barrier.arrive_and_wait()
                         for e in cutlass.range_constexpr(n_epi):
-                            cute.copy(tma_d, bsD[(None, e)], bgD[(None, epi_order.get_hier_coord(e))])
-                        store_pipe.producer_commit()
-                else:
-                    for e in cutlass.range_constexpr(n_epi):
-                        for v in cutlass.range_constexpr(n_vals):
-                            tRS_rD[v] = tRS_acc[e * n_vals + v]
-                        tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
-                        buf = (n_done * n_epi + e) % EPI_STAGES
-                        self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d,
-                                                bsD[(None, buf)], bgD[(None, epi_order.get_hier_coord(e))],
-                                                epi_barrier, store_pipe, is_store_warp)
-                n_done += 1
+                            for v in cutlass.range_constexpr(n_vals):
+                                tRS_rD[v] = tRS_acc[e * n_vals + v]
+                            tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
+                            cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, e)])
+                        cute.arch.fence_proxy("async.shared", space="cta")  # for the TMA unit's reads
+                        epi_barrier.arrive_and_wait()
+                        if is_store_warp:
+                            for e in cutlass.range_constexpr(n_epi):
+                                cute.copy(tma_d, bsD[(None, e)], bgD[(None, epi_order.get_hier_coord(e))])
+                            store_pipe.producer_commit()
+                    else:
+                        for e in cutlass.range_constexpr(n_epi):
+                            for v in cutlass.range_constexpr(n_vals):
+                                tRS_rD[v] = tRS_acc[e * n_vals + v]
+                            tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
+                            buf = (n_done * n_epi + e) % EPI_STAGES
+                            self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d,
+                                                    bsD[(None, buf)], bgD[(None, epi_order.get_hier_coord(e))],
+                                                    epi_barrier, store_pipe, is_store_warp)
+                    n_done += 1
                 work = scheduler.next(work)
             store_pipe.producer_tail()
 
