@@ -112,6 +112,9 @@ for s in $steps; do
                    -p no:cacheprovider ;;
         wgrad_whole) step wgrad_whole 300 python3 -m pytest -m gpu tests/gpu/test_grouped_wgrad_gpu.py -q -rf -n 4 \
                    -p no:cacheprovider -k whole_tile ;;
+        # the weight gradient's clusters (GroupedConfig cluster_m/cluster_n; grouped_wgrad_config.CLUSTERS_GPU_CHECKED)
+        wgrad_clusters) step wgrad_clusters 300 python3 -m pytest -m gpu tests/gpu/test_grouped_wgrad_gpu.py -q -rf -n 4 \
+                   -p no:cacheprovider -k cluster ;;
         moe_train_default) step moe_train_default 240 python3 benchmarks/profile_model.py --model moe-block \
                    --phase train --tokens 4096 --mode default --steps 10 ;;
         # issue 14's MoE block (Qwen3-30B-A3B shapes): forward at 4096 and 16384 tokens, a training step
