@@ -159,6 +159,11 @@ def test_clusters_are_offered_once_gpu_checked(monkeypatch):
     offered = clustered(clusters=True)
     assert {(c.cluster_m, c.cluster_n) for c in offered} == {(2, 1), (1, 2)}
     assert all(c.tile_m == 128 and c.tile_k == 64 and unsupported_reason(AUTOGRAD, c) is None for c in offered)
+    # a cluster only where both of its tiles can hold output: M of one row tile gets no 2x1
+    narrow = [c for c in candidates(AUTOGRAD, 128, 1536, 32768, groups=128, clusters=True) if c.cluster_size > 1]
+    assert narrow and all((c.cluster_m, c.cluster_n) == (1, 2) for c in narrow)
+    assert "128-row tiles" in unsupported_reason(AUTOGRAD, GroupedConfig(64, 256, 64, 4, 1, cluster_m=2))
+    assert "128-row tiles" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 128, 128, 3, 2, cluster_n=2))
     monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_GPU_CHECKED", False)
     assert clustered() == []
     monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_GPU_CHECKED", True)

@@ -143,14 +143,13 @@ def test_the_whole_tile_store_of_back_to_back_epilogues(config):
 # operand's k-blocks by multicast; odd tile counts put one peer's tile past M (2x1) or N (1x2), where
 # it must load and release as usual and store nothing; both operand layouts, the boundary mask in
 # each CTA's copy of a stage, with and without the whole-tile store
-CLUSTER_CONFIGS = [GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2),
-                   GroupedConfig(128, 128, 64, 5, 2, cluster_m=2, store_whole_tile=True),
-                   GroupedConfig(128, 128, 64, 5, 2, cluster_n=2, store_whole_tile=True)]
+CLUSTER_CONFIGS = [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=16, clusters=True)
+                   if c.cluster_size > 1]  # every cluster config offered
 
 
 @pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=lambda c: c.describe())
-@pytest.mark.parametrize("a_major,b_major,m,n", [("m", "n", 1536, 2048), ("k", "k", 264, 1000), ("m", "k", 1000, 264),
-                                                 ("k", "n", 40, 24)])
+@pytest.mark.parametrize("a_major,b_major,m,n", [("m", "n", 1536, 2048), ("m", "n", 264, 600), ("k", "k", 264, 1000),
+                                                 ("m", "k", 1000, 264), ("k", "n", 40, 24)])
 def test_clusters(config, a_major, b_major, m, n):
     sizes = [(i * 53) % 300 for i in range(24)]  # 0 to 299 tokens (the first group empty)
     tokens = -(-(sum(sizes) + 1) // 8) * 8  # tokens past the last group (inf)
@@ -158,9 +157,30 @@ def test_clusters(config, a_major, b_major, m, n):
 
 
 @pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=lambda c: c.describe())
-def test_clusters_of_back_to_back_epilogues(config):
+def test_clusters_of_back_to_back_epilogues_and_of_long_groups(config):
     sizes = [0, 5, 0, 70, 0, 1, 0, 33] * 16
     check_wgrad(sizes, 264, 264, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
+    # many k-blocks a unit: each CTA waits on its peer's releases within a unit
+    sizes = [3000, 5, 0, 1200]
+    check_wgrad(sizes, 264, 600, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
+
+
+@pytest.mark.parametrize("config", CLUSTER_CONFIGS[:2], ids=lambda c: c.describe())
+def test_clusters_replay_in_a_cuda_graph_with_new_offsets(config):
+    a, b = operands(1024, 384, 512)
+    offs = offsets([256, 256, 256, 256])
+    out = torch.empty(4, 384, 512, device=DEV, dtype=torch.bfloat16)
+    ops.grouped_mm(a, b, offs, out, config=config)  # compile and load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.grouped_mm(a, b, offs, out, config=config)
+    for sizes in ([1024, 0, 0, 0], [1, 2, 3, 1018], [0, 0, 0, 0]):
+        offs.copy_(offsets(sizes))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.double(), wgrad_reference(a, b, sizes), atol=3e-2, rtol=2e-2)
 
 
 def test_weight_gradient_matches_torch_grouped_mm():

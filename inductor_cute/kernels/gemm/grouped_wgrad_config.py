@@ -56,6 +56,8 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
         return None
     if config.prefetch or config.overlap_last or config.staged_partial:
         return "the weight gradient runs without prefetch, overlap_last or staged_partial (its groups split K)"
+    if config.cluster_size > 1 and (config.tile_m != 128 or config.tile_k != 64):
+        return "weight-gradient clusters take 128-row tiles at tile_k 64 (the forms their GPU tests run)"
     # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
     reason = grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name),
                                                dataclasses.replace(config, store_whole_tile=False))
@@ -108,7 +110,12 @@ def offers_whole_tile_store(tile_m: int, tile_k: int) -> bool:
 # 4096 tokens loaded their operands out of L2 at ~4.8 TB/s on an H100 (192 KB a 128x256 unit of
 # ~256 tokens), so operand traffic, not the MMAs, bounds them; a 2x1 cluster cuts it by a third.
 CLUSTERS_GPU_CHECKED = False
-CLUSTER_SHAPES = ((2, 1), (1, 2))
+
+
+def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int) -> tuple[tuple[int, int], ...]:
+    """2x1 where M spans two row tiles or more, 1x2 where N spans two column tiles (else a peer
+    would only load for the other)."""
+    return tuple(shape for shape, tiles in (((2, 1), -(-m // tile_m)), ((1, 2), -(-n // tile_n))) if tiles >= 2)
 
 
 def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None, groups: int = 1,
@@ -120,7 +127,7 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
     clustered = CLUSTERS_GPU_CHECKED if clusters is None else clusters
     for tm, tn, wg in grouped_config._SHAPES:
         for tk in ((64, 128) if exhaustive else (64,)):
-            shapes = ((1, 1),) + (CLUSTER_SHAPES if clustered and tm == 128 and tk == 64 else ())
+            shapes = ((1, 1),) + (_cluster_shapes(m, n, tm, tn) if clustered and tm == 128 and tk == 64 else ())
             for cm, cn in shapes:
                 for whole in ((False, True) if offers_whole_tile_store(tm, tk) else (False,)):
                     cfg = _deepest(GroupedConfig(tm, tn, tk, MAX_STAGES, wg, cm, cn, store_whole_tile=whole), problem)
