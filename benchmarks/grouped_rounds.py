@@ -1,10 +1,11 @@
 """Is our grouped GEMM behind Inductor's Triton template on routed groups because of its cluster
 shapes' work rounds? The MoE block's three products Triton wins in its training step (Qwen3-30B-A3B
-at 4096 tokens, the block's own router): the up projection's forward, and both input gradients
+at 4096 tokens, the block's own router): both forward projections and both input gradients
 (their weights N-major), and its two weight gradients (ours with and without the whole-tile
 store). Side by side in one process, on the same offsets: eager
 torch._grouped_mm, Inductor's Triton template (compiled and autotuned now, stock), and ours in
-1x1, 1x2 and 2x1 clusters (128x256 and 128x128 tiles, overlap_last + staged_partial), each with
+1x1, 1x2 and 2x1 clusters (128x256 and 128x128 tiles, overlap_last + staged_partial, with and
+without half_tiles), each with
 its count of work units and of rounds over the SMs: a 2x1 cluster whose group has an odd number
 of row tiles leaves its second CTA computing rows past the group (docs/perf-notes.md, twenty-fifth
 session).
@@ -48,6 +49,7 @@ def main() -> None:
     # (name, a's width, the weight as torch._grouped_mm takes it, b_major)
     forms = [("up fwd", w_up.shape[2], w_up.transpose(1, 2), "k"),
              ("up dgrad", w_up.shape[1], w_up, "n"),
+             ("down fwd", w_down.shape[2], w_down.transpose(1, 2), "k"),
              ("down dgrad", w_down.shape[1], w_down, "n")]
     print(f"rows per expert: min {min(sizes)} mean {sum(sizes) / len(sizes):.0f} max {max(sizes)}")
     for name, k, b, b_major in forms:
@@ -55,15 +57,21 @@ def main() -> None:
         problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major)
         a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-        configs = [GroupedConfig(tm, tn, 64, stages, 2, cm, cn, overlap_last=True, staged_partial=True)
-                   for tm, tn, stages in SHAPES for cm, cn in CLUSTERS]
+        configs = [GroupedConfig(tm, tn, 64, stages, 2, cm, cn, overlap_last=True, staged_partial=True, half_tiles=half)
+                   for tm, tn, stages in SHAPES for cm, cn in CLUSTERS for half in (False, True)]
         configs = [c for c in configs if unsupported_reason(problem, c, n=n, k=k, groups=len(sizes)) is None]
         precompile([spec(problem, c, sms) for c in configs])
         fns = {"aten": lambda: torch._grouped_mm(a, b, offs=offs)}
         triton, note = triton_runner(a, b, offs)
         if triton is not None:
             fns["triton"] = triton
-        for c in configs:
+        want = fns["aten"]()
+        for c in configs:  # each checked once before it is timed (half tiles are new); a wrong one is named
+            try:
+                torch.testing.assert_close(grouped_mm(a, b, offs, out, config=c), want, atol=5e-2, rtol=2e-2)
+            except AssertionError as err:
+                print(f"    WRONG {c.describe()}: {str(err).splitlines()[0]}")
+                continue
             fns[c.describe()] = lambda c=c: grouped_mm(a, b, offs, out, config=c)
         times = time_side_by_side(fns, reps=50)
         print(f"{name}: ({rows}, {k}) x ({len(sizes)}, {k}, {n}), b {b_major}-major; {note}")

@@ -32,6 +32,11 @@ VARIANTS = {
     "gathered-gated-int32-2x1-staged": (GroupedProblem(gate="silu", rows="int32"),
                                         GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True,
                                                       staged_partial=True)),
+    "half-tiles-1x2-staged": (K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, cluster_n=2, overlap_last=True,
+                                                     staged_partial=True, half_tiles=True)),
+    "half-tiles-gathered-gated-2x1": (GroupedProblem(gate="silu", rows="int32"),
+                                      GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True,
+                                                    staged_partial=True, half_tiles=True)),
     "gathered-n-major-64x128-one-warpgroup": (GroupedProblem(b_major="n", rows="int64"), GroupedConfig(64, 128, 64, 8, 1)),
 }
 
@@ -226,6 +231,43 @@ def test_overlap_last_is_a_kernel_of_its_own_offered_once_gpu_checked(monkeypatc
     assert default_config(K_MAJOR, 32768, 1536, 2048, groups=128).overlap_last
     monkeypatch.setattr(grouped_config, "STAGED_PARTIAL_GPU_CHECKED", True)
     assert all(c.overlap_last and c.staged_partial for c in candidates(K_MAJOR, 32768, 1536, 2048, groups=128))
+
+
+def test_half_tiles_are_a_kernel_of_their_own_offered_once_gpu_checked(monkeypatch):
+    from inductor_cute.kernels.gemm import grouped_config, grouped_sm90
+
+    half = GroupedConfig(half_tiles=True)
+    assert "half_tiles" not in GroupedConfig().as_params()  # older specs keep their keys
+    assert spec(K_MAJOR, half).name != spec(K_MAJOR, GroupedConfig()).name and "half-tiles" in half.describe()
+    kernel, _ = grouped_sm90.build(**spec(K_MAJOR, half).kwargs)
+    assert kernel.grouped_cfg.half_tiles  # the spec's field reaches the kernel
+    assert "two consumer warp groups" in unsupported_reason(K_MAJOR, GroupedConfig(64, 256, 64, 5, 1, half_tiles=True))
+    assert "128-row tiles" in unsupported_reason(K_MAJOR, GroupedConfig(256, 128, 64, 4, 2, half_tiles=True))
+    from inductor_cute.kernels.gemm.grouped_wgrad_config import WgradProblem
+    from inductor_cute.kernels.gemm.grouped_wgrad_config import unsupported_reason as wgrad_reason
+    assert "half_tiles" in wgrad_reason(WgradProblem(), half)
+    monkeypatch.setattr(grouped_config, "HALF_TILES_GPU_CHECKED", False)
+    plain = candidates(K_MAJOR, 32768, 1536, 2048, groups=128)
+    assert not any(c.half_tiles for c in plain)
+    monkeypatch.setattr(grouped_config, "HALF_TILES_GPU_CHECKED", True)
+    both = candidates(K_MAJOR, 32768, 1536, 2048, groups=128)
+    # every config of two consumer warp groups gets a half-tile twin, after the others
+    assert both[:len(plain)] == plain and len(set(both)) == len(both)
+    assert both[len(plain):] == [dataclasses.replace(c, half_tiles=True) for c in plain
+                                 if c.consumer_warpgroups == 2 and c.tile_m == 128]
+
+
+def test_half_tiles_branch_around_the_mma_and_place_tiles_in_both_roles():
+    full = compile_spec(spec(*VARIANTS["staged-partial-128x256"]), "sm_90a", keep_ptx=True).ptx
+    half = compile_spec(spec(K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, overlap_last=True, staged_partial=True,
+                                                    half_tiles=True)), "sm_90a", keep_ptx=True).ptx
+    # the same MMAs, under one more predicated branch; the tile's first row placed with the half
+    # rule by producer and consumers (one more compare each)
+    assert len(re.findall(r"wgmma\.mma_async", half)) == len(re.findall(r"wgmma\.mma_async", full))
+    assert len(re.findall(r"@%p\d+ bra", half)) > len(re.findall(r"@%p\d+ bra", full))
+    # the branch's predicate joins the row test and the column test (a tile past N skips too)
+    assert len(re.findall(r"and\.pred", half)) > len(re.findall(r"and\.pred", full))
+    assert len(re.findall(r"setp\.\w+\.s32", half)) > len(re.findall(r"setp\.\w+\.s32", full))
 
 
 def test_staged_partial_stores_16_byte_pieces_instead_of_2_byte_values():

@@ -140,3 +140,37 @@ def test_overlap_last_cuts_the_group_rows_at_the_tokens():
     got = reference_tiles([700, 1300], 128, 128, 128, MAX_GROUPS, overlap_last=True, tokens=1100)
     assert [(first, end) for g, _, _, first, end in got if g == 1][:4] == [(700, 1100), (828, 1100), (956, 1100),
                                                                           (972, 1100)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cluster_mn", [(1, 1), (2, 1), (1, 2)])
+def test_half_tiles_keep_a_last_tile_of_at_most_half_its_rows_in_place(name, cluster_mn):
+    """With half_tiles (and overlap_last) a group's last tile that holds at most tile_m / 2 of its
+    rows keeps its place, partial, and only the first half of it has rows of the group; the other
+    tiles are placed as overlap_last places them; together they still cover every row."""
+    sizes, n, tile_m, tile_n = CASES[name], 384, 128, 128
+    overlapped = reference_tiles(ends_of(sizes), n, tile_m, tile_n, MAX_GROUPS, cluster_mn, overlap_last=True)
+    plain = reference_tiles(ends_of(sizes), n, tile_m, tile_n, MAX_GROUPS, cluster_mn)
+    got = reference_tiles(ends_of(sizes), n, tile_m, tile_n, MAX_GROUPS, cluster_mn, overlap_last=True,
+                          half_tiles=True)
+    assert [t[:3] for t in got] == [t[:3] for t in plain]
+    for (g, _, _, first, end), (_, _, _, moved, _), (_, _, _, nominal, _) in zip(got, overlapped, plain):
+        if nominal < end <= nominal + tile_m // 2:  # at most half the tile's rows left: kept in place
+            assert first == nominal
+        else:
+            assert first == moved
+    starts = [0, *ends_of(sizes)]
+    for g, rows in enumerate(sizes):
+        for n_tile in range(-(-n // tile_n)):
+            covered = set()
+            for _, _, _, first, end in (t for t in got if t[0] == g and t[2] == n_tile and t[3] < t[4]):
+                covered |= set(range(first, min(first + tile_m, end)))
+            assert covered == set(range(starts[g], starts[g] + rows))
+
+
+def test_half_tiles_place_the_moe_blocks_tails():
+    # 300 rows from row 1000: tiles 1000, 1128, then 1256 kept (44 rows, a half tile) where
+    # overlap_last alone moves it to 1172; 200 rows from 1300: 1300, then 1372 moved (72 rows left)
+    got = reference_tiles([1000, 1300, 1500], 128, 128, 128, MAX_GROUPS, overlap_last=True, half_tiles=True)
+    assert [first for g, _, _, first, _ in got if g == 1] == [1000, 1128, 1256]
+    assert [first for g, _, _, first, _ in got if g == 2] == [1300, 1372]

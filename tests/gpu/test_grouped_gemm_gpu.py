@@ -178,6 +178,49 @@ def test_staged_partial_stores_the_same_bits(config):
     assert torch.equal(staged, grouped_mm(a, b, offs, config=dataclasses.replace(config, staged_partial=False)))
 
 
+# half_tiles: a warp group whose rows all lie past its group (a half tile's second half, a cluster
+# peer past the group or past N) issues no MMAs; a last tile with at most 64 of the group's rows keeps
+# its place (not moved back by overlap_last) and is stored as a partial tile. Sizes whose tails are
+# 1, 63, 64, 65 and 127 rows past a multiple of 128 put the boundary on both sides of the half
+HALF_TILES = [GroupedConfig(128, 256, 64, 4, 2, overlap_last=True, staged_partial=True, half_tiles=True),
+              GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, overlap_last=True, staged_partial=True, half_tiles=True),
+              GroupedConfig(128, 256, 64, 4, 2, cluster_n=2, overlap_last=True, staged_partial=True, half_tiles=True),
+              GroupedConfig(128, 256, 64, 4, 2, half_tiles=True)]  # predicated partial stores, no moved tiles
+HALF_TAILS = [129, 0, 191, 192, 193, 255, 64, 65, 1, 300, 320]
+
+
+@pytest.mark.parametrize("layout", ["k", "n"])
+@pytest.mark.parametrize("config", HALF_TILES, ids=lambda c: c.describe().replace(" ", "-"))
+def test_half_tiles(config, layout):
+    check(HALF_TAILS, 512, 384, layout, config=config, seed=7)
+    check(HALF_TAILS, 1000, 40, layout, config=config)  # one column tile: a 1x2 peer past N
+    check([100, 0, 300], 256, 264, tokens=700, config=config)  # rows past the offsets stay poisoned
+    check(routed_sizes(32768), 2048, 1536, config=config)  # ~256 rows a group: the MoE block's tails
+
+
+@pytest.mark.parametrize("config", HALF_TILES[:3], ids=lambda c: c.describe().replace(" ", "-"))
+def test_half_tiles_store_the_same_bits_as_whole_tiles(config):
+    """A half tile's rows leave the same registers as they would from a moved (whole) tile: the
+    same rows computed at another place in a tile, bit for bit."""
+    sizes = routed_sizes(32768, seed=6)
+    a = torch.randn(sum(sizes), 1024, device=DEV).bfloat16()
+    b, offs = weights(len(sizes), 1024, 768, "k", seed=6), offsets(sizes)
+    half = grouped_mm(a, b, offs, config=config)
+    assert torch.equal(half, grouped_mm(a, b, offs, config=dataclasses.replace(config, half_tiles=False)))
+
+
+@pytest.mark.parametrize("layout", ["k", "n"])
+def test_half_tiles_gated_and_gathered(layout):
+    config = HALF_TILES[1]
+    check_gated(HALF_TAILS, 512, 192, layout, config=config)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(700, 512, device=DEV, generator=g).bfloat16()
+    rows = torch.randint(700, (sum(HALF_TAILS),), device=DEV, generator=g)
+    b, offs = weights(len(HALF_TAILS), 512, 384, layout), offsets(HALF_TAILS)
+    gathered = grouped_mm(x, b, offs, rows=rows, config=config)
+    assert torch.equal(gathered, grouped_mm(x[rows], b, offs, config=config))
+
+
 GATED_CONFIGS = [None, GroupedConfig(128, 128, 64, 6, 2), GroupedConfig(64, 128, 64, 8, 1),
                  GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 256, 64, 4, 2, cluster_n=2),
                  GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True),

@@ -62,18 +62,22 @@ def tile_in_group(local, rows, tile_m: int, ceil_div=None):
     return local % tiles_m, local // tiles_m
 
 
-def tile_first_row(row0, row_end, m, tile_m: int, overlap_last: bool, minimum=min, maximum=max, select=None):
+def tile_first_row(row0, row_end, m, tile_m: int, overlap_last: bool, minimum=min, maximum=max, select=None,
+                   half_tiles: bool = False):
     """The first row of tile `m` of the group of rows [row0, row_end): row0 + m * tile_m, except,
     with `overlap_last`, for the group's last tile when it would end past row_end: that one starts
     tile_m rows before row_end (overlapping the tile before it, whose rows it computes and stores
     again with the same values), so that every tile of a group of tile_m rows or more is whole and
     stored by TMA. A group of fewer rows keeps its one partial tile; tiles past the group's rows
-    (a cluster's peers) keep their place."""
+    (a cluster's peers) keep their place. With `half_tiles` a last tile with at most tile_m / 2 of
+    the group's rows keeps its place too: its second half lies past the group, and the warp group
+    of those rows skips its MMAs (GroupedConfig.half_tiles)."""
     first = row0 + m * tile_m
     if not overlap_last:
         return first
     select = select or (lambda cond, a, b: a if cond else b)
-    return select(first < row_end, minimum(first, maximum(row0, row_end - tile_m)), first)
+    kept = tile_m // 2 if half_tiles else 0  # group rows a last tile may hold and keep its place
+    return select(first + kept < row_end, minimum(first, maximum(row0, row_end - tile_m)), first)
 
 
 def tile_counts(ends: list[int], tiles_n: int, tile_m: int) -> list[int]:
@@ -90,7 +94,8 @@ def prefix_table(ends: list[int], tiles_n: int, tile_m: int) -> list[int]:
 
 
 def reference_tiles(ends: list[int], n: int, tile_m: int, tile_n: int, max_groups: int,
-                    cluster_mn: tuple[int, int] = (1, 1), overlap_last: bool = False, tokens: int | None = None):
+                    cluster_mn: tuple[int, int] = (1, 1), overlap_last: bool = False, tokens: int | None = None,
+                    half_tiles: bool = False):
     """Every CTA tile's (group, m, n, first row, row end), work unit after work unit and CTA after
     CTA of the cluster (M fastest), by the kernel's arithmetic in plain Python: for CPU tests and
     host-side planning. With clusters, tiles past a group's rows (first row >= row end) or past
@@ -109,7 +114,7 @@ def reference_tiles(ends: list[int], n: int, tile_m: int, tile_n: int, max_group
             for i in range(cm):
                 m = bm * cm + i
                 end = rows_end[g + 1] if tokens is None else min(rows_end[g + 1], tokens)
-                first = tile_first_row(rows_end[g], end, m, tile_m, overlap_last)
+                first = tile_first_row(rows_end[g], end, m, tile_m, overlap_last, half_tiles=half_tiles)
                 out.append((g, m, bn * cn + j, first, end))
     return out
 
@@ -157,13 +162,14 @@ class GroupedTileMap:
         """[first, end) rows of `group` in the stacked tokens."""
         return cute.arch.make_warp_uniform(self.sEnds[group]), cute.arch.make_warp_uniform(self.sEnds[group + 1])
 
-    def tile_rows(self, tile: TileCoord, tokens, overlap_last: bool):
+    def tile_rows(self, tile: TileCoord, tokens, overlap_last: bool, half_tiles: bool = False):
         """(first row, end row) of `tile`: its first row as `tile_first_row` places it in its group's
         rows, the end the group's, neither past `tokens` (offsets past the tokens store nothing
         there). Producer and consumers both ask here, so A's rows and the stored rows agree."""
         row0, row_end = self.rows(tile.group)
         row_end = cutlass.min(row_end, tokens)
-        first = tile_first_row(row0, row_end, tile.m, self.tile_m, overlap_last, cutlass.min, cutlass.max, _select)
+        first = tile_first_row(row0, row_end, tile.m, self.tile_m, overlap_last, cutlass.min, cutlass.max, _select,
+                               half_tiles)
         return cute.arch.make_warp_uniform(first), row_end
 
 

@@ -78,12 +78,18 @@ class GroupedConfig:
     # buffer per subtile, and its TMA stores drain while the next unit's mainloop runs: two barriers
     # a tile instead of two a subtile, and no wait for a buffer within the tile
     store_whole_tile: bool = False
+    # (128-row tiles, two consumer warp groups) a warp group whose 64 rows all lie past the group's
+    # rows issues no MMAs, and with overlap_last a group's last tile holding at most tile_m / 2 of
+    # its rows keeps its place (a partial tile, one warp group's MMAs) instead of recomputing
+    # tile_m / 2 rows or more of the tile before it. On Qwen3-30B-A3B's routing at 4096 tokens
+    # (groups of 198-300 rows, 128-row tiles) about half the groups end in such a tile
+    half_tiles: bool = False
 
     def as_params(self) -> dict:
         """The fields, those added later left out when off (the specs that predate them keep their
         keys)."""
         params = dataclasses.asdict(self)
-        for name in ("prefetch", "overlap_last", "staged_partial", "store_whole_tile"):
+        for name in ("prefetch", "overlap_last", "staged_partial", "store_whole_tile", "half_tiles"):
             if not params[name]:
                 del params[name]
         return params
@@ -98,8 +104,9 @@ class GroupedConfig:
         overlap = " overlap-last" if self.overlap_last else ""
         staged = " staged-partial" if self.staged_partial else ""
         whole = " whole-tile-store" if self.store_whole_tile else ""
+        half = " half-tiles" if self.half_tiles else ""
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} stages {self.stages} wg {self.consumer_warpgroups}"
-                f"{cluster}{prefetch}{overlap}{staged}{whole}")
+                f"{cluster}{prefetch}{overlap}{staged}{whole}{half}")
 
 
 def table_bytes(max_groups: int = MAX_GROUPS) -> int:
@@ -166,6 +173,8 @@ def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
         return "clusters of 1x1, 2x1 or 1x2 CTAs are supported"
     if c.consumer_warpgroups not in (1, 2):
         return "consumer_warpgroups must be 1 or 2"
+    if c.half_tiles and (c.consumer_warpgroups != 2 or c.tile_m != 128):
+        return "half_tiles needs 128-row tiles of two consumer warp groups (a half tile is one warp group's 64 rows)"
     if c.tile_m % (64 * c.consumer_warpgroups) or not 64 <= c.tile_m <= 256:
         return "tile_m must be a multiple of 64 * consumer_warpgroups, at most 256"
     if c.tile_n % EPI_N or not EPI_N <= c.tile_n <= 256:
@@ -269,12 +278,21 @@ def cluster_shapes(tokens: int, n: int, groups: int, tile_m: int, tile_n: int) -
     return out
 
 
+# Half tiles (GroupedConfig.half_tiles) join the candidates, as twins of the configs with two consumer
+# warp groups, once their GPU tests have passed (test_grouped_gemm_gpu.py -k half). Written in the
+# twenty-seventh session, compiled only (no spills, WGMMAs not serialized). On the MoE block's routing
+# at 4096 tokens the four forward-form GEMMs compute ~2.5 row tiles a group of ~2 tiles' rows (at
+# ~87% of the matmul rate on the tiles computed); half tiles take ~10% of those MMAs away.
+HALF_TILES_GPU_CHECKED = False
+
+
 def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = None, groups: int = 1,
                num_sms: int = SM_COUNT, exhaustive: bool = False,
-               clusters: bool | None = None) -> list[GroupedConfig]:
+               clusters: bool | None = None, half_tiles: bool | None = None) -> list[GroupedConfig]:
     """Valid configs: the heuristic default first, then the other tile shapes at their deepest
     pipelines (and tile_k 128 with `exhaustive`), then the 128-row shapes in clusters (with
-    `clusters`, by default once CLUSTERS_GPU_CHECKED)."""
+    `clusters`, by default once CLUSTERS_GPU_CHECKED), then the half-tile twins of those with two
+    consumer warp groups (with `half_tiles`, by default once HALF_TILES_GPU_CHECKED)."""
     out = [default_config(problem, tokens, n, k, groups, num_sms)]
     for tm, tn, wg in _SHAPES:
         for tk in ((64, 128) if exhaustive else (64,)):
@@ -287,7 +305,10 @@ def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = Non
                 cfg = _deepest(GroupedConfig(tm, tn, 64, MAX_STAGES, wg, cm, cn), problem)
                 if cfg is not None and cfg not in out:
                     out.append(cfg)
-    return list(dict.fromkeys(_with_checked_edge_stores(c) for c in out))
+    out = list(dict.fromkeys(_with_checked_edge_stores(c) for c in out))
+    if HALF_TILES_GPU_CHECKED if half_tiles is None else half_tiles:
+        out += [dataclasses.replace(c, half_tiles=True) for c in out if c.consumer_warpgroups == 2 and c.tile_m == 128]
+    return out
 
 
 def spec(problem: GroupedProblem, config: GroupedConfig, num_sms: int = SM_COUNT):

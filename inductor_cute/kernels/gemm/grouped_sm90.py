@@ -29,6 +29,10 @@ through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`)
     slower than even ones with the predicated stores: grouped_routing.py). With config
     staged_partial a partial tile goes through the staging buffer too (stmatrix), and every
     epilogue thread copies 16-byte pieces of its rows before the group's end to global memory.
+    With config half_tiles a consumer warp group whose 64 rows of the tile all lie past the
+    group's end (or whose tile lies past N) waits for and releases every stage but issues no
+    MMAs, and a last tile with at most half its rows in the group keeps its place (a partial
+    tile) instead of moving back: half a tile's MMAs instead of a whole tile's, mostly recomputed.
   * clusters (config cluster_m x cluster_n, at most 2 CTAs): the CTAs of a cluster take one block
     of tiles of one group (the tile map's work unit), so the two row tiles of a 2x1 cluster
     multicast halves of their shared weight tile to each other, and the two column tiles of a
@@ -155,6 +159,10 @@ class GroupedHopperGemm(HopperGemm):
                         cute.make_ptr(self.d_dtype, dst.toint(), cute.AddressSpace.gmem, assumed_align=16),
                         cute.make_layout(vec)))
         epi_barrier.arrive_and_wait()  # every thread's reads done before the buffer is written again
+
+    def _tile_rows(self, tiles: GroupedTileMap, tile, mD: cute.Tensor):
+        """(first row, end row) of a tile, as producer and consumers must both place it."""
+        return tiles.tile_rows(tile, mD.shape[0], self.grouped_cfg.overlap_last, self.grouped_cfg.half_tiles)
 
     def _gathered_a_pipeline(self, barriers):
         """Gathered A's ring: every producer thread's cp.async copies of a stage arrive on its full
@@ -352,7 +360,7 @@ class GroupedHopperGemm(HopperGemm):
                 while scheduler.valid(work):
                     tile = scheduler.tile(work)
                     # the tile's rows from its first; rows past its group's end are read but never stored
-                    first_row, row_end = tiles.tile_rows(tile, mD.shape[0], self.grouped_cfg.overlap_last)
+                    first_row, row_end = self._tile_rows(tiles, tile, mD)
                     tAsA, tAgA, tokens = None, None, None
                     if cutlass.const_expr(self.gather):
                         tokens = self._gathered_tokens(gather, mRows, mA.shape[0], first_row, row_end)
@@ -424,6 +432,13 @@ class GroupedHopperGemm(HopperGemm):
             work = scheduler.first()
             while scheduler.valid(work):
                 tile = scheduler.tile(work)
+                first_row, row_end = self._tile_rows(tiles, tile, mD)
+                first_col = tile.n * out_tn
+                # half_tiles: a warp group whose rows all lie past the group (or whose tile lies past N)
+                # waits for and releases every stage as usual but issues no MMAs
+                mma_on = True
+                if cutlass.const_expr(self.grouped_cfg.half_tiles):
+                    mma_on = first_row + 64 * (wg_idx - 1) < row_end and first_col < n_cols
                 # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -434,9 +449,10 @@ class GroupedHopperGemm(HopperGemm):
                         a_pipe.consumer_wait(read_state)
                         # cp.async wrote A through the generic proxy; WGMMA reads through the async one
                         cute.arch.fence_proxy("async.shared", space="cta")
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        coord = (None, None, kb, read_state.index)
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    if mma_on:
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            coord = (None, None, kb, read_state.index)
+                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
                     warpgroup.commit_group()
                     read_state.advance()
                     if kt > 0:
@@ -449,8 +465,6 @@ class GroupedHopperGemm(HopperGemm):
                     release_state.advance()
 
                 # ---- epilogue, one (64 * tile_wgs x 32) subtile at a time
-                first_row, row_end = tiles.tile_rows(tile, mD.shape[0], self.grouped_cfg.overlap_last)
-                first_col = tile.n * out_tn
                 # a cluster peer's tile past its group's rows or past N: nothing to store
                 if first_row < row_end and first_col < n_cols:
                     whole = first_row + tm <= row_end  # else the group's last rows: predicated stores
@@ -500,11 +514,11 @@ class GroupedHopperGemm(HopperGemm):
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
           cluster_m=1, cluster_n=1, gate="", prefetch=0, overlap_last=False, staged_partial=False, rows="",
-          num_sms=SM_COUNT):
+          half_tiles=False, num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major, gate, rows)
     cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch,
-                        overlap_last, staged_partial)
+                        overlap_last, staged_partial, half_tiles=half_tiles)
     err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)

@@ -54,8 +54,9 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
         return f"{groups} groups: between 1 and {MAX_GROUPS} are supported"
     if config is None:
         return None
-    if config.prefetch or config.overlap_last or config.staged_partial:
-        return "the weight gradient runs without prefetch, overlap_last or staged_partial (its groups split K)"
+    if config.prefetch or config.overlap_last or config.staged_partial or config.half_tiles:
+        return ("the weight gradient runs without prefetch, overlap_last, staged_partial or half_tiles (its groups "
+                "split K)")
     if config.cluster_size > 1 and (config.tile_m != 128 or config.tile_k != 64):
         return "weight-gradient clusters take 128-row tiles at tile_k 64 (the forms their GPU tests run)"
     # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
