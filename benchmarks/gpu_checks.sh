@@ -115,6 +115,13 @@ for s in $steps; do
         # the weight gradient's clusters (GroupedConfig cluster_m/cluster_n; grouped_wgrad_config.CLUSTERS_GPU_CHECKED)
         wgrad_clusters) step wgrad_clusters 300 python3 -m pytest -m gpu tests/gpu/test_grouped_wgrad_gpu.py -q -rf -n 4 \
                    -p no:cacheprovider -k cluster ;;
+        # the forward kernel's half tiles (GroupedConfig.half_tiles; grouped_config.HALF_TILES_GPU_CHECKED)
+        half_tiles) step half_tiles 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -q -rf -n 4 \
+                   -p no:cacheprovider -k half ;;
+        # the enabled training step's output code (which graph nodes each non-GEMM kernel computes), max-autotune
+        moe_train_code) TORCH_LOGS=output_code step moe_train_code 320 python3 benchmarks/profile_model.py \
+                   --model moe-block --phase train --tokens 4096 --mode max-autotune-no-cudagraphs --runners enabled \
+                   --steps 3 ;;
         moe_train_default) step moe_train_default 240 python3 benchmarks/profile_model.py --model moe-block \
                    --phase train --tokens 4096 --mode default --steps 10 ;;
         # issue 14's MoE block (Qwen3-30B-A3B shapes): forward at 4096 and 16384 tokens, a training step
