@@ -98,6 +98,18 @@ def test_a_2x1_cluster_pairs_row_tiles_of_the_same_weight_columns():
     assert [first < end for _, _, _, first, end in got] == [True, True, True, False] * 2
 
 
+def assert_rows_covered(tiles, sizes, n, tile_m, tile_n):
+    """The stored tiles (first row before the row end) of each group and column tile together
+    cover exactly the group's rows."""
+    starts = [0, *ends_of(sizes)]
+    for g, rows in enumerate(sizes):
+        for n_tile in range(-(-n // tile_n)):
+            covered = set()
+            for _, _, _, first, end in (t for t in tiles if t[0] == g and t[2] == n_tile and t[3] < t[4]):
+                covered |= set(range(first, min(first + tile_m, end)))
+            assert covered == set(range(starts[g], starts[g] + rows))
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("cluster_mn", [(1, 1), (2, 1), (1, 2)])
 @pytest.mark.parametrize("tile_m", [64, 128])
@@ -118,12 +130,7 @@ def test_overlap_last_stores_whole_tiles_that_cover_every_row(name, cluster_mn, 
             assert row0 <= first and first + tile_m <= end  # whole, inside the group
         else:
             assert first == row0 == plain_first  # the group's one partial tile
-    for g, rows in enumerate(sizes):
-        for n_tile in range(-(-n // tile_n)):
-            covered = set()
-            for _, _, _, first, end in (t for t in got if t[0] == g and t[2] == n_tile and t[3] < t[4]):
-                covered |= set(range(first, min(first + tile_m, end)))
-            assert covered == set(range(starts[g], starts[g] + rows))
+    assert_rows_covered(got, sizes, n, tile_m, tile_n)
 
 
 def test_overlap_last_moves_only_a_groups_last_tile_back():
@@ -159,13 +166,7 @@ def test_half_tiles_keep_a_last_tile_of_at_most_half_its_rows_in_place(name, clu
             assert first == nominal
         else:
             assert first == moved
-    starts = [0, *ends_of(sizes)]
-    for g, rows in enumerate(sizes):
-        for n_tile in range(-(-n // tile_n)):
-            covered = set()
-            for _, _, _, first, end in (t for t in got if t[0] == g and t[2] == n_tile and t[3] < t[4]):
-                covered |= set(range(first, min(first + tile_m, end)))
-            assert covered == set(range(starts[g], starts[g] + rows))
+    assert_rows_covered(got, sizes, n, tile_m, tile_n)
 
 
 def test_half_tiles_place_the_moe_blocks_tails():

@@ -107,14 +107,7 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
         self._setup()
         tm, tn, tk = self.tile_mnk
         cm, cn = self.cluster_mn
-        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA,
-                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk),
-                                                num_multicast=self.mcast_a)
-        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB,
-                                                cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk),
-                                                num_multicast=self.mcast_b)
-        tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
-                                                cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
+        tma_a, gA, tma_b, gB, tma_d, gD = self._tma_atoms(mA, mB, mD)
         clusters_m = cute.ceil_div(cute.ceil_div(mD.shape[0], tm), cm)
         work_units = clusters_m * cute.ceil_div(cute.ceil_div(mD.shape[1], tn), cn) * mOffs.shape[0]
         grid_z = TileScheduler.launch_clusters(work_units, self.max_clusters)

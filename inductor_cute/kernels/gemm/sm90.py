@@ -126,6 +126,20 @@ class HopperGemm:
                                                      (self.mcast_a + self.mcast_b - 1) * 4 * self.tile_wgs),
             tx_count=ab_bytes, cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)), defer_sync=True)
 
+    def _tma_atoms(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor) -> tuple:
+        """(atom, TMA tensor) of A's and B's (tm, tk) and (tn, tk) loads, each multicast to the CTAs
+        of the cluster that share it, and of D's subtile stores, flattened."""
+        tm, tn, tk = self.tile_mnk
+        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA,
+                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk),
+                                                num_multicast=self.mcast_a)
+        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB,
+                                                cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk),
+                                                num_multicast=self.mcast_b)
+        tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
+                                                cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
+        return tma_a, gA, tma_b, gB, tma_d, gD
+
     def _mcast_masks(self, cta_layout, cta_coord):
         """(A's, B's) multicast masks of this CTA: A to its cluster row, B to its column; 0 alone."""
         a_mask = cute.make_layout_image_mask(cta_layout, cta_coord, mode=1) if self.mcast_a > 1 else 0
@@ -159,14 +173,7 @@ class HopperGemm:
         assert LayoutEnum.from_tensor(mA) == self.a_layout and LayoutEnum.from_tensor(mB) == self.b_layout
         self._setup()
         tm, tn, tk = self.tile_mnk
-        tma_a, gA = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_a), mA,
-                                                cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk),
-                                                num_multicast=self.mcast_a)
-        tma_b, gB = cpasync.make_tiled_tma_atom(self._load_op(self.mcast_b), mB,
-                                                cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk),
-                                                num_multicast=self.mcast_b)
-        tma_d, gD = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mD,
-                                                cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
+        tma_a, gA, tma_b, gB, tma_d, gD = self._tma_atoms(mA, mB, mD)
         tma_c, gC = None, None
         if cutlass.const_expr(self.has_c):
             tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mC,
