@@ -131,6 +131,7 @@ def test_the_whole_tile_store_is_the_weight_gradients_and_must_fit():
     assert smem_bytes(whole, tables=1) - smem_bytes(GroupedConfig(128, 256, 64, 3, 2), tables=1) == 128 * 256 * 2 - \
         2 * 128 * 32 * 2  # the whole tile where two subtiles were
     assert "shared memory" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, store_whole_tile=True))
+    assert "tile_k 64" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 128, 128, 2, 2, store_whole_tile=True))
     from inductor_cute.kernels.gemm.grouped_config import GroupedProblem
     from inductor_cute.kernels.gemm.grouped_config import unsupported_reason as forward_reason
     assert "weight gradient" in forward_reason(GroupedProblem(), whole)

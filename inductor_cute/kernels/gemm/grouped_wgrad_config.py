@@ -57,6 +57,8 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
     if config.prefetch or config.overlap_last or config.staged_partial or config.half_tiles:
         return ("the weight gradient runs without prefetch, overlap_last, staged_partial or half_tiles (its groups "
                 "split K)")
+    if config.store_whole_tile and config.tile_k != 64:
+        return "the whole-tile store takes tile_k 64 (the form its GPU tests run)"
     if config.cluster_size > 1 and (config.tile_m != 128 or config.tile_k != 64):
         return "weight-gradient clusters take 128-row tiles at tile_k 64 (the forms their GPU tests run)"
     # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
