@@ -118,7 +118,10 @@ def test_every_candidate_config(index):
 # groups, both operand layouts, a CTA with many units (its buffers reused while the stores drain)
 WHOLE_TILE_CONFIGS = [GroupedConfig(128, 256, 64, 3, 2, store_whole_tile=True),
                       GroupedConfig(128, 128, 64, 5, 2, store_whole_tile=True),
-                      GroupedConfig(64, 128, 64, 7, 1, store_whole_tile=True)]
+                      GroupedConfig(64, 128, 64, 7, 1, store_whole_tile=True),
+                      # the deepest 64-row forms (exhaustive candidates ran them once, unnamed)
+                      GroupedConfig(64, 128, 64, 8, 1, store_whole_tile=True),
+                      GroupedConfig(64, 256, 64, 4, 1, store_whole_tile=True)]
 
 
 @pytest.mark.parametrize("config", WHOLE_TILE_CONFIGS, ids=lambda c: c.describe())
