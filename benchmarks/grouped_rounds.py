@@ -37,6 +37,19 @@ def work(sizes: list[int], n: int, cfg: GroupedConfig, sms: int) -> tuple[int, i
     return units, math.ceil(units / (sms // cfg.cluster_size))
 
 
+def add_checked(fns: dict, configs: list[GroupedConfig], run, want: torch.Tensor) -> None:
+    """A runner per config into `fns` (keyed by its description), each checked once against `want`
+    before it is timed: the new options have not all run on a GPU, so a wrong one is named and
+    left out instead of stopping the script."""
+    for c in configs:
+        try:
+            torch.testing.assert_close(run(c), want, atol=5e-2, rtol=2e-2)
+        except AssertionError as err:
+            print(f"    WRONG {c.describe()}: {str(err).splitlines()[0]}")
+            continue
+        fns[c.describe()] = lambda c=c: run(c)
+
+
 def main() -> None:
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -65,14 +78,7 @@ def main() -> None:
         triton, note = triton_runner(a, b, offs)
         if triton is not None:
             fns["triton"] = triton
-        want = fns["aten"]()
-        for c in configs:  # each checked once before it is timed (half tiles are new); a wrong one is named
-            try:
-                torch.testing.assert_close(grouped_mm(a, b, offs, out, config=c), want, atol=5e-2, rtol=2e-2)
-            except AssertionError as err:
-                print(f"    WRONG {c.describe()}: {str(err).splitlines()[0]}")
-                continue
-            fns[c.describe()] = lambda c=c: grouped_mm(a, b, offs, out, config=c)
+        add_checked(fns, configs, lambda c: grouped_mm(a, b, offs, out, config=c), fns["aten"]())
         times = time_side_by_side(fns, reps=50)
         print(f"{name}: ({rows}, {k}) x ({len(sizes)}, {k}, {n}), b {b_major}-major; {note}")
         full = dataclasses.replace(configs[0], cluster_m=1, cluster_n=1)
@@ -101,14 +107,7 @@ def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms
         configs = wg.candidates(problem, m, n, rows, groups=len(sizes), num_sms=sms, clusters=True)
         precompile([wg.spec(problem, c, sms) for c in configs])
         fns = {"aten": lambda: torch._grouped_mm(a, x, offs=offs)}
-        want = fns["aten"]()
-        for c in configs:  # each checked once before it is timed (clusters are new); a wrong one is named
-            try:
-                torch.testing.assert_close(grouped_mm(a, x, offs, out, config=c), want, atol=5e-2, rtol=2e-2)
-            except AssertionError as err:
-                print(f"    WRONG {c.describe()}: {str(err).splitlines()[0]}")
-                continue
-            fns[c.describe()] = lambda c=c: grouped_mm(a, x, offs, out, config=c)
+        add_checked(fns, configs, lambda c: grouped_mm(a, x, offs, out, config=c), fns["aten"]())
         times = time_side_by_side(fns, reps=50)
         units = wg.work_units(m, n, len(sizes), 128, 256)
         print(f"{name}: ({m}, {rows}) x ({rows}, {n}) -> ({len(sizes)}, {m}, {n}); 128x256 units {units}")

@@ -168,24 +168,6 @@ def test_clusters_of_back_to_back_epilogues_and_of_long_groups(config):
     check_wgrad(sizes, 264, 600, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
 
 
-@pytest.mark.parametrize("config", CLUSTER_CONFIGS[:2], ids=lambda c: c.describe())
-def test_clusters_replay_in_a_cuda_graph_with_new_offsets(config):
-    a, b = operands(1024, 384, 512)
-    offs = offsets([256, 256, 256, 256])
-    out = torch.empty(4, 384, 512, device=DEV, dtype=torch.bfloat16)
-    ops.grouped_mm(a, b, offs, out, config=config)  # compile and load outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.grouped_mm(a, b, offs, out, config=config)
-    for sizes in ([1024, 0, 0, 0], [1, 2, 3, 1018], [0, 0, 0, 0]):
-        offs.copy_(offsets(sizes))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out.double(), wgrad_reference(a, b, sizes), atol=3e-2, rtol=2e-2)
-
-
 def test_weight_gradient_matches_torch_grouped_mm():
     sizes = [300, 0, 17, 1200, 64, 128]
     a, b = operands(sum(sizes), 1024, 768)
@@ -200,15 +182,17 @@ def test_large_weight_gradient():
     check_wgrad(sizes, 2048, 1536)
 
 
-def test_weight_gradient_cuda_graph_replays_with_new_offsets():
-    a, b = operands(1024, 256, 256)
+# the default config, and two in clusters (cluster peers under replay with new offsets)
+@pytest.mark.parametrize("config", [None, *CLUSTER_CONFIGS[:2]], ids=lambda c: "default" if c is None else c.describe())
+def test_weight_gradient_cuda_graph_replays_with_new_offsets(config):
+    a, b = operands(1024, 384, 512)
     offs = offsets([256, 256, 256, 256])
-    out = torch.empty(4, 256, 256, device=DEV, dtype=torch.bfloat16)
-    ops.grouped_mm(a, b, offs, out)  # compile and load outside the capture
+    out = torch.empty(4, 384, 512, device=DEV, dtype=torch.bfloat16)
+    ops.grouped_mm(a, b, offs, out, config=config)  # compile and load outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.grouped_mm(a, b, offs, out)
+        ops.grouped_mm(a, b, offs, out, config=config)
     for sizes in ([1024, 0, 0, 0], [1, 2, 3, 1018], [0, 500, 0, 524], [0, 0, 0, 0]):
         offs.copy_(offsets(sizes))
         out.fill_(float("nan"))

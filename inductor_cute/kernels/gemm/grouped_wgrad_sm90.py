@@ -108,9 +108,10 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
         tm, tn, tk = self.tile_mnk
         cm, cn = self.cluster_mn
         tma_a, gA, tma_b, gB, tma_d, gD = self._tma_atoms(mA, mB, mD)
-        clusters_m = cute.ceil_div(cute.ceil_div(mD.shape[0], tm), cm)
-        work_units = clusters_m * cute.ceil_div(cute.ceil_div(mD.shape[1], tn), cn) * mOffs.shape[0]
-        grid_z = TileScheduler.launch_clusters(work_units, self.max_clusters)
+        # the kernel's tile map, for its count of work units (cluster blocks of tiles)
+        tiles = GroupedRaster.create(cute.ceil_div(mD.shape[0], tm), cute.ceil_div(mD.shape[1], tn), mOffs.shape[0],
+                                     self.cluster_mn, self.raster_group)
+        grid_z = TileScheduler.launch_clusters(tiles.count, self.max_clusters)
         self.shared_storage = self._shared_storage()
         assert self.shared_storage.size_in_bytes() == smem_bytes(
             self.grouped_cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8, tables=1)
