@@ -278,8 +278,8 @@ def cluster_shapes(tokens: int, n: int, groups: int, tile_m: int, tile_n: int) -
     return out
 
 
-# Half tiles (GroupedConfig.half_tiles) join the candidates, as twins of the configs with two consumer
-# warp groups, once their GPU tests have passed (test_grouped_gemm_gpu.py -k half). Written in the
+# Half tiles (GroupedConfig.half_tiles) join the candidates, as twins of the 128-row configs of two
+# consumer warp groups, once their GPU tests have passed (test_grouped_gemm_gpu.py -k half). Written in the
 # twenty-seventh session, compiled only (no spills, WGMMAs not serialized). On the MoE block's routing
 # at 4096 tokens the four forward-form GEMMs compute ~2.5 row tiles a group of ~2 tiles' rows (at
 # ~87% of the matmul rate on the tiles computed); half tiles take ~10% of those MMAs away.
@@ -291,8 +291,8 @@ def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = Non
                clusters: bool | None = None, half_tiles: bool | None = None) -> list[GroupedConfig]:
     """Valid configs: the heuristic default first, then the other tile shapes at their deepest
     pipelines (and tile_k 128 with `exhaustive`), then the 128-row shapes in clusters (with
-    `clusters`, by default once CLUSTERS_GPU_CHECKED), then the half-tile twins of those with two
-    consumer warp groups (with `half_tiles`, by default once HALF_TILES_GPU_CHECKED)."""
+    `clusters`, by default once CLUSTERS_GPU_CHECKED), then the half-tile twins of the 128-row
+    ones of two consumer warp groups (with `half_tiles`, by default once HALF_TILES_GPU_CHECKED)."""
     out = [default_config(problem, tokens, n, k, groups, num_sms)]
     for tm, tn, wg in _SHAPES:
         for tk in ((64, 128) if exhaustive else (64,)):

@@ -124,8 +124,9 @@ def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int) -> tuple[tuple[int
 def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None, groups: int = 1,
                num_sms: int = SM_COUNT, exhaustive: bool = False, clusters: bool | None = None) -> list[GroupedConfig]:
     """Valid configs: the default first, then the other tile shapes at their deepest pipelines
-    (and tile_k 128 with `exhaustive`), each also storing whole tiles where that is offered, then
-    the 128-row shapes in clusters (with `clusters`, by default once CLUSTERS_GPU_CHECKED)."""
+    (and tile_k 128 with `exhaustive`), each also storing whole tiles where that is offered and,
+    for 128-row tiles at tile_k 64, in clusters (with `clusters`, by default once
+    CLUSTERS_GPU_CHECKED)."""
     out = [default_config(problem, m, n, tokens, groups, num_sms)]
     clustered = CLUSTERS_GPU_CHECKED if clusters is None else clusters
     for tm, tn, wg in grouped_config._SHAPES:
