@@ -112,7 +112,7 @@ for s in $steps; do
                    -p no:cacheprovider ;;
         wgrad_whole) step wgrad_whole 300 python3 -m pytest -m gpu tests/gpu/test_grouped_wgrad_gpu.py -q -rf -n 4 \
                    -p no:cacheprovider -k whole_tile ;;
-        # the weight gradient's clusters (GroupedConfig cluster_m/cluster_n; grouped_wgrad_config.CLUSTERS_GPU_CHECKED)
+        # the weight gradient's clusters (GroupedConfig cluster_m/cluster_n; grouped_wgrad_config.CLUSTERS_OFFERED)
         wgrad_clusters) step wgrad_clusters 300 python3 -m pytest -m gpu tests/gpu/test_grouped_wgrad_gpu.py -q -rf -n 4 \
                    -p no:cacheprovider -k cluster ;;
         # the forward kernel's half tiles (GroupedConfig.half_tiles; grouped_config.HALF_TILES_GPU_CHECKED)

@@ -107,9 +107,9 @@ def test_cluster_rules_and_candidates():
     assert unsupported_reason(K_MAJOR, GroupedConfig(cluster_m=4)) is not None
     assert "cluster 2x1" in GroupedConfig(cluster_m=2).describe()
     # offered by default since their GPU tests passed (CLUSTERS_GPU_CHECKED); clusters=False leaves them out
-    plain = candidates(K_MAJOR, 131072, 4096, 7168, groups=256, clusters=False)
+    plain = candidates(K_MAJOR, 131072, 4096, 7168, groups=256, clusters=False, half_tiles=False)
     assert all(c.cluster_size == 1 for c in plain[1:])
-    both = candidates(K_MAJOR, 131072, 4096, 7168, groups=256)
+    both = candidates(K_MAJOR, 131072, 4096, 7168, groups=256, half_tiles=False)
     clustered = [(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n) for c in both if c.cluster_size > 1]
     # the default (first) is 128x256 in 2x1 clusters; no config twice
     assert sorted(clustered) == sorted([(128, 256, 2, 1), (128, 256, 1, 2), (128, 128, 2, 1), (128, 128, 1, 2)])

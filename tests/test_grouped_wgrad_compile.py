@@ -165,7 +165,7 @@ def test_clusters_are_offered_once_gpu_checked(monkeypatch):
     assert narrow and all((c.cluster_m, c.cluster_n) == (1, 2) for c in narrow)
     assert "128-row tiles" in unsupported_reason(AUTOGRAD, GroupedConfig(64, 256, 64, 4, 1, cluster_m=2))
     assert "128-row tiles" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 128, 128, 3, 2, cluster_n=2))
-    monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_GPU_CHECKED", False)
+    monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_OFFERED", False)
     assert clustered() == []
-    monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_GPU_CHECKED", True)
+    monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_OFFERED", True)
     assert clustered() == offered

@@ -267,7 +267,8 @@ def test_block_mask_we_cannot_walk_goes_to_the_stock_lowering():
 
 
 def test_unsupported_head_dim_and_long_query_go_to_the_stock_lowering():
-    for q, kv in ((rand(2, 8, 1, 96), rand(2, 2, 1024, 96)), (rand(1, 8, 128, 128), rand(1, 2, 1024, 128))):
+    # head dim 80: no kernel variant (96, once declined here, is Phi-3's and has one)
+    for q, kv in ((rand(2, 8, 1, 80), rand(2, 2, 1024, 80)), (rand(1, 8, 128, 128), rand(1, 2, 1024, 128))):
         torch._dynamo.reset()
         out, code = compiled_run(q, kv, kv, enable_gqa=True)
         assert OUR_CALL not in code

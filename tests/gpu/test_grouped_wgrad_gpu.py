@@ -142,7 +142,7 @@ def test_the_whole_tile_store_of_back_to_back_epilogues(config):
     check_wgrad(sizes, 264, 256, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
 
 
-# clusters (offered once these pass: grouped_wgrad_config.CLUSTERS_GPU_CHECKED): the peers share one
+# clusters (grouped_wgrad_config.CLUSTERS_OFFERED): the peers share one
 # operand's k-blocks by multicast; odd tile counts put one peer's tile past M (2x1) or N (1x2), where
 # it must load and release as usual and store nothing; both operand layouts, the boundary mask in
 # each CTA's copy of a stage, with and without the whole-tile store

@@ -279,11 +279,12 @@ def cluster_shapes(tokens: int, n: int, groups: int, tile_m: int, tile_n: int) -
 
 
 # Half tiles (GroupedConfig.half_tiles) join the candidates, as twins of the 128-row configs of two
-# consumer warp groups, once their GPU tests have passed (test_grouped_gemm_gpu.py -k half). Written in the
-# twenty-seventh session, compiled only (no spills, WGMMAs not serialized). On the MoE block's routing
-# at 4096 tokens the four forward-form GEMMs compute ~2.5 row tiles a group of ~2 tiles' rows (at
-# ~87% of the matmul rate on the tiles computed); half tiles take ~10% of those MMAs away.
-HALF_TILES_GPU_CHECKED = False
+# consumer warp groups, since their GPU tests passed (test_grouped_gemm_gpu.py -k half: 13 passed on an
+# H100 in the twenty-eighth session). On the MoE block's routing at 4096 tokens (groups of 198-300 rows,
+# grouped-rounds-h100-20261206-s28.txt) they took our best up forward from 456.5 to 430.0 us, the up
+# input gradient from 462.9 to 427.2 and the down forward from 236.8 to 233.4; the down input gradient
+# lost (228.6 -> 243.7), so autotuning weighs both twins.
+HALF_TILES_GPU_CHECKED = True
 
 
 def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = None, groups: int = 1,

@@ -107,12 +107,14 @@ def offers_whole_tile_store(tile_m: int, tile_k: int) -> bool:
     return tile_m == 128 and tile_k == 64
 
 
-# Clusters (2x1: two row tiles share b's token block; 1x2: two column tiles share a's) join the
-# candidates once their GPU tests have passed (tests/gpu/test_grouped_wgrad_gpu.py -k cluster).
-# Written in the twenty-seventh session, compiled only: the weight gradients of Qwen3-30B-A3B at
-# 4096 tokens loaded their operands out of L2 at ~4.8 TB/s on an H100 (192 KB a 128x256 unit of
-# ~256 tokens), so operand traffic, not the MMAs, bounds them; a 2x1 cluster cuts it by a third.
-CLUSTERS_GPU_CHECKED = False
+# Clusters (2x1: two row tiles share b's token block; 1x2: two column tiles share a's) are built and
+# pass their GPU tests (tests/gpu/test_grouped_wgrad_gpu.py -k cluster: 50 passed on an H100 in the
+# twenty-eighth session) but won no round: on Qwen3-30B-A3B's weight gradients at 4096 tokens
+# (grouped-rounds-h100-20261206-s28.txt) 128x256 took the up projection in 490.1 us, 1x2 492.3, 2x1
+# 500.2; the down projection 254.2, 2x1 254.8. Cutting the operands' L2 traffic by a third moved
+# nothing, so it was not what bounds these units (docs/perf-notes.md, twenty-eighth session). Not
+# offered by default (each would cost autotuning a compile); clusters=True adds them.
+CLUSTERS_OFFERED = False
 
 
 def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int) -> tuple[tuple[int, int], ...]:
@@ -125,10 +127,9 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
                num_sms: int = SM_COUNT, exhaustive: bool = False, clusters: bool | None = None) -> list[GroupedConfig]:
     """Valid configs: the default first, then the other tile shapes at their deepest pipelines
     (and tile_k 128 with `exhaustive`), each also storing whole tiles where that is offered and,
-    for 128-row tiles at tile_k 64, in clusters (with `clusters`, by default once
-    CLUSTERS_GPU_CHECKED)."""
+    for 128-row tiles at tile_k 64, in clusters (with `clusters`; by default CLUSTERS_OFFERED)."""
     out = [default_config(problem, m, n, tokens, groups, num_sms)]
-    clustered = CLUSTERS_GPU_CHECKED if clusters is None else clusters
+    clustered = CLUSTERS_OFFERED if clusters is None else clusters
     for tm, tn, wg in grouped_config._SHAPES:
         for tk in ((64, 128) if exhaustive else (64,)):
             shapes = ((1, 1),) + (_cluster_shapes(m, n, tm, tn) if clustered and tm == 128 and tk == 64 else ())
