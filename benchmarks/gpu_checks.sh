@@ -115,6 +115,11 @@ for s in $steps; do
         # the weight gradient's clusters (GroupedConfig cluster_m/cluster_n; grouped_wgrad_config.CLUSTERS_OFFERED)
         wgrad_clusters) step wgrad_clusters 300 python3 -m pytest -m gpu tests/gpu/test_grouped_wgrad_gpu.py -q -rf -n 4 \
                    -p no:cacheprovider -k cluster ;;
+        # the weight gradient's ping-pong (GroupedConfig.pingpong; grouped_wgrad_config.PINGPONG_GPU_CHECKED), then
+        # the weight gradients alone in grouped_rounds.py (ping-pong beside the offered candidates and eager)
+        wgrad_pingpong) step wgrad_pingpong 200 python3 -m pytest -m gpu tests/gpu/test_grouped_wgrad_gpu.py -q -rf -n 4 \
+                   -p no:cacheprovider -k pingpong ;;
+        wgrad_rounds) step wgrad_rounds 200 python3 benchmarks/grouped_rounds.py 4096 --wgrad ;;
         # the forward kernel's half tiles (GroupedConfig.half_tiles; grouped_config.HALF_TILES_GPU_CHECKED)
         half_tiles) step half_tiles 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -q -rf -n 4 \
                    -p no:cacheprovider -k half ;;

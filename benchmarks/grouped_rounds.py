@@ -10,7 +10,7 @@ its count of work units and of rounds over the SMs: a 2x1 cluster whose group ha
 of row tiles leaves its second CTA computing rows past the group (docs/perf-notes.md, twenty-fifth
 session).
 
-    python3 benchmarks/grouped_rounds.py [tokens]
+    python3 benchmarks/grouped_rounds.py [tokens] [--wgrad]     (--wgrad: the weight gradients alone)
 """
 
 import dataclasses
@@ -51,7 +51,8 @@ def add_checked(fns: dict, configs: list[GroupedConfig], run, want: torch.Tensor
 
 
 def main() -> None:
-    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    args = [a for a in sys.argv[1:] if a != "--wgrad"]
+    tokens = int(args[0]) if args else 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(0), f"T{tokens}")
     block, x = moe_block.make_inputs(tokens, False)
@@ -65,7 +66,7 @@ def main() -> None:
              ("down fwd", w_down.shape[2], w_down.transpose(1, 2), "k"),
              ("down dgrad", w_down.shape[1], w_down, "n")]
     print(f"rows per expert: min {min(sizes)} mean {sum(sizes) / len(sizes):.0f} max {max(sizes)}")
-    for name, k, b, b_major in forms:
+    for name, k, b, b_major in ([] if "--wgrad" in sys.argv else forms):
         n = b.shape[2]
         problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major)
         a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -93,7 +94,7 @@ def main() -> None:
 
 def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms: int) -> None:
     """The block's two weight gradients (autograd's layout: grad.t() M-major, x N-major), every
-    candidate of ours (clusters and the whole-tile store included) against eager's CUTLASS, on the
+    candidate of ours (the whole-tile store and ping-pong included) against eager's CUTLASS, on the
     same offsets: a unit reduces ~256 tokens, so its operand loads and its store bound it."""
     from inductor_cute.kernels.gemm import grouped_wgrad_config as wg
 
@@ -104,7 +105,8 @@ def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms
         x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         a = grad.t()
         out = torch.empty(len(sizes), m, n, device="cuda", dtype=torch.bfloat16)
-        configs = wg.candidates(problem, m, n, rows, groups=len(sizes), num_sms=sms, clusters=True)
+        # clusters left out: they won no round (grouped-rounds-h100-20261206-s28.txt)
+        configs = wg.candidates(problem, m, n, rows, groups=len(sizes), num_sms=sms, pingpong=True)
         precompile([wg.spec(problem, c, sms) for c in configs])
         fns = {"aten": lambda: torch._grouped_mm(a, x, offs=offs)}
         add_checked(fns, configs, lambda c: grouped_mm(a, x, offs, out, config=c), fns["aten"]())

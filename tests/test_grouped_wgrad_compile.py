@@ -22,6 +22,9 @@ VARIANTS = {
     "autograd-layout-cluster-2x1": (AUTOGRAD, GroupedConfig(128, 256, 64, 4, 2, cluster_m=2)),
     "token-major-cluster-1x2-whole-tile-store": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 5, 2, cluster_n=2,
                                                                            store_whole_tile=True)),
+    "autograd-layout-pingpong": (AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, pingpong=True)),
+    "token-major-pingpong-whole-tile-store": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 4, 2, store_whole_tile=True,
+                                                                         pingpong=True)),
 }
 
 
@@ -64,10 +67,12 @@ def test_the_whole_tile_store_commits_one_group_of_stores_a_tile(compiled):
     commits = len(re.findall(r"cp\.async\.bulk\.commit_group", ptx))
     barriers = len(re.findall(r"bar\.sync", ptx))  # call sites (the epilogue's loop is unrolled)
     config = compiled.config
-    subtiles = config.tile_m // (64 * config.consumer_warpgroups) * (config.tile_n // 32)
+    tile_wgs = 1 if config.pingpong else config.consumer_warpgroups
+    subtiles = config.tile_m // (64 * tile_wgs) * (config.tile_n // 32)
     whole = config.store_whole_tile
-    # (whole: the epilogue's two, the boundary mask's and the group table's, whatever the tile)
-    assert stores > 1 and (commits == 1, barriers <= 4) == (whole, whole)
+    # (whole: the epilogue's two, the boundary mask's and the group table's, whatever the tile; and
+    # ping-pong's wait for its mainloop turn)
+    assert stores > 1 and (commits == 1, barriers <= 4 + config.pingpong) == (whole, whole)
     assert whole or barriers >= 2 * subtiles
 
 
@@ -82,6 +87,42 @@ def test_clusters_multicast_the_shared_operand_and_release_their_peers_stages(co
     assert 0 < len(multicast) < len(loads)
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert re.search(r"mbarrier\.arrive\S*shared::cluster", ptx)  # a release to the peer CTA
+
+
+def test_pingpong_takes_turns_and_each_warp_group_multiplies_a_whole_tile(compiled):
+    ptx = compiled.ptx
+    # a turn is handed over by a plain arrive (the other warp group waits on it); cooperative has none
+    assert ("bar.arrive" in ptx) == compiled.config.pingpong
+    # 64-row WGMMAs over 16-deep k-steps: one warp group covers a 128-row tile in two, cooperative
+    # warp groups cover 64 rows each in one
+    config = compiled.config
+    rows_per_wg = config.tile_m if config.pingpong else config.tile_m // config.consumer_warpgroups
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == rows_per_wg // 64 * config.tile_k // 16
+
+
+def test_pingpong_rules_and_candidates(monkeypatch):
+    from inductor_cute.kernels.gemm import grouped_wgrad_config
+    from inductor_cute.kernels.gemm.grouped_config import GroupedProblem
+    from inductor_cute.kernels.gemm.grouped_config import unsupported_reason as forward_reason
+
+    assert unsupported_reason(AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, pingpong=True)) is None
+    for bad in (GroupedConfig(128, 256, 64, 4, 2, pingpong=True),  # 256 accumulator registers a thread
+                GroupedConfig(64, 128, 64, 8, 1, pingpong=True),
+                GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True),
+                GroupedConfig(128, 128, 128, 3, 2, pingpong=True)):
+        assert "pingpong takes 128x128x64" in unsupported_reason(AUTOGRAD, bad)
+    assert "weight gradient's" in forward_reason(GroupedProblem(), GroupedConfig(128, 128, 64, 6, 2, pingpong=True))
+    # two tiles staged where the whole tile is stored: fewer ring stages than cooperative
+    whole = [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128, pingpong=True)
+             if c.pingpong and c.store_whole_tile]
+    assert len(whole) == 1 and smem_bytes(whole[0], tables=1) <= SMEM_BUDGET
+    assert whole[0].stages < next(c.stages for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128)
+                                  if (c.tile_n, c.store_whole_tile) == (128, True))
+    assert "pingpong" not in GroupedConfig().as_params() and "pingpong" in whole[0].describe()
+    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", False)
+    assert not any(c.pingpong for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128))
+    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", True)
+    assert sum(c.pingpong for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128)) == 2
 
 
 def test_variants_fit_shared_memory():

@@ -168,6 +168,30 @@ def test_clusters_of_back_to_back_epilogues_and_of_long_groups(config):
     check_wgrad(sizes, 264, 600, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
 
 
+# ping-pong (GroupedConfig.pingpong; grouped_wgrad_config.PINGPONG_GPU_CHECKED): the two consumer warp
+# groups take alternate units, each skipping the other's ring stages (their count from the other
+# unit's group), and take turns at their mainloops. CTAs of one unit (slot 1 idle), of odd and even
+# unit counts, empty groups (no stage to skip), both layouts, with and without the whole-tile store
+PINGPONG_CONFIGS = [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=16, pingpong=True) if c.pingpong]
+
+
+@pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())
+@pytest.mark.parametrize("a_major,b_major,m,n", [("m", "n", 1536, 2048), ("m", "n", 264, 600), ("k", "k", 264, 1000),
+                                                 ("m", "k", 1000, 264), ("k", "n", 40, 24)])
+def test_pingpong(config, a_major, b_major, m, n):
+    sizes = [(i * 53) % 300 for i in range(24)]  # 0 to 299 tokens (the first group empty)
+    tokens = -(-(sum(sizes) + 1) // 8) * 8  # tokens past the last group (inf)
+    check_wgrad(sizes, m, n, a_major, b_major, tokens=tokens, config=config)
+
+
+@pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())
+@pytest.mark.parametrize("sizes", [[0, 5, 0, 70, 0, 1, 0, 33] * 16, [3000, 5, 0, 1200], [0, 17, 0], [9, 0, 0, 0, 300]],
+                         ids=["back-to-back-epilogues", "long-groups", "one-unit", "empty-after"])
+def test_pingpong_unit_counts_and_group_lengths(config, sizes):
+    check_wgrad(sizes, 264, 264, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
+    check_wgrad(sizes, 96, 128, config=config)  # one tile a group: CTAs of one unit each (slot 1 idle)
+
+
 def test_weight_gradient_matches_torch_grouped_mm():
     sizes = [300, 0, 17, 1200, 64, 128]
     a, b = operands(sum(sizes), 1024, 768)
@@ -182,8 +206,9 @@ def test_large_weight_gradient():
     check_wgrad(sizes, 2048, 1536)
 
 
-# the default config, and two in clusters (cluster peers under replay with new offsets)
-@pytest.mark.parametrize("config", [None, *CLUSTER_CONFIGS[:2]], ids=lambda c: "default" if c is None else c.describe())
+# the default config, two in clusters (cluster peers under replay with new offsets) and ping-pong
+@pytest.mark.parametrize("config", [None, *CLUSTER_CONFIGS[:2], *PINGPONG_CONFIGS],
+                         ids=lambda c: "default" if c is None else c.describe())
 def test_weight_gradient_cuda_graph_replays_with_new_offsets(config):
     a, b = operands(1024, 384, 512)
     offs = offsets([256, 256, 256, 256])

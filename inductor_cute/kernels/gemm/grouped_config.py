@@ -84,12 +84,16 @@ class GroupedConfig:
     # tile_m / 2 rows or more of the tile before it. On Qwen3-30B-A3B's routing at 4096 tokens
     # (groups of 198-300 rows, 128-row tiles) about half the groups end in such a tile
     half_tiles: bool = False
+    # (the weight gradient's) the two consumer warp groups take alternate work units, each a whole
+    # tile_m x tile_n tile, and take turns at their mainloops: one's epilogue (and boundary masks)
+    # runs under the other's MMAs. Units of a few hundred tokens spend as long storing as computing
+    pingpong: bool = False
 
     def as_params(self) -> dict:
         """The fields, those added later left out when off (the specs that predate them keep their
         keys)."""
         params = dataclasses.asdict(self)
-        for name in ("prefetch", "overlap_last", "staged_partial", "store_whole_tile", "half_tiles"):
+        for name in ("prefetch", "overlap_last", "staged_partial", "store_whole_tile", "half_tiles", "pingpong"):
             if not params[name]:
                 del params[name]
         return params
@@ -105,8 +109,9 @@ class GroupedConfig:
         staged = " staged-partial" if self.staged_partial else ""
         whole = " whole-tile-store" if self.store_whole_tile else ""
         half = " half-tiles" if self.half_tiles else ""
+        pingpong = " pingpong" if self.pingpong else ""
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} stages {self.stages} wg {self.consumer_warpgroups}"
-                f"{cluster}{prefetch}{overlap}{staged}{whole}{half}")
+                f"{cluster}{prefetch}{overlap}{staged}{whole}{half}{pingpong}")
 
 
 def table_bytes(max_groups: int = MAX_GROUPS) -> int:
@@ -116,11 +121,12 @@ def table_bytes(max_groups: int = MAX_GROUPS) -> int:
 
 def smem_bytes(cfg: GroupedConfig, ab_bytes: int = 2, out_bytes: int = 2, tables: int = 2) -> int:
     """Shared memory of one CTA with `tables` group tables (the forward keeps 2, the weight
-    gradient 1); the outgoing D buffers are two subtiles, or the whole tile (store_whole_tile)."""
+    gradient 1); the outgoing D buffers are two subtiles, or the whole tile (store_whole_tile), per
+    tile in progress (ping-pong: one a warp group)."""
     ab = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes * cfg.stages
-    epi = 64 * cfg.consumer_warpgroups * EPI_N * out_bytes * EPI_STAGES  # outgoing D subtiles
+    epi = 64 * cfg.consumer_warpgroups * EPI_N * out_bytes * EPI_STAGES  # outgoing D subtiles (either schedule)
     if cfg.store_whole_tile:
-        epi = cfg.tile_m * cfg.tile_n * out_bytes
+        epi = cfg.tile_m * cfg.tile_n * out_bytes * (2 if cfg.pingpong else 1)
     total = 1024 + ab + epi + table_bytes() * tables // 2  # 1 KB for mbarriers
     return -(-total // 1024) * 1024  # the shared-storage struct is 1 KB aligned
 
@@ -154,6 +160,8 @@ def unsupported_reason(problem: GroupedProblem, config: GroupedConfig | None = N
 def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
     if c.store_whole_tile:
         return "store_whole_tile is the weight gradient's (the forward stores through two subtile buffers)"
+    if c.pingpong:
+        return "pingpong is the weight gradient's (the forward's consumers share every tile)"
     if p.rows and (c.tile_k != 64 or c.cluster_n != 1):
         # 128 producer threads copy 16 rows of 8 pieces a pass, their tokens in registers; a 1x2
         # cluster would multicast token rows that each CTA gathers itself

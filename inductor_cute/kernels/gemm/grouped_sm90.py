@@ -85,7 +85,7 @@ class GroupedHopperGemm(HopperGemm):
     def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT, a_major: str = "k",
                  gate: str = "", gather: bool = False):
         dense = GemmConfig(config.tile_m, config.tile_n, config.tile_k, config.cluster_m, config.cluster_n,
-                           config.stages, config.consumer_warpgroups, True, False)
+                           config.stages, config.consumer_warpgroups, True, config.pingpong)
         super().__init__(dense, a_major, b_major, False, False, None, num_sms=num_sms)
         self.grouped_cfg = config
         self.gate = gate

@@ -61,9 +61,13 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
         return "the whole-tile store takes tile_k 64 (the form its GPU tests run)"
     if config.cluster_size > 1 and (config.tile_m != 128 or config.tile_k != 64):
         return "weight-gradient clusters take 128-row tiles at tile_k 64 (the forms their GPU tests run)"
+    if config.pingpong and (config.consumer_warpgroups != 2 or config.cluster_size > 1
+                            or (config.tile_m, config.tile_n, config.tile_k) != (128, 128, 64)):
+        # a warp group's whole tile in its registers: 128 x 128 fp32 is 128 a thread
+        return "pingpong takes 128x128x64 tiles of two consumer warp groups, without clusters"
     # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
     reason = grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name),
-                                               dataclasses.replace(config, store_whole_tile=False))
+                                               dataclasses.replace(config, store_whole_tile=False, pingpong=False))
     if reason is None and config.store_whole_tile:  # the whole tile's buffer beside the ring, one table
         need = grouped_config.smem_bytes(config, grouped_config.ELEMENT_BYTES[p.dtype_name],
                                          grouped_config.ELEMENT_BYTES[p.out_dtype_name], tables=1)
@@ -116,6 +120,12 @@ def offers_whole_tile_store(tile_m: int, tile_k: int) -> bool:
 # offered by default (each would cost autotuning a compile); clusters=True adds them.
 CLUSTERS_OFFERED = False
 
+# Ping-pong (GroupedConfig.pingpong, 128x128 tiles) joins the candidates once its GPU tests have
+# passed (tests/gpu/test_grouped_wgrad_gpu.py -k pingpong). Written in the twenty-eighth session: the
+# cooperative units run their MMAs and their epilogue one after the other (a 128x128 unit of ~256
+# tokens: ~1.1 us of MMAs at the tensor cores' peak, 2.7 us measured), which ping-pong overlaps.
+PINGPONG_GPU_CHECKED = False
+
 
 def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int) -> tuple[tuple[int, int], ...]:
     """2x1 where M spans two row tiles or more, 1x2 where N spans two column tiles (else a peer
@@ -124,10 +134,12 @@ def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int) -> tuple[tuple[int
 
 
 def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None, groups: int = 1,
-               num_sms: int = SM_COUNT, exhaustive: bool = False, clusters: bool | None = None) -> list[GroupedConfig]:
+               num_sms: int = SM_COUNT, exhaustive: bool = False, clusters: bool | None = None,
+               pingpong: bool | None = None) -> list[GroupedConfig]:
     """Valid configs: the default first, then the other tile shapes at their deepest pipelines
     (and tile_k 128 with `exhaustive`), each also storing whole tiles where that is offered and,
-    for 128-row tiles at tile_k 64, in clusters (with `clusters`; by default CLUSTERS_OFFERED)."""
+    for 128-row tiles at tile_k 64, in clusters (with `clusters`; by default CLUSTERS_OFFERED), then
+    the ping-pong 128x128 configs (with `pingpong`, by default once PINGPONG_GPU_CHECKED)."""
     out = [default_config(problem, m, n, tokens, groups, num_sms)]
     clustered = CLUSTERS_OFFERED if clusters is None else clusters
     for tm, tn, wg in grouped_config._SHAPES:
@@ -138,6 +150,11 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
                     cfg = _deepest(GroupedConfig(tm, tn, tk, MAX_STAGES, wg, cm, cn, store_whole_tile=whole), problem)
                     if cfg is not None and cfg not in out:
                         out.append(cfg)
+    if PINGPONG_GPU_CHECKED if pingpong is None else pingpong:
+        for whole in (False, True):
+            cfg = _deepest(GroupedConfig(128, 128, 64, MAX_STAGES, 2, store_whole_tile=whole, pingpong=True), problem)
+            if cfg is not None:
+                out.append(cfg)
     return out
 
 

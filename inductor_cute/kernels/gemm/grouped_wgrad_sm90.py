@@ -43,6 +43,14 @@ barriers a tile instead of two a subtile, for a tile of shared memory (fewer rin
 unit's reduction is short (MoE weight gradients at a few hundred tokens an expert), its store
 otherwise follows its MMAs instead of overlapping the next unit's.
 
+With `pingpong` (the config's; 128x128 tiles) the two consumer warp groups take the CTA's units
+in turn, each a whole tile in its own registers, with its own staging buffers, epilogue barrier and
+store warp, as the dense kernel's ping-pong does. Both read the one ring in unit order: a warp
+group passes over the other's unit by advancing its ring state by that unit's k-block count, read
+from the group table. Named "turn" barriers make their mainloops alternate, so one warp group's
+boundary masks and epilogue run while the other's WGMMAs keep the tensor cores busy: a unit of a
+few hundred tokens otherwise spends about as long storing its tile as multiplying it.
+
 Tensor conventions of the jit function: a (M, T), M-major (a_major "m": the transposed view of a
 row-major (T, M), what autograd passes) or token-major ("k"); b (N, T), from torch's b (T, N) as
 b.t(): N-major ("n": b row-major) or token-major ("k"); offs int32 (E,); d (M, N, E), from torch's
@@ -70,7 +78,7 @@ from .sm90 import CUTE_DTYPES
 
 class GroupedWgradHopperGemm(GroupedHopperGemm):
     """The forward's CTA over (group, M tile, N tile) work units, reducing over each group's
-    tokens; cooperative consumers, clusters of one group's tiles."""
+    tokens; cooperative or ping-pong consumers, clusters of one group's tiles."""
 
     def __init__(self, config: GroupedConfig, a_major: str, b_major: str, num_sms: int = SM_COUNT):
         super().__init__(config, b_major, num_sms=num_sms, a_major=a_major)
@@ -81,10 +89,11 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
 
     def _setup(self):
         super()._setup()
-        if self.store_whole_tile:  # a staging buffer for every subtile of the tile
+        if self.store_whole_tile:  # a staging buffer for every subtile of the tile, per consumer slot
             tm, tn, _ = self.tile_mnk
             subtiles = (tm // self.epi_tile[0]) * (tn // self.epi_tile[1])
-            self.sD_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, subtiles)
+            self.sD_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile,
+                                                             subtiles * self.cfg.slots)
 
     def _shared_storage(self):
         st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
@@ -130,6 +139,10 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
         end = cutlass.max(cute.arch.make_warp_uniform(sEnds[group + 1]), start)
         lead = start % self.token_align * cutlass.min(end - start, 1)  # an empty group has no k-block
         return start - lead, lead, end - (start - lead)
+
+    def _k_tiles(self, sEnds: cute.Tensor, group):
+        """The ring stages (k-blocks) of a unit of `group`."""
+        return cute.ceil_div(self._k_span(sEnds, group)[2], self.tile_mnk[2])
 
     @cute.jit
     def _zero_tokens(self, stage: cute.Tensor, rows: cutlass.Constexpr, mn_major: cutlass.Constexpr, lo, hi, ctid):
@@ -241,9 +254,13 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
         # ================================================================ consumers
         if wg_idx > 0:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            ctid = tidx - 128  # thread index among the consumer warp groups
-            # the epilogue's barrier (all consumer threads) also orders the boundary mask before the MMA
-            epi_barrier = pipeline.NamedBarrier(barrier_id=barriers.gemm_epilogue(0), num_threads=self.epi_threads)
+            # the consumer slot of this warp group (cooperative: both in slot 0; ping-pong: its own)
+            slot = 0  # a constant where cooperative
+            if cutlass.const_expr(self.pingpong):
+                slot = wg_idx - 1
+            ctid = tidx - 128 * (1 + slot)  # thread index among the warp groups sharing a tile
+            # the epilogue's barrier (the tile's threads) also orders the boundary mask before the MMA
+            epi_barrier = pipeline.NamedBarrier(barrier_id=barriers.gemm_epilogue(slot), num_threads=self.epi_threads)
             thr_mma = tiled_mma.get_slice(ctid)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -254,18 +271,30 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
             store_pipe = pipeline.PipelineTmaStore.create(  # whole tiles: one group of stores a tile
                 num_stages=1 if self.store_whole_tile else EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
-            is_store_warp = warp_idx == 4
+            is_store_warp = warp_idx == 4 * (1 + slot)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+            slots = self.cfg.slots
+            work = scheduler.first(slot, slots)
+            if cutlass.const_expr(self.pingpong):
+                # Slot 1 starts past the ring stages of the CTA's first unit, which is slot 0's, and
+                # hands slot 0 the first turn.
+                if slot == 1:
+                    first = self._k_tiles(sEnds, scheduler.tile(scheduler.first()).batch)
+                    read_state.advance(first)
+                    release_state.advance(first)
+                    self._turn(0, 0).arrive()
             n_done = Int32(0)
-            work = scheduler.first()
             while scheduler.valid(work):
                 tile = scheduler.tile(work)
+                has_next = scheduler.has_next(work)  # the other slot's unit comes next
                 _, lead, span = self._k_span(sEnds, tile.batch)
                 k_tiles = cute.ceil_div(span, tk)
                 tail = span - (k_tiles - 1) * tk  # tokens of the group in its last k-block
                 # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
+                if cutlass.const_expr(self.pingpong):
+                    self._turn(0, slot).arrive_and_wait()
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
@@ -285,6 +314,10 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                         warpgroup.wait_group(1)
                         ab_pipe.consumer_release(release_state)
                         release_state.advance()
+                if cutlass.const_expr(self.pingpong):
+                    # all wgmmas are issued: the other warp group may queue its own behind them
+                    if has_next:
+                        self._turn(0, 1 - slot).arrive()
                 warpgroup.wait_group(0)
                 if k_tiles > 0:
                     ab_pipe.consumer_release(release_state)
@@ -303,34 +336,39 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                             for v in cutlass.range_constexpr(n_vals):
                                 tRS_rD[v] = tRS_acc[e * n_vals + v]
                             tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
-                            cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, e)])
+                            cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, slot * n_epi + e)])
                         cute.arch.fence_proxy("async.shared", space="cta")  # for the TMA unit's reads
                         epi_barrier.arrive_and_wait()
                         if is_store_warp:
                             for e in cutlass.range_constexpr(n_epi):
-                                cute.copy(tma_d, bsD[(None, e)], bgD[(None, epi_order.get_hier_coord(e))])
+                                cute.copy(tma_d, bsD[(None, slot * n_epi + e)], bgD[(None, epi_order.get_hier_coord(e))])
                             store_pipe.producer_commit()
                     else:
                         for e in cutlass.range_constexpr(n_epi):
                             for v in cutlass.range_constexpr(n_vals):
                                 tRS_rD[v] = tRS_acc[e * n_vals + v]
                             tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
-                            buf = (n_done * n_epi + e) % EPI_STAGES
+                            buf = slot * EPI_STAGES + (n_done * n_epi + e) % EPI_STAGES
                             self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d,
                                                     bsD[(None, buf)], bgD[(None, epi_order.get_hier_coord(e))],
                                                     epi_barrier, store_pipe, is_store_warp)
                     n_done += 1
-                work = scheduler.next(work)
+                if cutlass.const_expr(self.pingpong):
+                    if has_next:  # pass over the other warp group's unit in the ring
+                        other = self._k_tiles(sEnds, scheduler.tile(scheduler.next(work)).batch)
+                        read_state.advance(other)
+                        release_state.advance(other)
+                work = scheduler.next(work, slots)
             store_pipe.producer_tail()
 
 
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
-          cluster_m=1, cluster_n=1, prefetch=0, store_whole_tile=False, num_sms=SM_COUNT):
+          cluster_m=1, cluster_n=1, prefetch=0, store_whole_tile=False, pingpong=False, num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
     problem = WgradProblem(dtype_name, out_dtype_name, a_major, b_major)
     cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch,
-                        store_whole_tile=store_whole_tile)
+                        store_whole_tile=store_whole_tile, pingpong=pingpong)
     err = unsupported_reason(problem, cfg)
     if err:
         raise ValueError(err)
