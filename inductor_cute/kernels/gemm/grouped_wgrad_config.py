@@ -120,11 +120,13 @@ def offers_whole_tile_store(tile_m: int, tile_k: int) -> bool:
 # offered by default (each would cost autotuning a compile); clusters=True adds them.
 CLUSTERS_OFFERED = False
 
-# Ping-pong (GroupedConfig.pingpong, 128x128 tiles) joins the candidates once its GPU tests have
-# passed (tests/gpu/test_grouped_wgrad_gpu.py -k pingpong). Written in the twenty-eighth session: the
-# cooperative units run their MMAs and their epilogue one after the other (a 128x128 unit of ~256
-# tokens: ~1.1 us of MMAs at the tensor cores' peak, 2.7 us measured), which ping-pong overlaps.
-PINGPONG_GPU_CHECKED = False
+# Ping-pong (GroupedConfig.pingpong, 128x128 tiles) joins the candidates since its GPU tests passed
+# (tests/gpu/test_grouped_wgrad_gpu.py -k pingpong: 20 passed on an H100 in the twenty-eighth session).
+# There, on Qwen3-30B-A3B's weight gradients at 4096 tokens (wgrad-pingpong-h100-20261206-s28.txt), it
+# took the up projection from 498.0 us (128x256, the best before) to 476.0 and the down projection from
+# 257.0 to 245.6; cooperative 128x128 took 574.8 and 294.2. With the whole-tile store it keeps 4 ring
+# stages and lost (530.9, 276.9): offered without it.
+PINGPONG_GPU_CHECKED = True
 
 
 def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int) -> tuple[tuple[int, int], ...]:
@@ -139,7 +141,7 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
     """Valid configs: the default first, then the other tile shapes at their deepest pipelines
     (and tile_k 128 with `exhaustive`), each also storing whole tiles where that is offered and,
     for 128-row tiles at tile_k 64, in clusters (with `clusters`; by default CLUSTERS_OFFERED), then
-    the ping-pong 128x128 configs (with `pingpong`, by default once PINGPONG_GPU_CHECKED)."""
+    the ping-pong 128x128 config (with `pingpong`, by default once PINGPONG_GPU_CHECKED)."""
     out = [default_config(problem, m, n, tokens, groups, num_sms)]
     clustered = CLUSTERS_OFFERED if clusters is None else clusters
     for tm, tn, wg in grouped_config._SHAPES:
@@ -151,10 +153,9 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
                     if cfg is not None and cfg not in out:
                         out.append(cfg)
     if PINGPONG_GPU_CHECKED if pingpong is None else pingpong:
-        for whole in (False, True):
-            cfg = _deepest(GroupedConfig(128, 128, 64, MAX_STAGES, 2, store_whole_tile=whole, pingpong=True), problem)
-            if cfg is not None:
-                out.append(cfg)
+        cfg = _deepest(GroupedConfig(128, 128, 64, MAX_STAGES, 2, pingpong=True), problem)
+        if cfg is not None:
+            out.append(cfg)
     return out
 
 
