@@ -24,6 +24,7 @@ VARIANTS = {
     "token-major-cluster-1x2-whole-tile-store": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 5, 2, cluster_n=2,
                                                                            store_whole_tile=True)),
     "autograd-layout-pingpong": (AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, pingpong=True)),
+    "autograd-layout-pingpong-cluster-2x1": (AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True)),
     "token-major-pingpong-whole-tile-store": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 4, 2, store_whole_tile=True,
                                                                          pingpong=True)),
 }
@@ -109,9 +110,9 @@ def test_pingpong_rules_and_candidates(monkeypatch):
     assert unsupported_reason(AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, pingpong=True)) is None
     for bad in (GroupedConfig(128, 256, 64, 4, 2, pingpong=True),  # 256 accumulator registers a thread
                 GroupedConfig(64, 128, 64, 8, 1, pingpong=True),
-                GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True),
                 GroupedConfig(128, 128, 128, 3, 2, pingpong=True)):
         assert "pingpong takes 128x128x64" in unsupported_reason(AUTOGRAD, bad)
+    assert unsupported_reason(AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, cluster_n=2, pingpong=True)) is None
     assert "weight gradient's" in forward_reason(GroupedProblem(), GroupedConfig(128, 128, 64, 6, 2, pingpong=True))
     # two tiles staged where the whole tile is stored: fewer ring stages than cooperative (it lost, so
     # only the subtile buffers' form is offered)
@@ -125,6 +126,11 @@ def test_pingpong_rules_and_candidates(monkeypatch):
     assert not any(c.pingpong for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128))
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", True)
     assert [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong] == offered
+    # in clusters once those are GPU-checked (or asked for)
+    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_CLUSTERS_GPU_CHECKED", True)
+    shapes = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong]
+    assert shapes == [(1, 1), (2, 1), (1, 2)]
+    assert [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128, clusters=False) if c.pingpong] == offered
 
 
 def test_variants_fit_shared_memory():
@@ -196,8 +202,9 @@ def test_the_whole_tile_store_is_offered_only_in_its_gpu_checked_forms():
 def test_clusters_are_offered_once_gpu_checked(monkeypatch):
     from inductor_cute.kernels.gemm import grouped_wgrad_config
 
-    def clustered(**kw):
-        return [c for c in candidates(AUTOGRAD, 2048, 1536, 32768, groups=128, **kw) if c.cluster_size > 1]
+    def clustered(**kw):  # cooperative ones (ping-pong's have their own flag)
+        return [c for c in candidates(AUTOGRAD, 2048, 1536, 32768, groups=128, **kw)
+                if c.cluster_size > 1 and not c.pingpong]
 
     assert clustered(clusters=False) == []
     offered = clustered(clusters=True)

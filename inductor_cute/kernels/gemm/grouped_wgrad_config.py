@@ -61,10 +61,10 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
         return "the whole-tile store takes tile_k 64 (the form its GPU tests run)"
     if config.cluster_size > 1 and (config.tile_m != 128 or config.tile_k != 64):
         return "weight-gradient clusters take 128-row tiles at tile_k 64 (the forms their GPU tests run)"
-    if config.pingpong and (config.consumer_warpgroups != 2 or config.cluster_size > 1
+    if config.pingpong and (config.consumer_warpgroups != 2
                             or (config.tile_m, config.tile_n, config.tile_k) != (128, 128, 64)):
         # a warp group's whole tile in its registers: 128 x 128 fp32 is 128 a thread
-        return "pingpong takes 128x128x64 tiles of two consumer warp groups, without clusters"
+        return "pingpong takes 128x128x64 tiles of two consumer warp groups"
     # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
     reason = grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name),
                                                dataclasses.replace(config, store_whole_tile=False, pingpong=False))
@@ -128,6 +128,12 @@ CLUSTERS_OFFERED = False
 # stages and lost (530.9, 276.9): offered without it.
 PINGPONG_GPU_CHECKED = True
 
+# Ping-pong in clusters joins them once its GPU tests have passed (-k pingpong, the cluster configs).
+# Written in the twenty-eighth session: ping-pong's 128x128 units read 128 KB of operands each out of
+# L2, 3.2 GB for the up projection's gradient in its 476 us, ~6.7 TB/s, about what this L2 gives; a
+# cluster's two tiles share one operand's block (96 KB a unit).
+PINGPONG_CLUSTERS_GPU_CHECKED = False
+
 
 def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int) -> tuple[tuple[int, int], ...]:
     """2x1 where M spans two row tiles or more, 1x2 where N spans two column tiles (else a peer
@@ -141,7 +147,8 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
     """Valid configs: the default first, then the other tile shapes at their deepest pipelines
     (and tile_k 128 with `exhaustive`), each also storing whole tiles where that is offered and,
     for 128-row tiles at tile_k 64, in clusters (with `clusters`; by default CLUSTERS_OFFERED), then
-    the ping-pong 128x128 config (with `pingpong`, by default once PINGPONG_GPU_CHECKED)."""
+    the ping-pong 128x128 config (with `pingpong`, by default once PINGPONG_GPU_CHECKED), also in
+    clusters (with `clusters`, by default once PINGPONG_CLUSTERS_GPU_CHECKED)."""
     out = [default_config(problem, m, n, tokens, groups, num_sms)]
     clustered = CLUSTERS_OFFERED if clusters is None else clusters
     for tm, tn, wg in grouped_config._SHAPES:
@@ -153,9 +160,11 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
                     if cfg is not None and cfg not in out:
                         out.append(cfg)
     if PINGPONG_GPU_CHECKED if pingpong is None else pingpong:
-        cfg = _deepest(GroupedConfig(128, 128, 64, MAX_STAGES, 2, pingpong=True), problem)
-        if cfg is not None:
-            out.append(cfg)
+        in_clusters = PINGPONG_CLUSTERS_GPU_CHECKED if clusters is None else clusters
+        for cm, cn in ((1, 1),) + (_cluster_shapes(m, n, 128, 128) if in_clusters else ()):
+            cfg = _deepest(GroupedConfig(128, 128, 64, MAX_STAGES, 2, cm, cn, pingpong=True), problem)
+            if cfg is not None:
+                out.append(cfg)
     return out
 
 
