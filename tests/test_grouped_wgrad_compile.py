@@ -125,7 +125,6 @@ def test_pingpong_rules_and_candidates(monkeypatch):
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", False)
     assert not any(c.pingpong for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128))
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", True)
-    assert [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong] == offered
     # in clusters once those are GPU-checked (or asked for)
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_CLUSTERS_GPU_CHECKED", True)
     shapes = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong]

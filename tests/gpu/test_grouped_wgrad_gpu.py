@@ -147,7 +147,7 @@ def test_the_whole_tile_store_of_back_to_back_epilogues(config):
 # it must load and release as usual and store nothing; both operand layouts, the boundary mask in
 # each CTA's copy of a stage, with and without the whole-tile store
 CLUSTER_CONFIGS = [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=16, clusters=True)
-                   if c.cluster_size > 1]  # every cluster config offered
+                   if c.cluster_size > 1 and not c.pingpong]  # every cooperative cluster config offered
 
 
 @pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=lambda c: c.describe())
@@ -174,9 +174,10 @@ def test_clusters_of_back_to_back_epilogues_and_of_long_groups(config):
 # unit counts, empty groups (no stage to skip), both layouts, with and without the whole-tile store,
 # in 2x1 and 1x2 clusters (grouped_wgrad_config.PINGPONG_CLUSTERS_GPU_CHECKED; a peer past M or N)
 # (the whole-tile store's form is not offered, it lost every round, but the kernel takes it)
-PINGPONG_CONFIGS = [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=16, pingpong=True) if c.pingpong] + \
+PINGPONG_CONFIGS = list(dict.fromkeys(
+    [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=16, pingpong=True) if c.pingpong] +
     [GroupedConfig(128, 128, 64, 4, 2, store_whole_tile=True, pingpong=True),
-     GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True), GroupedConfig(128, 128, 64, 6, 2, cluster_n=2, pingpong=True)]
+     GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True), GroupedConfig(128, 128, 64, 6, 2, cluster_n=2, pingpong=True)]))
 
 
 @pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())
@@ -193,7 +194,15 @@ def test_pingpong(config, a_major, b_major, m, n):
                          ids=["back-to-back-epilogues", "long-groups", "one-unit", "empty-after"])
 def test_pingpong_unit_counts_and_group_lengths(config, sizes):
     check_wgrad(sizes, 264, 264, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
-    check_wgrad(sizes, 96, 128, config=config)  # one tile a group: CTAs of one unit each (slot 1 idle)
+    check_wgrad(sizes, 96, 128, config=config)  # one tile a group: few units, most CTAs with one (slot 1 idle)
+
+
+@pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())
+def test_pingpong_skips_units_longer_than_the_ring(config):
+    # 12 x 16 tiles a group: ~9 units a CTA, so both slots run units of up to 47 k-blocks and each
+    # passes over the other's, far more stages than the ring holds
+    sizes = [3000, 5, 0, 1200, 700, 2500]
+    check_wgrad(sizes, 1536, 2048, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
 
 
 def test_weight_gradient_matches_torch_grouped_mm():
@@ -210,9 +219,8 @@ def test_large_weight_gradient():
     check_wgrad(sizes, 2048, 1536)
 
 
-# the default config, two in clusters (cluster peers under replay with new offsets) and ping-pong
-@pytest.mark.parametrize("config", [None, *CLUSTER_CONFIGS[:2], *PINGPONG_CONFIGS],
-                         ids=lambda c: "default" if c is None else c.describe())
+# the default config and two in clusters (cluster peers under replay with new offsets)
+@pytest.mark.parametrize("config", [None, *CLUSTER_CONFIGS[:2]], ids=lambda c: "default" if c is None else c.describe())
 def test_weight_gradient_cuda_graph_replays_with_new_offsets(config):
     a, b = operands(1024, 384, 512)
     offs = offsets([256, 256, 256, 256])
@@ -223,6 +231,25 @@ def test_weight_gradient_cuda_graph_replays_with_new_offsets(config):
     with torch.cuda.graph(graph):
         ops.grouped_mm(a, b, offs, out, config=config)
     for sizes in ([1024, 0, 0, 0], [1, 2, 3, 1018], [0, 500, 0, 524], [0, 0, 0, 0]):
+        offs.copy_(offsets(sizes))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.double(), wgrad_reference(a, b, sizes), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())
+def test_pingpong_cuda_graph_replays_with_new_offsets(config):
+    # 12 x 8 tiles a group, 4 groups: ~3 units a CTA, so both slots run under replay
+    a, b = operands(4096, 1536, 1024)
+    offs = offsets([1024] * 4)
+    out = torch.empty(4, 1536, 1024, device=DEV, dtype=torch.bfloat16)
+    ops.grouped_mm(a, b, offs, out, config=config)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.grouped_mm(a, b, offs, out, config=config)
+    for sizes in ([4096, 0, 0, 0], [1, 2, 3, 4090], [0, 2000, 0, 2096]):
         offs.copy_(offsets(sizes))
         out.fill_(float("nan"))
         graph.replay()

@@ -80,7 +80,8 @@ INDEX_CUTE_TYPES = {"int32": Int32, "int64": cutlass.Int64}  # of GroupedProblem
 
 
 class GroupedHopperGemm(HopperGemm):
-    """The dense GEMM's CTA over a grouped tile map; cooperative consumers."""
+    """The dense GEMM's CTA over a grouped tile map; cooperative consumers (the weight-gradient
+    subclass also runs ping-pong)."""
 
     def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT, a_major: str = "k",
                  gate: str = "", gather: bool = False):

@@ -5,7 +5,7 @@
 
 in one persistent launch, the group sizes read on the device (no host sync).
 
-The forward's CTA (grouped_sm90.py: TMA producer warp, cooperative WGMMA consumers, stmatrix +
+The forward's CTA (grouped_sm90.py: TMA producer warp, WGMMA consumer warp groups, stmatrix +
 TMA-store epilogue, `HopperGemm._setup` for layouts and MMA) over a dense tile map: every group
 has a whole (M, N) output, so the work units are (group, M tile, N tile), E * tiles_m * tiles_n
 of them, known on the host, dealt by `GroupedRaster` with the group as batch (tiles of one group
@@ -47,9 +47,11 @@ With `pingpong` (the config's; 128x128 tiles) the two consumer warp groups take 
 in turn, each a whole tile in its own registers, with its own staging buffers, epilogue barrier and
 store warp, as the dense kernel's ping-pong does. Both read the one ring in unit order: a warp
 group passes over the other's unit by advancing its ring state by that unit's k-block count, read
-from the group table. Named "turn" barriers make their mainloops alternate, so one warp group's
-boundary masks and epilogue run while the other's WGMMAs keep the tensor cores busy: a unit of a
-few hundred tokens otherwise spends about as long storing its tile as multiplying it.
+from the group table. Named "turn" barriers make their mainloops alternate (a warp group hands the
+turn over once its last WGMMA is issued), so one warp group's epilogue runs while the other's
+WGMMAs keep the tensor cores busy: a unit of a few hundred tokens otherwise spends about as long
+storing its tile as multiplying it. The boundary masks run within a turn, before their k-block's
+WGMMAs; only the other warp group's WGMMAs still in flight overlap them.
 
 Tensor conventions of the jit function: a (M, T), M-major (a_major "m": the transposed view of a
 row-major (T, M), what autograd passes) or token-major ("k"); b (N, T), from torch's b (T, N) as
@@ -146,8 +148,8 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
 
     @cute.jit
     def _zero_tokens(self, stage: cute.Tensor, rows: cutlass.Constexpr, mn_major: cutlass.Constexpr, lo, hi, ctid):
-        """Zero tokens lo..hi-1 of one (rows, tile_k) operand stage, spread over the consumer
-        threads (a trip count that is the same for all of them, predicated stores). M/N-major
+        """Zero tokens lo..hi-1 of one (rows, tile_k) operand stage, spread over the threads of the
+        tile's warp groups (a trip count that is the same for all of them, predicated stores). M/N-major
         stages take 16-byte stores of 8 rows of one token (contiguous under the swizzle),
         token-major ones single elements (8 tokens may straddle `lo` or `hi`)."""
         vec = 8 if mn_major else 1
@@ -165,7 +167,7 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
     @cute.jit
     def _mask_outside(self, sA_stage: cute.Tensor, sB_stage: cute.Tensor, lo, hi, ctid, barrier):
         """Zero both operands' tokens outside lo..hi-1 of a k-block, then make the zeros visible
-        to WGMMA (proxy fence, and all consumer threads meet) before any reads them."""
+        to WGMMA (proxy fence, and the tile's threads meet at `barrier`) before any reads them."""
         tm, tn, tk = self.tile_mnk
         if lo > 0 or hi < tk:
             self._zero_tokens(sA_stage, tm, self.a_major_mn, 0, lo, ctid)
