@@ -25,6 +25,7 @@ VARIANTS = {
                                                                            store_whole_tile=True)),
     "autograd-layout-pingpong": (AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, pingpong=True)),
     "autograd-layout-pingpong-cluster-2x1": (AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True)),
+    "token-major-pingpong-cluster-2x2": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 6, 2, 2, 2, pingpong=True)),
     "token-major-pingpong-whole-tile-store": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 4, 2, store_whole_tile=True,
                                                                          pingpong=True)),
 }
@@ -85,8 +86,10 @@ def test_clusters_multicast_the_shared_operand_and_release_their_peers_stages(co
     if compiled.config.cluster_size == 1:
         assert not multicast and "barrier.cluster" not in ptx
         return
-    # one operand's loads multicast, the other's plain; peers meet before either signals the other
-    assert 0 < len(multicast) < len(loads)
+    # one operand's loads multicast, the other's plain (2x2: both multicast); peers meet before
+    # either signals the other
+    both = compiled.config.cluster_m > 1 and compiled.config.cluster_n > 1
+    assert 0 < len(multicast) < len(loads) or (both and len(multicast) == len(loads) > 0)
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert re.search(r"mbarrier\.arrive\S*shared::cluster", ptx)  # a release to the peer CTA
 
@@ -128,7 +131,11 @@ def test_pingpong_rules_and_candidates(monkeypatch):
     # in clusters once those are GPU-checked (or asked for)
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_CLUSTERS_GPU_CHECKED", True)
     shapes = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong]
-    assert shapes == [(1, 1), (2, 1), (1, 2)]
+    assert shapes == [(1, 1), (2, 1), (1, 2), (2, 2)]
+    narrow = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 128, 2048, 32768, groups=128) if c.pingpong]
+    assert narrow == [(1, 1), (1, 2)]  # M of one row tile: no 2x1, no 2x2
+    assert "ping-pong's" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, 2, 2))
+    assert "2x2" in unsupported_reason(AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, 4, 1, pingpong=True))
     assert [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128, clusters=False) if c.pingpong] == offered
 
 

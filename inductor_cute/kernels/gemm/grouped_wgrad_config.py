@@ -61,13 +61,21 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
         return "the whole-tile store takes tile_k 64 (the form its GPU tests run)"
     if config.cluster_size > 1 and (config.tile_m != 128 or config.tile_k != 64):
         return "weight-gradient clusters take 128-row tiles at tile_k 64 (the forms their GPU tests run)"
+    if config.cluster_m not in (1, 2) or config.cluster_n not in (1, 2):
+        return "clusters of 1x1, 2x1, 1x2 or 2x2 CTAs are supported"
+    if config.cluster_size > 2 and not config.pingpong:
+        # cooperative units are bound by their serial phases, not their operand reads (2-CTA clusters
+        # gained nothing), so a larger cluster would not help them
+        return "2x2 clusters are ping-pong's"
     if config.pingpong and (config.consumer_warpgroups != 2
                             or (config.tile_m, config.tile_n, config.tile_k) != (128, 128, 64)):
         # a warp group's whole tile in its registers: 128 x 128 fp32 is 128 a thread
         return "pingpong takes 128x128x64 tiles of two consumer warp groups"
-    # the forward's rules; they budget two group tables where this kernel keeps one (2 KB slack)
+    # the forward's rules (clusters checked above); they budget two group tables where this kernel
+    # keeps one (2 KB slack)
     reason = grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name),
-                                               dataclasses.replace(config, store_whole_tile=False, pingpong=False))
+                                               dataclasses.replace(config, store_whole_tile=False, pingpong=False,
+                                                                   cluster_m=1, cluster_n=1))
     if reason is None and config.store_whole_tile:  # the whole tile's buffer beside the ring, one table
         need = grouped_config.smem_bytes(config, grouped_config.ELEMENT_BYTES[p.dtype_name],
                                          grouped_config.ELEMENT_BYTES[p.out_dtype_name], tables=1)
@@ -131,14 +139,16 @@ PINGPONG_GPU_CHECKED = True
 # Ping-pong in clusters joins them once its GPU tests have passed (-k pingpong, the cluster configs).
 # Written in the twenty-eighth session: ping-pong's 128x128 units read 128 KB of operands each out of
 # L2, 3.2 GB for the up projection's gradient in its 476 us, ~6.7 TB/s, about what this L2 gives; a
-# cluster's two tiles share one operand's block (96 KB a unit).
+# 2x1 or 1x2 cluster's two tiles share one operand's block (96 KB a unit), a 2x2 cluster's four
+# share both (64 KB a unit).
 PINGPONG_CLUSTERS_GPU_CHECKED = False
 
 
-def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int) -> tuple[tuple[int, int], ...]:
+def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int, square: bool = False) -> tuple[tuple[int, int], ...]:
     """2x1 where M spans two row tiles or more, 1x2 where N spans two column tiles (else a peer
-    would only load for the other)."""
-    return tuple(shape for shape, tiles in (((2, 1), -(-m // tile_m)), ((1, 2), -(-n // tile_n))) if tiles >= 2)
+    would only load for the other), and with `square` 2x2 where both do."""
+    shapes = tuple(shape for shape, tiles in (((2, 1), -(-m // tile_m)), ((1, 2), -(-n // tile_n))) if tiles >= 2)
+    return shapes + (((2, 2),) if square and len(shapes) == 2 else ())
 
 
 def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None, groups: int = 1,
@@ -161,7 +171,7 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
                         out.append(cfg)
     if PINGPONG_GPU_CHECKED if pingpong is None else pingpong:
         in_clusters = PINGPONG_CLUSTERS_GPU_CHECKED if clusters is None else clusters
-        for cm, cn in ((1, 1),) + (_cluster_shapes(m, n, 128, 128) if in_clusters else ()):
+        for cm, cn in ((1, 1),) + (_cluster_shapes(m, n, 128, 128, square=True) if in_clusters else ()):
             cfg = _deepest(GroupedConfig(128, 128, 64, MAX_STAGES, 2, cm, cn, pingpong=True), problem)
             if cfg is not None:
                 out.append(cfg)
