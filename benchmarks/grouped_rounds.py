@@ -4,7 +4,7 @@ at 4096 tokens, the block's own router): both forward projections and both input
 (their weights N-major), and its two weight gradients (ours with and without the whole-tile
 store). Side by side in one process, on the same offsets: eager
 torch._grouped_mm, Inductor's Triton template (compiled and autotuned now, stock), and ours in
-1x1, 1x2 and 2x1 clusters (128x256 and 128x128 tiles, overlap_last + staged_partial, with and
+1x1, 1x2, 2x1 and 2x2 clusters (128x256 and 128x128 tiles, overlap_last + staged_partial, with and
 without half_tiles), each with
 its count of work units and of rounds over the SMs: a 2x1 cluster whose group has an odd number
 of row tiles leaves its second CTA computing rows past the group (docs/perf-notes.md, twenty-fifth
@@ -23,18 +23,19 @@ from inductor_cute.bench.suites import moe_block
 from inductor_cute.bench.suites.grouped_gemm import triton_runner
 from inductor_cute.bench.timing import time_side_by_side
 from inductor_cute.host.grouped_gemm import grouped_mm
+from inductor_cute.kernels.common.tile_scheduler import TileScheduler
 from inductor_cute.kernels.gemm.grouped_config import GroupedConfig, GroupedProblem, spec, unsupported_reason
 from inductor_cute.runtime import precompile
 
 SHAPES = [(128, 256, 4), (128, 128, 6)]  # (tile_m, tile_n, stages)
-CLUSTERS = [(1, 1), (1, 2), (2, 1)]
+CLUSTERS = [(1, 1), (1, 2), (2, 1), (2, 2)]
 
 
 def work(sizes: list[int], n: int, cfg: GroupedConfig, sms: int) -> tuple[int, int]:
-    """(work units, rounds): cluster blocks of tiles per group, dealt to sms / cluster size clusters."""
+    """(work units, rounds): cluster blocks of tiles per group, dealt to the clusters of one wave."""
     col_blocks = math.ceil(math.ceil(n / cfg.tile_n) / cfg.cluster_n)
     units = sum(math.ceil(math.ceil(rows / cfg.tile_m) / cfg.cluster_m) * col_blocks for rows in sizes if rows)
-    return units, math.ceil(units / (sms // cfg.cluster_size))
+    return units, math.ceil(units / TileScheduler.max_clusters(True, sms, cfg.cluster_size))
 
 
 def add_checked(fns: dict, configs: list[GroupedConfig], run, want: torch.Tensor) -> None:

@@ -37,6 +37,10 @@ VARIANTS = {
     "half-tiles-gathered-gated-2x1": (GroupedProblem(gate="silu", rows="int32"),
                                       GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, overlap_last=True,
                                                     staged_partial=True, half_tiles=True)),
+    "cluster-2x2-shares-both-staged": (N_MAJOR, GroupedConfig(128, 256, 64, 4, 2, 2, 2, overlap_last=True,
+                                                              staged_partial=True)),
+    "cluster-2x2-gated-half-tiles": (GroupedProblem(gate="silu"), GroupedConfig(128, 128, 64, 6, 2, 2, 2, overlap_last=True,
+                                                                               staged_partial=True, half_tiles=True)),
     "gathered-n-major-64x128-one-warpgroup": (GroupedProblem(b_major="n", rows="int64"), GroupedConfig(64, 128, 64, 8, 1)),
 }
 
@@ -57,13 +61,16 @@ def test_uses_wgmma_tma_and_register_reallocation(compiled):
 
 
 def test_clusters_multicast_and_release_their_peers_stages(request, compiled):
-    config = VARIANTS[request.node.callspec.params["compiled"]][1]
+    problem, config = VARIANTS[request.node.callspec.params["compiled"]]
     ptx = compiled.ptx
     multicast = re.findall(r"cp\.async\.bulk\.tensor\S*multicast::cluster", ptx)
     if config.cluster_size == 1:
         assert not multicast and "barrier.cluster" not in ptx
         return
-    # one operand multicast (its load once per pipeline stage index), the other plain
+    # one operand multicast (its load once per pipeline stage index), the other plain; 2x2 both
+    # (gathered rows are not TMA loads: the weight's are all there is)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\S*shared\S*global\S*", ptx)
+    assert (len(multicast) == len(loads)) == (config.cluster_size == 4 or bool(problem.rows))
     assert multicast and "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert re.search(r"mbarrier\.arrive\S*shared::cluster", ptx)  # a release to the peer CTA
 
@@ -103,7 +110,7 @@ def test_variants_fit_shared_memory():
 
 
 def test_cluster_rules_and_candidates():
-    assert unsupported_reason(K_MAJOR, GroupedConfig(cluster_m=2, cluster_n=2)) is not None
+    assert unsupported_reason(K_MAJOR, GroupedConfig(cluster_m=2, cluster_n=2)) is None  # (2x2: the test below)
     assert unsupported_reason(K_MAJOR, GroupedConfig(cluster_m=4)) is not None
     assert "cluster 2x1" in GroupedConfig(cluster_m=2).describe()
     # offered by default since their GPU tests passed (CLUSTERS_GPU_CHECKED); clusters=False leaves them out
@@ -120,6 +127,35 @@ def test_cluster_rules_and_candidates():
     few = candidates(K_MAJOR, 4096, 256, 2048, groups=64, clusters=True)
     assert {(c.cluster_m, c.cluster_n) for c in few if c.tile_n == 256} == {(1, 1)}
     assert {(c.cluster_m, c.cluster_n) for c in few if c.tile_n == 128} == {(1, 1), (1, 2)}
+
+
+def test_2x2_clusters_are_offered_once_gpu_checked(monkeypatch):
+    from inductor_cute.kernels.gemm import grouped_config
+
+    assert unsupported_reason(K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, 2, 2)) is None
+    assert "128-row tiles" in unsupported_reason(K_MAJOR, GroupedConfig(64, 256, 64, 5, 1, 2, 2))
+    assert "gathered rows" in unsupported_reason(GroupedProblem(rows="int32"), GroupedConfig(128, 256, 64, 4, 2, 2, 2))
+    assert "2x2" in unsupported_reason(K_MAJOR, GroupedConfig(128, 256, 64, 4, 2, 4, 1))
+
+    def squares(**kw):
+        return [c for c in candidates(K_MAJOR, 32768, 1536, 2048, groups=128, half_tiles=False, **kw)
+                if c.cluster_size == 4]
+
+    monkeypatch.setattr(grouped_config, "CLUSTERS_2X2_GPU_CHECKED", False)
+    assert squares() == [] and len(squares(clusters=True)) == 2  # 128x256 and 128x128
+    monkeypatch.setattr(grouped_config, "CLUSTERS_2X2_GPU_CHECKED", True)
+    assert squares() == squares(clusters=True)
+    # gathered rows never (each CTA gathers its own token rows); groups of one row tile: no 2x2
+    assert not [c for c in candidates(GroupedProblem(rows="int32"), 32768, 1536, 2048, groups=128, clusters=True)
+                if c.cluster_size == 4]
+    assert not [c for c in candidates(K_MAJOR, 4096, 1536, 2048, groups=64, clusters=True) if c.cluster_size == 4]
+
+
+def test_a_wave_of_four_cta_clusters_leaves_the_gpcs_room():
+    from inductor_cute.kernels.common.tile_scheduler import TileScheduler
+
+    # 132 SMs in GPCs of 16 and 18: 66 clusters of 2, but 32 of 4 (tests/gpu checks the driver agrees)
+    assert [TileScheduler.max_clusters(True, 132, size) for size in (1, 2, 4)] == [132, 66, 32]
 
 
 def test_prefetch_asks_l2_for_the_weight_ahead():

@@ -109,6 +109,39 @@ def test_cluster_configs_on_ragged_n_and_tokens_past_the_offsets(config):
     check([100, 0, 300], 256, 264, tokens=700, config=config)
 
 
+# 2x2 clusters (grouped_config.CLUSTERS_2X2_GPU_CHECKED): four tiles of one group share both
+# operands; odd row-tile counts and one column tile leave peers past the group's rows or past N
+CLUSTERS_2X2 = [GroupedConfig(128, 256, 64, 4, 2, 2, 2, overlap_last=True, staged_partial=True),
+                GroupedConfig(128, 128, 64, 6, 2, 2, 2, overlap_last=True, staged_partial=True),
+                GroupedConfig(128, 256, 64, 4, 2, 2, 2, overlap_last=True, staged_partial=True, half_tiles=True),
+                GroupedConfig(128, 128, 64, 6, 2, 2, 2)]
+
+
+@pytest.mark.parametrize("layout", ["k", "n"])
+@pytest.mark.parametrize("config", CLUSTERS_2X2, ids=lambda c: c.describe().replace(" ", "-"))
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_2x2_clusters(name, config, layout):
+    check(SIZES[name], 512, 384, layout, config=config, seed=3)
+
+
+@pytest.mark.parametrize("config", CLUSTERS_2X2, ids=lambda c: c.describe().replace(" ", "-"))
+def test_2x2_clusters_on_ragged_n_tokens_past_the_offsets_and_gates(config):
+    check([3, 130, 0, 277], 1000, 40, config=config)  # one column tile: every column peer idle
+    check([100, 0, 300], 256, 264, tokens=700, config=config)
+    check_gated([300, 0, 5, 129, 700], 512, 384, config=config)  # the gate's two weight halves, multicast
+
+
+def test_a_wave_of_clusters_fits_on_the_gpu_at_once():
+    # a persistent grid larger than the clusters that fit at once runs its last ones as a second wave
+    from cutlass.utils import HardwareInfo
+
+    from inductor_cute.kernels.common.tile_scheduler import TileScheduler
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for size in (1, 2, 4):
+        assert TileScheduler.max_clusters(True, sms, size) <= HardwareInfo().get_max_active_clusters(size), size
+
+
 def test_large_moe_shape_in_clusters():
     torch.manual_seed(1)
     sizes = [int(x) for x in torch.distributions.Dirichlet(torch.ones(32)).sample().mul(8192).floor()]

@@ -99,8 +99,13 @@ class TileScheduler:
 
     @staticmethod
     def max_clusters(persistent: bool, num_sms: int, cluster_size: int) -> int:
-        """The most clusters to launch: one wave when persistent, else one per work unit."""
-        return num_sms // cluster_size if persistent else MAX_GRID_Z
+        """The most clusters to launch: one wave when persistent, else one per work unit. A cluster
+        runs within one GPC: the 132-SM Hopper parts have GPCs of 16 and 18 SMs, so 66 clusters of
+        2 fit at once but only 32 of 4 (an 18-SM GPC leaves 2 idle), not 132 // 4 = 33; a cluster
+        beyond those would run its whole share of the units after the others (a second wave)."""
+        if not persistent:
+            return MAX_GRID_Z
+        return (num_sms - cluster_size) // cluster_size if cluster_size > 2 else num_sms // cluster_size
 
     @staticmethod
     def launch_clusters(work_units, max_clusters: int):

@@ -177,8 +177,10 @@ def _config_reason(c: GroupedConfig, p: GroupedProblem) -> str | None:
     if c.prefetch and not c.stages < c.prefetch <= 64:
         # within the tile's own k-steps: the ring already loads `stages` ahead
         return f"prefetch must be 0 or more than the {c.stages} stages (at most 64) k-steps ahead"
-    if c.cluster_m not in (1, 2) or c.cluster_n not in (1, 2) or c.cluster_size > 2:
-        return "clusters of 1x1, 2x1 or 1x2 CTAs are supported"
+    if c.cluster_m not in (1, 2) or c.cluster_n not in (1, 2):
+        return "clusters of 1x1, 2x1, 1x2 or 2x2 CTAs are supported"
+    if c.cluster_size > 2 and c.tile_m != 128:
+        return "2x2 clusters take 128-row tiles"
     if c.consumer_warpgroups not in (1, 2):
         return "consumer_warpgroups must be 1 or 2"
     if c.half_tiles and (c.consumer_warpgroups != 2 or c.tile_m != 128):
@@ -274,16 +276,28 @@ def _with_checked_edge_stores(cfg: GroupedConfig | None) -> GroupedConfig | None
 CLUSTERS_GPU_CHECKED = True
 
 
-def cluster_shapes(tokens: int, n: int, groups: int, tile_m: int, tile_n: int) -> list[tuple[int, int]]:
+def cluster_shapes(tokens: int, n: int, groups: int, tile_m: int, tile_n: int,
+                   square: bool = False) -> list[tuple[int, int]]:
     """The clusters worth trying for this tile: 2x1 (two row tiles share the weight tile) when
     groups average two row tiles or more, 1x2 (two column tiles share the token rows) when N
-    spans two column tiles or more."""
+    spans two column tiles or more, and with `square` 2x2 (four tiles share both) where both do."""
     out = []
     if tokens / max(groups, 1) >= 2 * tile_m:
         out.append((2, 1))
     if _ceil_div(n, tile_n) >= 2:
         out.append((1, 2))
+    if square and len(out) == 2:
+        out.append((2, 2))
     return out
+
+
+# 2x2 clusters join the candidates (with `clusters`) once their GPU tests have passed
+# (test_grouped_gemm_gpu.py -k 2x2). Written in the twenty-eighth session: a 128x256 tile of the MoE
+# block's up projection reads 1.5 MB of operands out of L2 (2.9 GB for the product at 4096 tokens, in
+# 430-485 us: 6.0-6.8 TB/s, where the weight gradient's ping-pong found L2's limit); 2x1 and 1x2
+# clusters share one operand (1.0-1.25 MB a tile), 2x2 both (0.75 MB). Not for gathered rows (their
+# CTAs gather their own).
+CLUSTERS_2X2_GPU_CHECKED = False
 
 
 # Half tiles (GroupedConfig.half_tiles) join the candidates, as twins of the 128-row configs of two
@@ -300,7 +314,8 @@ def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = Non
                clusters: bool | None = None, half_tiles: bool | None = None) -> list[GroupedConfig]:
     """Valid configs: the heuristic default first, then the other tile shapes at their deepest
     pipelines (and tile_k 128 with `exhaustive`), then the 128-row shapes in clusters (with
-    `clusters`, by default once CLUSTERS_GPU_CHECKED), then the half-tile twins of the 128-row
+    `clusters`, by default once CLUSTERS_GPU_CHECKED; 2x2 ones by default once
+    CLUSTERS_2X2_GPU_CHECKED, never with gathered rows), then the half-tile twins of the 128-row
     ones of two consumer warp groups (with `half_tiles`, by default once HALF_TILES_GPU_CHECKED)."""
     out = [default_config(problem, tokens, n, k, groups, num_sms)]
     for tm, tn, wg in _SHAPES:
@@ -309,8 +324,9 @@ def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = Non
             if cfg is not None and cfg not in out:
                 out.append(cfg)
     if CLUSTERS_GPU_CHECKED if clusters is None else clusters:
+        square = (CLUSTERS_2X2_GPU_CHECKED if clusters is None else clusters) and not problem.rows
         for tm, tn, wg in _SHAPES[:2]:
-            for cm, cn in cluster_shapes(tokens, n, groups, tm, tn):
+            for cm, cn in cluster_shapes(tokens, n, groups, tm, tn, square):
                 cfg = _deepest(GroupedConfig(tm, tn, 64, MAX_STAGES, wg, cm, cn), problem)
                 if cfg is not None and cfg not in out:
                     out.append(cfg)

@@ -33,10 +33,11 @@ through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`)
     group's end (or whose tile lies past N) waits for and releases every stage but issues no
     MMAs, and a last tile with at most half its rows in the group keeps its place (a partial
     tile) instead of moving back: half a tile's MMAs instead of a whole tile's, mostly recomputed.
-  * clusters (config cluster_m x cluster_n, at most 2 CTAs): the CTAs of a cluster take one block
+  * clusters (config cluster_m x cluster_n, up to 2x2): the CTAs of a cluster take one block
     of tiles of one group (the tile map's work unit), so the two row tiles of a 2x1 cluster
     multicast halves of their shared weight tile to each other, and the two column tiles of a
-    1x2 cluster halves of their shared token rows. A CTA whose tile lies past its group's rows
+    1x2 cluster halves of their shared token rows; a 2x2 cluster does both, each CTA loading half
+    of its weight tile and half of its token rows. A CTA whose tile lies past its group's rows
     or past N loads its half and computes as usual (its peer's stages need its loads and its
     releases) and skips the epilogue.
 
