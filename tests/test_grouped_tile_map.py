@@ -76,7 +76,7 @@ def test_decreasing_offsets_count_as_empty_groups():
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("cluster_mn", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("cluster_mn", [(2, 1), (1, 2), (2, 2)])
 @pytest.mark.parametrize("tile_m,tile_n,n", [(128, 256, 1536), (128, 128, 384), (64, 128, 8)])
 def test_clusters_cover_every_tile_once(name, cluster_mn, tile_m, tile_n, n):
     """A cluster's CTAs share a group; the tiles they store (rows in the group, columns in N) are
@@ -111,7 +111,7 @@ def assert_rows_covered(tiles, sizes, n, tile_m, tile_n):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("cluster_mn", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("cluster_mn", [(1, 1), (2, 1), (1, 2), (2, 2)])
 @pytest.mark.parametrize("tile_m", [64, 128])
 def test_overlap_last_stores_whole_tiles_that_cover_every_row(name, cluster_mn, tile_m):
     """With overlap_last the stored tiles of a group of tile_m rows or more are all whole and lie
@@ -150,7 +150,7 @@ def test_overlap_last_cuts_the_group_rows_at_the_tokens():
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("cluster_mn", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("cluster_mn", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_half_tiles_keep_a_last_tile_of_at_most_half_its_rows_in_place(name, cluster_mn):
     """With half_tiles (and overlap_last) a group's last tile that holds at most tile_m / 2 of its
     rows keeps its place, partial, and only the first half of it has rows of the group; the other

@@ -89,7 +89,7 @@ def test_clusters_multicast_the_shared_operand_and_release_their_peers_stages(co
     # one operand's loads multicast, the other's plain (2x2: both multicast); peers meet before
     # either signals the other
     both = compiled.config.cluster_m > 1 and compiled.config.cluster_n > 1
-    assert 0 < len(multicast) < len(loads) or (both and len(multicast) == len(loads) > 0)
+    assert multicast and (len(multicast) == len(loads)) == both
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert re.search(r"mbarrier\.arrive\S*shared::cluster", ptx)  # a release to the peer CTA
 

@@ -129,6 +129,7 @@ def test_2x2_clusters_on_ragged_n_tokens_past_the_offsets_and_gates(config):
     check([3, 130, 0, 277], 1000, 40, config=config)  # one column tile: every column peer idle
     check([100, 0, 300], 256, 264, tokens=700, config=config)
     check_gated([300, 0, 5, 129, 700], 512, 384, config=config)  # the gate's two weight halves, multicast
+    check_gated([300, 0, 5, 129, 700], 512, 320, "n", config=config)  # N-major halves; a column peer past F
 
 
 def test_a_wave_of_clusters_fits_on_the_gpu_at_once():

@@ -16,9 +16,9 @@ found). `count` = prefix[groups]. The map plugs into `TileScheduler` like `Group
 With clusters of (cm, cn) CTAs a work unit is one cluster's block of cm x cn tiles of one group:
 the tables count blocks (rows in units of cm * tile_m, ceil(tiles_n / cn) block columns), and CTA
 (i, j) of the cluster takes tile (cm * block_m + i, cn * block_n + j). All CTAs of a block share
-the group, so they can share its weight tile (cm = 2, multicast B) or its token rows (cn = 2,
-multicast A). A CTA whose tile lies past its group's rows or past N still loads and computes (its
-peers wait for its half of the shared loads) but stores nothing.
+the group, so they can share its weight tile (cm = 2, multicast B), its token rows (cn = 2,
+multicast A) or both (2x2). A CTA whose tile lies past its group's rows or past N still loads and
+computes (its peers wait for its share of the shared loads) but stores nothing.
 
 The arithmetic (`group_of`, `tile_in_group`) is written against a few operations passed in, so
 that the same code runs in the kernel and in plain Python (see `reference_tiles`).

@@ -100,12 +100,15 @@ class TileScheduler:
     @staticmethod
     def max_clusters(persistent: bool, num_sms: int, cluster_size: int) -> int:
         """The most clusters to launch: one wave when persistent, else one per work unit. A cluster
-        runs within one GPC: the 132-SM Hopper parts have GPCs of 16 and 18 SMs, so 66 clusters of
-        2 fit at once but only 32 of 4 (an 18-SM GPC leaves 2 idle), not 132 // 4 = 33; a cluster
-        beyond those would run its whole share of the units after the others (a second wave)."""
+        runs within one GPC, and GPCs need not hold a multiple of 4 SMs: on the 132-SM H100 SXM
+        (GPCs of 16 and 18 SMs) 66 clusters of 2 fit at once but 32 of 4, not 132 // 4 = 33, and a
+        cluster beyond those would run its whole share of the units after the others (a second
+        wave). So larger clusters leave one cluster's SMs spare (a GPU test compares this with the
+        driver's count on the card it runs on)."""
         if not persistent:
             return MAX_GRID_Z
-        return (num_sms - cluster_size) // cluster_size if cluster_size > 2 else num_sms // cluster_size
+        spare = cluster_size if cluster_size > 2 else 0
+        return max(1, (num_sms - spare) // cluster_size)
 
     @staticmethod
     def launch_clusters(work_units, max_clusters: int):

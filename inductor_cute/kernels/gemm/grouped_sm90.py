@@ -38,7 +38,7 @@ through stmatrix and TMA stores), its smem layouts and MMA (`HopperGemm._setup`)
     multicast halves of their shared weight tile to each other, and the two column tiles of a
     1x2 cluster halves of their shared token rows; a 2x2 cluster does both, each CTA loading half
     of its weight tile and half of its token rows. A CTA whose tile lies past its group's rows
-    or past N loads its half and computes as usual (its peer's stages need its loads and its
+    or past N loads its half and computes as usual (its peers' stages need its loads and its
     releases) and skips the epilogue.
 
 Gated variant (problem.gate, an activation name; the MoE up projection with gate and up fused in
@@ -329,7 +329,7 @@ class GroupedHopperGemm(HopperGemm):
         scheduler = TileScheduler.create(tiles, cta_coord)
 
         gB = cute.local_tile(tB, (out_tn, tk), (None, None, None))
-        # each CTA of a 2x1 cluster loads half of each shared weight box into both
+        # each CTA of a cluster column (2x1, 2x2) loads half of each shared weight box into both
         tBsB, tBgB = cpasync.tma_partition(tma_b, cta_coord[0], cute.make_layout(cm),
                                            cute.group_modes(sB_box, 0, 2), cute.group_modes(gB, 0, 2))
         tBgB_up = tBgB
@@ -368,7 +368,7 @@ class GroupedHopperGemm(HopperGemm):
                         tokens = self._gathered_tokens(gather, mRows, mA.shape[0], first_row, row_end)
                     else:
                         gA = cute.local_tile(cute.domain_offset((first_row, 0), tA), (tm, tk), (0, None))
-                        # each CTA of a 1x2 cluster loads half of the shared token rows into both
+                        # each CTA of a cluster row (1x2, 2x2) loads half of the shared token rows into both
                         tAsA, tAgA = cpasync.tma_partition(tma_a, cta_coord[1], cute.make_layout(cn),
                                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                     tBgB_t = tBgB[(None, tile.n, None, tile.batch)]

@@ -27,13 +27,13 @@ found on a GPU; masking accumulator rows is impossible since tokens are the redu
 costs at most (tile_m + tile_n) * tile_k shared-memory stores per work unit, spread over the
 consumer threads, against the unit's whole group of tokens streamed through TMA.
 
-Clusters (config cluster_m x cluster_n, at most 2 CTAs) take one block of output tiles of one
-group, so both CTAs run the same k-blocks: the two row tiles of a 2x1 cluster share the token
-block of b (each loads half of it by TMA into both), the two column tiles of a 1x2 cluster that of
-a. A unit's operands are a few hundred tokens deep against a whole output tile, so operand loads
+Clusters (config cluster_m x cluster_n; 2x2 with ping-pong only) take one block of output tiles of
+one group, so all its CTAs run the same k-blocks: the two row tiles of a 2x1 cluster share the
+token block of b (each loads half of it by TMA into both), the two column tiles of a 1x2 cluster
+that of a, and a 2x2 cluster both. A unit's operands are a few hundred tokens deep against a whole output tile, so operand loads
 out of L2 (192 KB a 128x256 unit) bound the kernel, not its MMAs: a 2x1 cluster cuts them by a
 third. Each CTA masks the boundary tokens in its own copy of a stage. A CTA whose tile lies past M
-or N (an odd tile count) loads its half and computes as usual (its peer's stages need its loads
+or N (an odd tile count) loads its half and computes as usual (its peers' stages need its loads
 and releases) and skips the epilogue.
 
 With `store_whole_tile` (the config's), the epilogue writes every subtile of the tile into its own
