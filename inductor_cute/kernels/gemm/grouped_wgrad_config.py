@@ -119,14 +119,17 @@ def offers_whole_tile_store(tile_m: int, tile_k: int) -> bool:
     return tile_m == 128 and tile_k == 64
 
 
-# Clusters (2x1: two row tiles share b's token block; 1x2: two column tiles share a's) are built and
-# pass their GPU tests (tests/gpu/test_grouped_wgrad_gpu.py -k cluster: 50 passed on an H100 in the
-# twenty-eighth session) but won no round: on Qwen3-30B-A3B's weight gradients at 4096 tokens
-# (grouped-rounds-h100-20261206-s28.txt) 128x256 took the up projection in 490.1 us, 1x2 492.3, 2x1
-# 500.2; the down projection 254.2, 2x1 254.8. Cutting the operands' L2 traffic by a third moved
-# nothing, so it was not what bounds these units (docs/perf-notes.md, twenty-eighth session). Not
-# offered by default (each would cost autotuning a compile); clusters=True adds them.
-CLUSTERS_OFFERED = False
+# Clusters (2x1: two row tiles share b's token block; 1x2: two column tiles share a's) pass their GPU
+# tests (tests/gpu/test_grouped_wgrad_gpu.py -k cluster: 50 passed on an H100 in the twenty-eighth
+# session). On Qwen3-30B-A3B's weight gradients at 4096 tokens (~256 a group; grouped-rounds-h100-
+# 20261206-s28.txt) they won no round (up: 128x256 490.1 us, 1x2 492.3, 2x1 500.2): short units are
+# bound by their serial phases. Long groups are another matter: a 128x256 unit reads 48 KB of
+# operands out of L2 per 4.2 MFLOP, so at the ~6.7 TB/s this L2 gives, unclustered units cannot pass
+# ~580 TFLOP/s (the suite's skewed Qwen3 case, ~1000 tokens a group, took 1839.5 us against a 1200.5
+# us bound at the measured matmul rate, eager 1516.2: grouped_gemm-quick-partial-h100-20261206-s26.md),
+# and a cluster cuts that traffic by a quarter to a third. So they are offered, and autotuning weighs
+# them on the call's own groups.
+CLUSTERS_OFFERED = True
 
 # Ping-pong (GroupedConfig.pingpong, 128x128 tiles) joins the candidates since its GPU tests passed
 # (tests/gpu/test_grouped_wgrad_gpu.py -k pingpong: 20 passed on an H100 in the twenty-eighth session).
