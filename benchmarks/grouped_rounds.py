@@ -95,8 +95,7 @@ def main() -> None:
 
 def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms: int) -> None:
     """The block's two weight gradients (autograd's layout: grad.t() M-major, x N-major), every
-    candidate of ours (the whole-tile store and ping-pong, also in clusters, included; not the
-    cooperative clusters) against eager's CUTLASS, on the
+    candidate of ours (clusters, the whole-tile store and ping-pong, also in clusters, included) against eager's CUTLASS, on the
     same offsets: a unit reduces ~256 tokens, so its operand loads and its store bound it."""
     from inductor_cute.kernels.gemm import grouped_wgrad_config as wg
 
@@ -107,7 +106,7 @@ def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms
         x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
         a = grad.t()
         out = torch.empty(len(sizes), m, n, device="cuda", dtype=torch.bfloat16)
-        # the cooperative clusters left out: they won no round (grouped-rounds-h100-20261206-s28.txt)
+        # what autotuning weighs, and ping-pong in clusters (not yet offered) beside it
         configs = wg.candidates(problem, m, n, rows, groups=len(sizes), num_sms=sms, pingpong=True)
         configs += [c for c in wg.candidates(problem, m, n, rows, groups=len(sizes), num_sms=sms, clusters=True,
                                              pingpong=True) if c.pingpong and c not in configs]
