@@ -62,6 +62,15 @@ for s in $steps; do
                 step "ncu-$c" 240 ncu --clock-control none --profile-from-start off --set full --print-details all \
                      --print-summary none python3 benchmarks/ncu_kernels.py "$c"
             done ;;
+        # the same on the MoE block's grouped GEMMs (the weight gradient in ping-pong, in 2x2 ping-pong and
+        # cooperative 128x256; the up forward in 1x2 and 2x2 clusters): speed of light (tensor pipe, L2,
+        # DRAM), memory workload and warp stalls, a few replay passes each
+        ncu_grouped) ncu --version > "$OUT/ncu-version.log" 2>&1
+            for c in wgrad_pingpong wgrad_pingpong_2x2 wgrad_128x256 up_1x2_half up_2x2_half; do
+                step "ncu-$c" 240 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+                     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+                     --print-summary none python3 benchmarks/ncu_kernels.py "$c"
+            done ;;
         rmsnorm) step rmsnorm 200 python3 -m pytest -m gpu tests/gpu/test_rmsnorm_gpu.py -q -p no:cacheprovider ;;
         sweep_gemv) step sweep_gemv 400 python3 benchmarks/sweep_gemv.py quick ;;
         flex_splits) step flex_splits 300 python3 benchmarks/sweep_flex_splits.py ;;

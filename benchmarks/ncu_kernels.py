@@ -1,9 +1,11 @@
-"""One launch of one of our attention kernels inside a profiler range, for Nsight Compute: where the
-prefill's and the backward's time goes when the timings alone do not say (the vit d64 prefill's
-per-tile cost, the dq_reduce backward's loss to the plain schedule).
+"""One launch of one of our kernels inside a profiler range, for Nsight Compute: where the time goes
+when the timings alone do not say (the vit d64 prefill's per-tile cost, the dq_reduce backward's
+loss to the plain schedule; the MoE block's grouped GEMMs: L2 reads, the epilogue or the tensor
+cores, docs/perf-notes.md, twenty-eighth session).
 
     ncu --clock-control none --profile-from-start off --section ... python3 benchmarks/ncu_kernels.py CASE
-    bash benchmarks/gpu_checks.sh ncu       (every case; one report per case in $OUT/ncu-<case>.txt)
+    bash benchmarks/gpu_checks.sh ncu       (every attention case; one report per case in $OUT/ncu-<case>.txt)
+    bash benchmarks/gpu_checks.sh ncu_grouped   (the grouped GEMM cases)
 
 Each case builds its inputs, runs the kernel twice outside the range (compile, warm caches), then
 once between cudaProfilerStart and cudaProfilerStop: ncu (--profile-from-start off) profiles the
@@ -51,12 +53,56 @@ def backward(b, hq, hkv, s, dims, causal, dq_reduce):
     return lambda: flex_attention_backward(q, k, v, out, lse, grad_out, config=config, **kwargs)
 
 
+def _moe_block_offsets():
+    """The MoE block's routing at 4096 tokens (Qwen3-30B-A3B shapes): offsets and routed rows."""
+    from inductor_cute.bench.suites import moe_block
+
+    block, x = moe_block.make_inputs(4096, False)
+    sizes = moe_block.rows_per_expert(block, x)
+    return torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32), 4096 * block.model.topk, len(sizes)
+
+
+def grouped_wgrad(config):
+    """The up projection's weight gradient, autograd's layout: (1536, rows) x (rows, 2048) per expert."""
+    from inductor_cute.host.grouped_gemm import grouped_mm
+
+    offs, rows, groups = _moe_block_offsets()
+    grad = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(groups, 1536, 2048, device="cuda", dtype=torch.bfloat16)
+    return lambda: grouped_mm(grad.t(), x, offs, out, config=config)
+
+
+def grouped_up(config):
+    """The up projection's forward: (rows, 2048) x (experts, 2048, 1536), the weight K-major."""
+    from inductor_cute.host.grouped_gemm import grouped_mm
+
+    offs, rows, groups = _moe_block_offsets()
+    a = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(groups, 1536, 2048, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows, 1536, device="cuda", dtype=torch.bfloat16)
+    return lambda: grouped_mm(a, w.transpose(1, 2), offs, out, config=config)
+
+
+def _grouped(tm, tn, stages, cm=1, cn=1, **kw):
+    from inductor_cute.kernels.gemm.grouped_config import GroupedConfig
+
+    return GroupedConfig(tm, tn, 64, stages, 2, cm, cn, **kw)
+
+
 CASES = {
     "prefill_vit": lambda: prefill(32, 16, 16, 1024, (64, 64), False),  # issue 13's d64 case
     "prefill_llama": lambda: prefill(4, 32, 8, 4096, (128, 128), True),
     "prefill_mla": lambda: prefill(1, 128, 128, 4096, (192, 128), True),
     "backward_plain": lambda: backward(1, 16, 16, 8192, (128, 128), False, False),
     "backward_dq_reduce": lambda: backward(1, 16, 16, 8192, (128, 128), False, True),
+    "wgrad_pingpong": lambda: grouped_wgrad(_grouped(128, 128, 6, pingpong=True)),
+    "wgrad_pingpong_2x2": lambda: grouped_wgrad(_grouped(128, 128, 6, 2, 2, pingpong=True)),
+    "wgrad_128x256": lambda: grouped_wgrad(_grouped(128, 256, 4)),
+    "up_1x2_half": lambda: grouped_up(_grouped(128, 256, 4, 1, 2, overlap_last=True, staged_partial=True,
+                                               half_tiles=True)),
+    "up_2x2_half": lambda: grouped_up(_grouped(128, 256, 4, 2, 2, overlap_last=True, staged_partial=True,
+                                               half_tiles=True)),
 }
 
 
