@@ -26,7 +26,7 @@ VARIANTS = {
     "autograd-layout-pingpong": (AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, pingpong=True)),
     "autograd-layout-pingpong-cluster-2x1": (AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True)),
     "token-major-pingpong-cluster-2x2": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 6, 2, 2, 2, pingpong=True)),
-    "token-major-pingpong-whole-tile-store": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 4, 2, store_whole_tile=True,
+    "token-major-pingpong-whole-tile-store": (TOKEN_MAJOR, GroupedConfig(128, 128, 64, 5, 2, store_whole_tile=True,
                                                                          pingpong=True)),
 }
 
@@ -74,8 +74,9 @@ def test_the_whole_tile_store_commits_one_group_of_stores_a_tile(compiled):
     subtiles = config.tile_m // (64 * tile_wgs) * (config.tile_n // 32)
     whole = config.store_whole_tile
     # (whole: the epilogue's two, the boundary mask's and the group table's, whatever the tile; and
-    # ping-pong's wait for its mainloop turn)
-    assert stores > 1 and (commits == 1, barriers <= 4 + config.pingpong) == (whole, whole)
+    # ping-pong's waits for its mainloop turn and, whole, for the shared buffer's)
+    turns = config.pingpong * (1 + whole)
+    assert stores > 1 and (commits == 1, barriers <= 4 + turns) == (whole, whole)
     assert whole or barriers >= 2 * subtiles
 
 
@@ -117,19 +118,26 @@ def test_pingpong_rules_and_candidates(monkeypatch):
         assert "pingpong takes 128x128x64" in unsupported_reason(AUTOGRAD, bad)
     assert unsupported_reason(AUTOGRAD, GroupedConfig(128, 128, 64, 6, 2, cluster_n=2, pingpong=True)) is None
     assert "weight gradient's" in forward_reason(GroupedProblem(), GroupedConfig(128, 128, 64, 6, 2, pingpong=True))
-    # two tiles staged where the whole tile is stored: fewer ring stages than cooperative (it lost, so
-    # only the subtile buffers' form is offered)
-    whole = GroupedConfig(128, 128, 64, 4, 2, store_whole_tile=True, pingpong=True)
-    assert unsupported_reason(AUTOGRAD, whole) is None and smem_bytes(whole, tables=1) <= SMEM_BUDGET
-    assert unsupported_reason(AUTOGRAD, dataclasses.replace(whole, stages=5)) is not None
-    offered = [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128, pingpong=True) if c.pingpong]
-    assert offered == [GroupedConfig(128, 128, 64, 6, 2, pingpong=True)]
+    # the whole-tile store: one tile's buffer, shared in turn, so as many ring stages as cooperative;
+    # asked for (pingpong=True) or once GPU-checked
+    whole = GroupedConfig(128, 128, 64, 5, 2, store_whole_tile=True, pingpong=True)
+    assert unsupported_reason(AUTOGRAD, whole) is None
+    assert smem_bytes(whole, tables=1) == smem_bytes(dataclasses.replace(whole, pingpong=False), tables=1)
+    assert unsupported_reason(AUTOGRAD, dataclasses.replace(whole, stages=6)) is not None
+    asked = [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128, pingpong=True) if c.pingpong]
+    assert asked == [GroupedConfig(128, 128, 64, 6, 2, pingpong=True), whole]
+    offered = [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong]
+    assert offered == asked[:1]
+    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_WHOLE_TILE_GPU_CHECKED", True)
+    assert [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong] == asked
+    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_WHOLE_TILE_GPU_CHECKED", False)
     assert "pingpong" not in GroupedConfig().as_params() and "pingpong" in offered[0].describe()
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", False)
     assert not any(c.pingpong for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128))
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", True)
     # in clusters once those are GPU-checked (or asked for)
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_CLUSTERS_GPU_CHECKED", True)
+    monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_OFFERED", False)  # (ping-pong's clusters alone)
     shapes = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong]
     assert shapes == [(1, 1), (2, 1), (1, 2), (2, 2)]
     narrow = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 128, 2048, 32768, groups=128) if c.pingpong]

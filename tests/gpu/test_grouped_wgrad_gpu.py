@@ -171,14 +171,15 @@ def test_clusters_of_back_to_back_epilogues_and_of_long_groups(config):
 # ping-pong (GroupedConfig.pingpong; grouped_wgrad_config.PINGPONG_GPU_CHECKED): the two consumer warp
 # groups take alternate units, each skipping the other's ring stages (their count from the other
 # unit's group), and take turns at their mainloops. CTAs of one unit (slot 1 idle), of odd and even
-# unit counts, empty groups (no stage to skip), both layouts, with and without the whole-tile store,
-# in 2x1, 1x2 and 2x2 clusters (grouped_wgrad_config.PINGPONG_CLUSTERS_GPU_CHECKED; peers past M or N)
-# (the whole-tile store's form is not offered, it lost every round, but the kernel takes it)
+# unit counts, empty groups (no stage to skip), both layouts, with and without the whole-tile store
+# (PINGPONG_WHOLE_TILE_GPU_CHECKED: the warp groups take turns at its one buffer, and a peer past M or
+# N still takes and hands its turn), in 2x1, 1x2 and 2x2 clusters (PINGPONG_CLUSTERS_GPU_CHECKED)
 PINGPONG_CONFIGS = list(dict.fromkeys(
     [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=16, pingpong=True) if c.pingpong] +
-    [GroupedConfig(128, 128, 64, 4, 2, store_whole_tile=True, pingpong=True),
+    [GroupedConfig(128, 128, 64, 5, 2, store_whole_tile=True, pingpong=True),
      GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True), GroupedConfig(128, 128, 64, 6, 2, cluster_n=2, pingpong=True),
-     GroupedConfig(128, 128, 64, 6, 2, 2, 2, pingpong=True)]))
+     GroupedConfig(128, 128, 64, 6, 2, 2, 2, pingpong=True),
+     GroupedConfig(128, 128, 64, 5, 2, 2, 2, store_whole_tile=True, pingpong=True)]))
 
 
 @pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())

@@ -121,12 +121,12 @@ def table_bytes(max_groups: int = MAX_GROUPS) -> int:
 
 def smem_bytes(cfg: GroupedConfig, ab_bytes: int = 2, out_bytes: int = 2, tables: int = 2) -> int:
     """Shared memory of one CTA with `tables` group tables (the forward keeps 2, the weight
-    gradient 1); the outgoing D buffers are two subtiles, or the whole tile (store_whole_tile), per
-    tile in progress (ping-pong: one a warp group)."""
+    gradient 1); the outgoing D buffers are two subtiles per tile in progress (ping-pong: per warp
+    group), or the whole tile (store_whole_tile; ping-pong's warp groups share it in turn)."""
     ab = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bytes * cfg.stages
     epi = 64 * cfg.consumer_warpgroups * EPI_N * out_bytes * EPI_STAGES  # outgoing D subtiles (either schedule)
     if cfg.store_whole_tile:
-        epi = cfg.tile_m * cfg.tile_n * out_bytes * (2 if cfg.pingpong else 1)
+        epi = cfg.tile_m * cfg.tile_n * out_bytes
     total = 1024 + ab + epi + table_bytes() * tables // 2  # 1 KB for mbarriers
     return -(-total // 1024) * 1024  # the shared-storage struct is 1 KB aligned
 

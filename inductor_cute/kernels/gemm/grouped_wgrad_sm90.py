@@ -44,8 +44,10 @@ unit's reduction is short (MoE weight gradients at a few hundred tokens an exper
 otherwise follows its MMAs instead of overlapping the next unit's.
 
 With `pingpong` (the config's; 128x128 tiles) the two consumer warp groups take the CTA's units
-in turn, each a whole tile in its own registers, with its own staging buffers, epilogue barrier and
-store warp, as the dense kernel's ping-pong does. Both read the one ring in unit order: a warp
+in turn, each a whole tile in its own registers, with its own subtile staging buffers, epilogue
+barrier and store warp, as the dense kernel's ping-pong does; with the whole-tile store they share
+one tile's buffer, taking turns at their epilogues too (each hands it over once its stores have
+read it), so the ring keeps its stages. Both read the one ring in unit order: a warp
 group passes over the other's unit by advancing its ring state by that unit's k-block count, read
 from the group table. Named "turn" barriers make their mainloops alternate (a warp group hands the
 turn over once its last WGMMA is issued), so one warp group's epilogue runs while the other's
@@ -88,14 +90,15 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
         # k-blocks of a token-major operand start at 16-byte aligned tokens (bf16/fp16: 8)
         self.token_align = 1 if self.a_major_mn and self.b_major_mn else 8
         self.store_whole_tile = config.store_whole_tile
+        # ping-pong's warp groups take turns at one whole-tile buffer (their epilogues alternate)
+        self.shared_staging = config.store_whole_tile and config.pingpong
 
     def _setup(self):
         super()._setup()
-        if self.store_whole_tile:  # a staging buffer for every subtile of the tile, per consumer slot
+        if self.store_whole_tile:  # a staging buffer for every subtile of the tile (one tile, shared in turn)
             tm, tn, _ = self.tile_mnk
             subtiles = (tm // self.epi_tile[0]) * (tn // self.epi_tile[1])
-            self.sD_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile,
-                                                             subtiles * self.cfg.slots)
+            self.sD_layout = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, subtiles)
 
     def _shared_storage(self):
         st, lay_a, lay_b, lay_d = self.cfg.stages, self.sA_layout, self.sB_layout, self.sD_layout
@@ -287,6 +290,8 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                     read_state.advance(first)
                     release_state.advance(first)
                     self._turn(0, 0).arrive()
+                    if cutlass.const_expr(self.shared_staging):
+                        self._turn(1, 0).arrive()
             n_done = Int32(0)
             while scheduler.valid(work):
                 tile = scheduler.tile(work)
@@ -326,7 +331,9 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                     release_state.advance()
 
                 # ---- epilogue: whole tiles by TMA (it clips at M and N), zeros for an empty group
-                # (a cluster peer's tile past M or N: nothing to store)
+                # (a cluster peer's tile past M or N: nothing to store, but the staging turn is taken)
+                if cutlass.const_expr(self.shared_staging):
+                    self._turn(1, slot).arrive_and_wait()  # the other's stores have read the buffer
                 if tile.m * tm < tD.shape[0] and tile.n * tn < tD.shape[1]:
                     gD_t = cute.zipped_divide(gD[(None, None, tile.m, tile.n, tile.batch)], self.epi_tile)
                     bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
@@ -338,13 +345,15 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                             for v in cutlass.range_constexpr(n_vals):
                                 tRS_rD[v] = tRS_acc[e * n_vals + v]
                             tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
-                            cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, slot * n_epi + e)])
+                            cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, e)])
                         cute.arch.fence_proxy("async.shared", space="cta")  # for the TMA unit's reads
                         epi_barrier.arrive_and_wait()
                         if is_store_warp:
                             for e in cutlass.range_constexpr(n_epi):
-                                cute.copy(tma_d, bsD[(None, slot * n_epi + e)], bgD[(None, epi_order.get_hier_coord(e))])
+                                cute.copy(tma_d, bsD[(None, e)], bgD[(None, epi_order.get_hier_coord(e))])
                             store_pipe.producer_commit()
+                            if cutlass.const_expr(self.shared_staging):
+                                store_pipe.producer_acquire()  # read out before the other warp group writes
                     else:
                         for e in cutlass.range_constexpr(n_epi):
                             for v in cutlass.range_constexpr(n_vals):
@@ -355,6 +364,9 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                                                     bsD[(None, buf)], bgD[(None, epi_order.get_hier_coord(e))],
                                                     epi_barrier, store_pipe, is_store_warp)
                     n_done += 1
+                if cutlass.const_expr(self.shared_staging):
+                    if has_next:  # (the store warp arrives once its stores have read the buffer)
+                        self._turn(1, 1 - slot).arrive()
                 if cutlass.const_expr(self.pingpong):
                     if has_next:  # pass over the other warp group's unit in the ring
                         other = self._k_tiles(sEnds, scheduler.tile(scheduler.next(work)).batch)
