@@ -77,6 +77,10 @@ def test_the_whole_tile_store_commits_one_group_of_stores_a_tile(compiled):
     # ping-pong's waits for its mainloop turn and, whole, for the shared buffer's)
     turns = config.pingpong * (1 + whole)
     assert stores > 1 and (commits == 1, barriers <= 4 + turns) == (whole, whole)
+    if whole:  # after the commit: the tail's wait for the stores' reads, and ping-pong's before it hands
+        # the shared buffer over (its wait moved there from before the next tile's epilogue)
+        after = ptx[ptx.index("cp.async.bulk.commit_group"):]
+        assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read", after)) == 1 + config.pingpong
     assert whole or barriers >= 2 * subtiles
 
 
@@ -137,7 +141,6 @@ def test_pingpong_rules_and_candidates(monkeypatch):
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", True)
     # in clusters once those are GPU-checked (or asked for)
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_CLUSTERS_GPU_CHECKED", True)
-    monkeypatch.setattr(grouped_wgrad_config, "CLUSTERS_OFFERED", False)  # (ping-pong's clusters alone)
     shapes = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong]
     assert shapes == [(1, 1), (2, 1), (1, 2), (2, 2)]
     narrow = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 128, 2048, 32768, groups=128) if c.pingpong]

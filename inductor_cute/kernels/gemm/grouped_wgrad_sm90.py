@@ -338,8 +338,9 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                     gD_t = cute.zipped_divide(gD[(None, None, tile.m, tile.n, tile.batch)], self.epi_tile)
                     bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
                     if cutlass.const_expr(self.store_whole_tile):
-                        if is_store_warp:  # the last tile's stores have read its buffers (they drained in our mainloop)
-                            store_pipe.producer_acquire()
+                        if cutlass.const_expr(not self.shared_staging):
+                            if is_store_warp:  # the last tile's stores have read its buffers (they drained in our mainloop)
+                                store_pipe.producer_acquire()
                         epi_barrier.arrive_and_wait()
                         for e in cutlass.range_constexpr(n_epi):
                             for v in cutlass.range_constexpr(n_vals):
