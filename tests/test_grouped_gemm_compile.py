@@ -39,8 +39,9 @@ VARIANTS = {
                                                     staged_partial=True, half_tiles=True)),
     "cluster-2x2-shares-both-staged": (N_MAJOR, GroupedConfig(128, 256, 64, 4, 2, 2, 2, overlap_last=True,
                                                               staged_partial=True)),
-    "cluster-2x2-gated-half-tiles": (GroupedProblem(gate="silu"), GroupedConfig(128, 128, 64, 6, 2, 2, 2, overlap_last=True,
-                                                                               staged_partial=True, half_tiles=True)),
+    "cluster-2x2-gated-half-tiles": (GroupedProblem(gate="silu"),
+                                     GroupedConfig(128, 128, 64, 6, 2, 2, 2, overlap_last=True, staged_partial=True,
+                                                   half_tiles=True)),
     "gathered-n-major-64x128-one-warpgroup": (GroupedProblem(b_major="n", rows="int64"), GroupedConfig(64, 128, 64, 8, 1)),
 }
 

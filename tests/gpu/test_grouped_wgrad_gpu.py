@@ -177,7 +177,8 @@ def test_clusters_of_back_to_back_epilogues_and_of_long_groups(config):
 PINGPONG_CONFIGS = list(dict.fromkeys(
     [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=16, pingpong=True) if c.pingpong] +
     [GroupedConfig(128, 128, 64, 5, 2, store_whole_tile=True, pingpong=True),
-     GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True), GroupedConfig(128, 128, 64, 6, 2, cluster_n=2, pingpong=True),
+     GroupedConfig(128, 128, 64, 6, 2, cluster_m=2, pingpong=True),
+     GroupedConfig(128, 128, 64, 6, 2, cluster_n=2, pingpong=True),
      GroupedConfig(128, 128, 64, 6, 2, 2, 2, pingpong=True),
      GroupedConfig(128, 128, 64, 5, 2, 2, 2, store_whole_tile=True, pingpong=True)]))
 

@@ -30,11 +30,12 @@ consumer threads, against the unit's whole group of tokens streamed through TMA.
 Clusters (config cluster_m x cluster_n; 2x2 with ping-pong only) take one block of output tiles of
 one group, so all its CTAs run the same k-blocks: the two row tiles of a 2x1 cluster share the
 token block of b (each loads half of it by TMA into both), the two column tiles of a 1x2 cluster
-that of a, and a 2x2 cluster both. A unit's operands are a few hundred tokens deep against a whole output tile, so operand loads
-out of L2 (192 KB a 128x256 unit) bound the kernel, not its MMAs: a 2x1 cluster cuts them by a
-third. Each CTA masks the boundary tokens in its own copy of a stage. A CTA whose tile lies past M
-or N (an odd tile count) loads its half and computes as usual (its peers' stages need its loads
-and releases) and skips the epilogue.
+that of a, and a 2x2 cluster both: fewer operand bytes read out of L2 a unit (a 128x256 unit
+reads 48 KB a k-block alone, 32 KB in a 2x1 cluster), which matters where units are long; units
+of a few hundred tokens measured no gain (docs/perf-notes.md, twenty-eighth session). Each CTA
+masks the boundary tokens in its own copy of a stage. A CTA whose tile lies past M or N (an odd
+tile count) loads its share and computes as usual (its peers' stages need its loads and releases)
+and skips the epilogue.
 
 With `store_whole_tile` (the config's), the epilogue writes every subtile of the tile into its own
 staging buffer and the store warp then issues all their TMA stores as one group, which drains
@@ -339,7 +340,7 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                     bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
                     if cutlass.const_expr(self.store_whole_tile):
                         if cutlass.const_expr(not self.shared_staging):
-                            if is_store_warp:  # the last tile's stores have read its buffers (they drained in our mainloop)
+                            if is_store_warp:  # the last tile's stores have read its buffers (drained in our mainloop)
                                 store_pipe.producer_acquire()
                         epi_barrier.arrive_and_wait()
                         for e in cutlass.range_constexpr(n_epi):
