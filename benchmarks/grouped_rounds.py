@@ -96,7 +96,8 @@ def main() -> None:
 def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms: int) -> None:
     """The block's two weight gradients (autograd's layout: grad.t() M-major, x N-major), every
     candidate of ours (clusters, the whole-tile store and ping-pong, also in clusters, included)
-    against eager's CUTLASS, on the same offsets: a unit reduces ~256 tokens, so its operand loads and its store bound it."""
+    against eager's CUTLASS, on the same offsets: a unit reduces ~256 tokens, so its epilogue and its
+    operand loads weigh against its MMAs."""
     from inductor_cute.kernels.gemm import grouped_wgrad_config as wg
 
     problem = wg.WgradProblem()
