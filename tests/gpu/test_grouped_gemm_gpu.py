@@ -96,19 +96,6 @@ CLUSTERS = [GroupedConfig(128, 256, 64, 4, 2, cluster_m=2), GroupedConfig(128, 2
             GroupedConfig(128, 256, 64, 4, 2, cluster_m=2, prefetch=8)]  # (the weight prefetched into L2)
 
 
-@pytest.mark.parametrize("layout", ["k", "n"])  # N-major B under 2x1 splits the multicast along K
-@pytest.mark.parametrize("config", CLUSTERS, ids=lambda c: c.describe().replace(" ", "-"))
-@pytest.mark.parametrize("name", sorted(SIZES))
-def test_cluster_configs(name, config, layout):
-    check(SIZES[name], 512, 384, layout, config=config, seed=3)
-
-
-@pytest.mark.parametrize("config", CLUSTERS, ids=lambda c: c.describe().replace(" ", "-"))
-def test_cluster_configs_on_ragged_n_and_tokens_past_the_offsets(config):
-    check([3, 130, 0, 277], 1000, 40, config=config)  # one column tile: every 1x2 peer idle
-    check([100, 0, 300], 256, 264, tokens=700, config=config)
-
-
 # 2x2 clusters (grouped_config.CLUSTERS_2X2_GPU_CHECKED): four tiles of one group share both
 # operands; odd row-tile counts and one column tile leave peers past the group's rows or past N
 CLUSTERS_2X2 = [GroupedConfig(128, 256, 64, 4, 2, 2, 2, overlap_last=True, staged_partial=True),
@@ -117,18 +104,22 @@ CLUSTERS_2X2 = [GroupedConfig(128, 256, 64, 4, 2, 2, 2, overlap_last=True, stage
                 GroupedConfig(128, 128, 64, 6, 2, 2, 2)]
 
 
-@pytest.mark.parametrize("layout", ["k", "n"])
-@pytest.mark.parametrize("config", CLUSTERS_2X2, ids=lambda c: c.describe().replace(" ", "-"))
+@pytest.mark.parametrize("layout", ["k", "n"])  # N-major B under 2x1 splits the multicast along K
+@pytest.mark.parametrize("config", CLUSTERS + CLUSTERS_2X2, ids=lambda c: c.describe().replace(" ", "-"))
 @pytest.mark.parametrize("name", sorted(SIZES))
-def test_2x2_clusters(name, config, layout):
+def test_cluster_configs(name, config, layout):
     check(SIZES[name], 512, 384, layout, config=config, seed=3)
 
 
-@pytest.mark.parametrize("config", CLUSTERS_2X2, ids=lambda c: c.describe().replace(" ", "-"))
-def test_2x2_clusters_on_ragged_n_tokens_past_the_offsets_and_gates(config):
-    check([3, 130, 0, 277], 1000, 40, config=config)  # one column tile: every column peer idle
+@pytest.mark.parametrize("config", CLUSTERS + CLUSTERS_2X2, ids=lambda c: c.describe().replace(" ", "-"))
+def test_cluster_configs_on_ragged_n_and_tokens_past_the_offsets(config):
+    check([3, 130, 0, 277], 1000, 40, config=config)  # one column tile: every 1x2 peer idle
     check([100, 0, 300], 256, 264, tokens=700, config=config)
-    check_gated([300, 0, 5, 129, 700], 512, 384, config=config)  # the gate's two weight halves, multicast
+
+
+@pytest.mark.parametrize("config", CLUSTERS_2X2, ids=lambda c: c.describe().replace(" ", "-"))
+def test_2x2_clusters_multicast_both_gate_halves(config):
+    check_gated([300, 0, 5, 129, 700], 512, 384, config=config)
     check_gated([300, 0, 5, 129, 700], 512, 320, "n", config=config)  # N-major halves; a column peer past F
 
 
@@ -147,7 +138,7 @@ def test_large_moe_shape_in_clusters():
     torch.manual_seed(1)
     sizes = [int(x) for x in torch.distributions.Dirichlet(torch.ones(32)).sample().mul(8192).floor()]
     sizes[-1] += 8192 - sum(sizes)
-    for config in CLUSTERS[:2]:
+    for config in CLUSTERS[:2] + CLUSTERS_2X2[:1]:
         check(sizes, 7168, 4096, config=config)
 
 

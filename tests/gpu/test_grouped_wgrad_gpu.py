@@ -150,24 +150,6 @@ CLUSTER_CONFIGS = [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=
                    if c.cluster_size > 1 and not c.pingpong]  # every cooperative cluster config offered
 
 
-@pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=lambda c: c.describe())
-@pytest.mark.parametrize("a_major,b_major,m,n", [("m", "n", 1536, 2048), ("m", "n", 264, 600), ("k", "k", 264, 1000),
-                                                 ("m", "k", 1000, 264), ("k", "n", 40, 24)])
-def test_clusters(config, a_major, b_major, m, n):
-    sizes = [(i * 53) % 300 for i in range(24)]  # 0 to 299 tokens (the first group empty)
-    tokens = -(-(sum(sizes) + 1) // 8) * 8  # tokens past the last group (inf)
-    check_wgrad(sizes, m, n, a_major, b_major, tokens=tokens, config=config)
-
-
-@pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=lambda c: c.describe())
-def test_clusters_of_back_to_back_epilogues_and_of_long_groups(config):
-    sizes = [0, 5, 0, 70, 0, 1, 0, 33] * 16
-    check_wgrad(sizes, 264, 264, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
-    # many k-blocks a unit: each CTA waits on its peer's releases within a unit
-    sizes = [3000, 5, 0, 1200]
-    check_wgrad(sizes, 264, 600, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
-
-
 # ping-pong (GroupedConfig.pingpong; grouped_wgrad_config.PINGPONG_GPU_CHECKED): the two consumer warp
 # groups take alternate units, each skipping the other's ring stages (their count from the other
 # unit's group), and take turns at their mainloops. CTAs of one unit (slot 1 idle), of odd and even
@@ -183,13 +165,22 @@ PINGPONG_CONFIGS = list(dict.fromkeys(
      GroupedConfig(128, 128, 64, 5, 2, 2, 2, store_whole_tile=True, pingpong=True)]))
 
 
-@pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())
+@pytest.mark.parametrize("config", CLUSTER_CONFIGS + PINGPONG_CONFIGS, ids=lambda c: c.describe())
 @pytest.mark.parametrize("a_major,b_major,m,n", [("m", "n", 1536, 2048), ("m", "n", 264, 600), ("k", "k", 264, 1000),
                                                  ("m", "k", 1000, 264), ("k", "n", 40, 24)])
-def test_pingpong(config, a_major, b_major, m, n):
+def test_clusters_and_pingpong(config, a_major, b_major, m, n):
     sizes = [(i * 53) % 300 for i in range(24)]  # 0 to 299 tokens (the first group empty)
     tokens = -(-(sum(sizes) + 1) // 8) * 8  # tokens past the last group (inf)
     check_wgrad(sizes, m, n, a_major, b_major, tokens=tokens, config=config)
+
+
+@pytest.mark.parametrize("config", CLUSTER_CONFIGS, ids=lambda c: c.describe())
+def test_clusters_of_back_to_back_epilogues_and_of_long_groups(config):
+    sizes = [0, 5, 0, 70, 0, 1, 0, 33] * 16
+    check_wgrad(sizes, 264, 264, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
+    # many k-blocks a unit: each CTA waits on its peer's releases within a unit
+    sizes = [3000, 5, 0, 1200]
+    check_wgrad(sizes, 264, 600, tokens=-(-(sum(sizes) + 1) // 8) * 8, config=config)
 
 
 @pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())
@@ -225,34 +216,28 @@ def test_large_weight_gradient():
 # the default config and two in clusters (cluster peers under replay with new offsets)
 @pytest.mark.parametrize("config", [None, *CLUSTER_CONFIGS[:2]], ids=lambda c: "default" if c is None else c.describe())
 def test_weight_gradient_cuda_graph_replays_with_new_offsets(config):
-    a, b = operands(1024, 384, 512)
-    offs = offsets([256, 256, 256, 256])
-    out = torch.empty(4, 384, 512, device=DEV, dtype=torch.bfloat16)
+    check_replay(config, 384, 512, [[1024, 0, 0, 0], [1, 2, 3, 1018], [0, 500, 0, 524], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())
+def test_pingpong_cuda_graph_replays_with_new_offsets(config):
+    # 12 x 8 tiles a group, 4 groups of 1024 tokens: ~3 units a CTA, so both slots run under replay
+    check_replay(config, 1536, 1024, [[4096, 0, 0, 0], [1, 2, 3, 4090], [0, 2000, 0, 2096]])
+
+
+def check_replay(config, m, n, new_sizes):
+    """Capture the weight gradient of 4 equal groups in a CUDA graph, then replay it with each of
+    `new_sizes` copied into the offsets (same token count), against fp64."""
+    tokens = sum(new_sizes[0])
+    a, b = operands(tokens, m, n)
+    offs = offsets([tokens // 4] * 4)
+    out = torch.empty(4, m, n, device=DEV, dtype=torch.bfloat16)
     ops.grouped_mm(a, b, offs, out, config=config)  # compile and load outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ops.grouped_mm(a, b, offs, out, config=config)
-    for sizes in ([1024, 0, 0, 0], [1, 2, 3, 1018], [0, 500, 0, 524], [0, 0, 0, 0]):
-        offs.copy_(offsets(sizes))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out.double(), wgrad_reference(a, b, sizes), atol=3e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("config", PINGPONG_CONFIGS, ids=lambda c: c.describe())
-def test_pingpong_cuda_graph_replays_with_new_offsets(config):
-    # 12 x 8 tiles a group, 4 groups: ~3 units a CTA, so both slots run under replay
-    a, b = operands(4096, 1536, 1024)
-    offs = offsets([1024] * 4)
-    out = torch.empty(4, 1536, 1024, device=DEV, dtype=torch.bfloat16)
-    ops.grouped_mm(a, b, offs, out, config=config)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.grouped_mm(a, b, offs, out, config=config)
-    for sizes in ([4096, 0, 0, 0], [1, 2, 3, 4090], [0, 2000, 0, 2096]):
+    for sizes in new_sizes:
         offs.copy_(offsets(sizes))
         out.fill_(float("nan"))
         graph.replay()
