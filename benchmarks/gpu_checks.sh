@@ -92,11 +92,16 @@ for s in $steps; do
                    tests/gpu/test_flex_prefill_gpu.py::test_block_lists_alone_of_finer_blocks \
                    "tests/gpu/test_gemm_gpu.py::test_layouts_dtypes_and_sizes" ;;
         # the whole GPU tier; SIGINT at the limit still prints what failed so far (-rf). On an H100 it
-        # ran past 490 s at 93% (twenty-first session): all_kernels + all_compiled split it in two calls
+        # ran past 490 s at 93% (twenty-first session): all_kernels, all_grouped and all_compiled split it
+        # in three calls
         all) step all 470 python3 -m pytest -m gpu tests/gpu -q -rf -n 14 -p no:cacheprovider ;;
+        # (the grouped GEMM's in a call of their own: their large shapes ran out of memory beside 13 other
+        # workers, twenty-eighth session, and ping-pong and 2x2 clusters added ~170 tests)
         all_kernels) step all_kernels 540 python3 -m pytest -m gpu -q -rf -n 14 -p no:cacheprovider \
                    tests/gpu/test_flex_{decode,prefill,backward,launch}_gpu.py tests/gpu/test_gemm_gpu.py \
-                   tests/gpu/test_gemv{,_group}_gpu.py tests/gpu/test_grouped_{gemm,wgrad,gather}_gpu.py tests/gpu/test_rmsnorm_gpu.py ;;
+                   tests/gpu/test_gemv{,_group}_gpu.py tests/gpu/test_rmsnorm_gpu.py ;;
+        all_grouped) step all_grouped 540 python3 -m pytest -m gpu -q -rf -n 8 -p no:cacheprovider \
+                   tests/gpu/test_grouped_{gemm,wgrad,gather}_gpu.py ;;
         all_compiled) step all_compiled 540 python3 -m pytest -m gpu -q -rf -n 14 -p no:cacheprovider \
                    tests/gpu/test_flex_{backward_lowering,compile,coverage,prefill_lowering}_gpu.py \
                    tests/gpu/test_{choice_timing,gemv_shared_a_pass,grouped_gemm_compile,inductor_dynamic_m,inductor}_gpu.py \
