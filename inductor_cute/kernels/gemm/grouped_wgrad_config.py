@@ -61,21 +61,18 @@ def unsupported_reason(problem: WgradProblem, config: GroupedConfig | None = Non
         return "the whole-tile store takes tile_k 64 (the form its GPU tests run)"
     if config.cluster_size > 1 and (config.tile_m != 128 or config.tile_k != 64):
         return "weight-gradient clusters take 128-row tiles at tile_k 64 (the forms their GPU tests run)"
-    if config.cluster_m not in (1, 2) or config.cluster_n not in (1, 2):
-        return "clusters of 1x1, 2x1, 1x2 or 2x2 CTAs are supported"
     if config.cluster_size > 2 and not config.pingpong:
         # cooperative units are bound by their serial phases, not their operand reads (2-CTA clusters
         # gained nothing), so a larger cluster would not help them
-        return "2x2 clusters are ping-pong's"
+        return "clusters of more than 2 CTAs (2x2) are ping-pong's"
     if config.pingpong and (config.consumer_warpgroups != 2
                             or (config.tile_m, config.tile_n, config.tile_k) != (128, 128, 64)):
         # a warp group's whole tile in its registers: 128 x 128 fp32 is 128 a thread
         return "pingpong takes 128x128x64 tiles of two consumer warp groups"
-    # the forward's rules (clusters checked above); they budget two group tables where this kernel
+    # the forward's rules (cluster shapes among them); they budget two group tables where this kernel
     # keeps one (2 KB slack)
     reason = grouped_config.unsupported_reason(grouped_config.GroupedProblem(p.dtype_name, p.out_dtype_name),
-                                               dataclasses.replace(config, store_whole_tile=False, pingpong=False,
-                                                                   cluster_m=1, cluster_n=1))
+                                               dataclasses.replace(config, store_whole_tile=False, pingpong=False))
     if reason is None and config.store_whole_tile:  # the whole tile's buffer beside the ring, one table
         need = grouped_config.smem_bytes(config, grouped_config.ELEMENT_BYTES[p.dtype_name],
                                          grouped_config.ELEMENT_BYTES[p.out_dtype_name], tables=1)

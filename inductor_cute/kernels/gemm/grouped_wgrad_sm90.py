@@ -366,11 +366,12 @@ class GroupedWgradHopperGemm(GroupedHopperGemm):
                                                     bsD[(None, buf)], bgD[(None, epi_order.get_hier_coord(e))],
                                                     epi_barrier, store_pipe, is_store_warp)
                     n_done += 1
-                if cutlass.const_expr(self.shared_staging):
-                    if has_next:  # (the store warp arrives once its stores have read the buffer)
-                        self._turn(1, 1 - slot).arrive()
                 if cutlass.const_expr(self.pingpong):
-                    if has_next:  # pass over the other warp group's unit in the ring
+                    if has_next:
+                        # the staging buffer (the store warp arrives once its stores have read it)
+                        if cutlass.const_expr(self.shared_staging):
+                            self._turn(1, 1 - slot).arrive()
+                        # pass over the other warp group's unit in the ring
                         other = self._k_tiles(sEnds, scheduler.tile(scheduler.next(work)).batch)
                         read_state.advance(other)
                         release_state.advance(other)
