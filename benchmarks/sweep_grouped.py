@@ -52,8 +52,8 @@ def configs_of(case, sizes, problem=PROBLEM):
     n, k = case.n_k
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     configs = candidates(problem, case.rows, n, k, len(sizes), sms, clusters=True)
-    # (unchecked results: leave out forms whose GPU tests have not yet passed)
-    configs = [c for c in configs if c.cluster_size <= 2 or grouped_config.CLUSTERS_2X2_GPU_CHECKED]
+    # (2x2 clusters lost on the MoE routing, grouped_config.CLUSTERS_2X2_OFFERED: leave them out)
+    configs = [c for c in configs if c.cluster_size <= 2 or grouped_config.CLUSTERS_2X2_OFFERED]
     pairs = [c for c in configs if c.cluster_m == 2][:1]
     return configs + [dataclasses.replace(c, prefetch=PREFETCH) for c in configs[:1] + pairs]
 

@@ -132,15 +132,15 @@ def test_pingpong_rules_and_candidates(monkeypatch):
     assert asked == [GroupedConfig(128, 128, 64, 6, 2, pingpong=True), whole]
     offered = [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong]
     assert offered == asked[:1]
-    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_WHOLE_TILE_GPU_CHECKED", True)
+    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_WHOLE_TILE_OFFERED", True)
     assert [c for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong] == asked
-    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_WHOLE_TILE_GPU_CHECKED", False)
+    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_WHOLE_TILE_OFFERED", False)
     assert "pingpong" not in GroupedConfig().as_params() and "pingpong" in offered[0].describe()
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", False)
     assert not any(c.pingpong for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128))
     monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_GPU_CHECKED", True)
     # in clusters once those are GPU-checked (or asked for)
-    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_CLUSTERS_GPU_CHECKED", True)
+    monkeypatch.setattr(grouped_wgrad_config, "PINGPONG_CLUSTERS_OFFERED", True)
     shapes = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 1536, 2048, 32768, groups=128) if c.pingpong]
     assert shapes == [(1, 1), (2, 1), (1, 2), (2, 2)]
     narrow = [(c.cluster_m, c.cluster_n) for c in candidates(AUTOGRAD, 128, 2048, 32768, groups=128) if c.pingpong]

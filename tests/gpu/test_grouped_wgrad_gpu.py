@@ -154,8 +154,8 @@ CLUSTER_CONFIGS = [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=
 # groups take alternate units, each skipping the other's ring stages (their count from the other
 # unit's group), and take turns at their mainloops. CTAs of one unit (slot 1 idle), of odd and even
 # unit counts, empty groups (no stage to skip), both layouts, with and without the whole-tile store
-# (PINGPONG_WHOLE_TILE_GPU_CHECKED: the warp groups take turns at its one buffer, and a peer past M or
-# N still takes and hands its turn), in 2x1, 1x2 and 2x2 clusters (PINGPONG_CLUSTERS_GPU_CHECKED)
+# (PINGPONG_WHOLE_TILE_OFFERED: the warp groups take turns at its one buffer, and a peer past M or
+# N still takes and hands its turn), in 2x1, 1x2 and 2x2 clusters (PINGPONG_CLUSTERS_OFFERED)
 PINGPONG_CONFIGS = list(dict.fromkeys(
     [c for c in candidates(WgradProblem(), 512, 512, 2048, groups=16, pingpong=True) if c.pingpong] +
     [GroupedConfig(128, 128, 64, 5, 2, store_whole_tile=True, pingpong=True),

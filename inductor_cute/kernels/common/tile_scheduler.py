@@ -29,6 +29,7 @@ import cutlass.cute as cute
 from cutlass import Constexpr, Int32
 
 MAX_GRID_Z = 65535  # the gridDim.z limit: the most clusters a non-persistent launch can have
+HOPPER_MAX_GPCS = 8  # GPCs of a GH100 die: its parts keep at most this many
 
 # The map and the scheduler are frozen dataclasses (Constexpr for trace-time fields) because the
 # DSL must see through every object used inside a runtime `if` or `while`: a plain class there
@@ -100,15 +101,20 @@ class TileScheduler:
     @staticmethod
     def max_clusters(persistent: bool, num_sms: int, cluster_size: int) -> int:
         """The most clusters to launch: one wave when persistent, else one per work unit. A cluster
-        runs within one GPC, and GPCs need not hold a multiple of 4 SMs: on the 132-SM H100 SXM
-        (GPCs of 16 and 18 SMs) 66 clusters of 2 fit at once but 32 of 4, not 132 // 4 = 33, and a
-        cluster beyond those would run its whole share of the units after the others (a second
-        wave). So larger clusters leave one cluster's SMs spare (a GPU test compares this with the
-        driver's count on the card it runs on)."""
+        runs within one GPC, whose SMs come in TPCs of two, and a Hopper die keeps at most 8 GPCs
+        with however many TPCs its floorsweeping left each: a GPC with an odd count leaves one
+        TPC idle under 4-CTA clusters. The 132-SM H100 SXM we measured fits 66 clusters of 2 but
+        only 30 of 4 (the driver's count), and a cluster beyond those runs its whole share of the
+        units after the others (a second wave: 2x2 clusters took 1.7-2x as long). The layout
+        differs from die to die and the kernel is compiled for an SM count, not a die, so larger
+        clusters assume the worst: every GPC wasting a cluster's TPCs but one (29 of 4 on 132 SMs;
+        a GPU test compares this with the driver's count on the card it runs on)."""
         if not persistent:
             return MAX_GRID_Z
-        spare = cluster_size if cluster_size > 2 else 0
-        return max(1, (num_sms - spare) // cluster_size)
+        if cluster_size <= 2:
+            return max(1, num_sms // cluster_size)
+        tpcs, per_cluster = num_sms // 2, cluster_size // 2
+        return max(1, (tpcs - HOPPER_MAX_GPCS * (per_cluster - 1)) // per_cluster)
 
     @staticmethod
     def launch_clusters(work_units, max_clusters: int):

@@ -291,13 +291,16 @@ def cluster_shapes(tokens: int, n: int, groups: int, tile_m: int, tile_n: int,
     return out
 
 
-# 2x2 clusters join the candidates (with `clusters`) once their GPU tests have passed
-# (test_grouped_gemm_gpu.py -k 2x2). Written in the twenty-eighth session: a 128x256 tile of the MoE
-# block's up projection reads 1.5 MB of operands out of L2 (2.9 GB for the product at 4096 tokens, in
-# 430-485 us: 6.0-6.8 TB/s, where the weight gradient's ping-pong found L2's limit); 2x1 and 1x2
-# clusters share one operand (1.0-1.25 MB a tile), 2x2 both (0.75 MB). Not for gathered rows (their
-# CTAs gather their own).
-CLUSTERS_2X2_GPU_CHECKED = False
+# 2x2 clusters (four tiles of one group share both operands' blocks) passed their GPU tests on an H100
+# in the twenty-ninth session (-k 2x2: 64 passed) but lost everywhere on the MoE block's routing at
+# 4096 tokens: 1.7-2x the time of our best (grouped-rounds-h100-20261206-s29.txt). That card fits only
+# 30 clusters of 4 at once and we launched 32, so two ran their shares as a second wave (Nsight
+# Compute: every throughput halved); TileScheduler.max_clusters now launches 29. Half the measured
+# time scaled by 32/29 predicts one wave: up forward ~436 us (1x2 half tiles took 436.8, Triton 423.5),
+# down input gradient at 128x128 ~232 (our best 235.1): no clear win, as groups of 198-300 rows pad
+# 2x2 clusters of 128-row tiles to 512 rows. Not offered until re-timed; asked for with
+# `clusters=True`; never for gathered rows.
+CLUSTERS_2X2_OFFERED = False
 
 
 # Half tiles (GroupedConfig.half_tiles) join the candidates, as twins of the 128-row configs of two
@@ -314,8 +317,8 @@ def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = Non
                clusters: bool | None = None, half_tiles: bool | None = None) -> list[GroupedConfig]:
     """Valid configs: the heuristic default first, then the other tile shapes at their deepest
     pipelines (and tile_k 128 with `exhaustive`), then the 128-row shapes in clusters (with
-    `clusters`, by default once CLUSTERS_GPU_CHECKED; 2x2 ones by default once
-    CLUSTERS_2X2_GPU_CHECKED, never with gathered rows), then the half-tile twins of the 128-row
+    `clusters`, by default once CLUSTERS_GPU_CHECKED; 2x2 ones by default if
+    CLUSTERS_2X2_OFFERED, never with gathered rows), then the half-tile twins of the 128-row
     ones of two consumer warp groups (with `half_tiles`, by default once HALF_TILES_GPU_CHECKED)."""
     out = [default_config(problem, tokens, n, k, groups, num_sms)]
     for tm, tn, wg in _SHAPES:
@@ -324,7 +327,7 @@ def candidates(problem: GroupedProblem, tokens: int, n: int, k: int | None = Non
             if cfg is not None and cfg not in out:
                 out.append(cfg)
     if CLUSTERS_GPU_CHECKED if clusters is None else clusters:
-        square = (CLUSTERS_2X2_GPU_CHECKED if clusters is None else clusters) and not problem.rows
+        square = (CLUSTERS_2X2_OFFERED if clusters is None else clusters) and not problem.rows
         for tm, tn, wg in _SHAPES[:2]:
             for cm, cn in cluster_shapes(tokens, n, groups, tm, tn, square):
                 cfg = _deepest(GroupedConfig(tm, tn, 64, MAX_STAGES, wg, cm, cn), problem)

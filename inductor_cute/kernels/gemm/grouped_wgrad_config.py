@@ -132,18 +132,18 @@ CLUSTERS_OFFERED = True
 # (tests/gpu/test_grouped_wgrad_gpu.py -k pingpong: 20 passed on an H100 in the twenty-eighth session).
 # There, on Qwen3-30B-A3B's weight gradients at 4096 tokens (wgrad-pingpong-h100-20261206-s28.txt), it
 # took the up projection from 498.0 us (128x256, the best before) to 476.0 and the down projection from
-# 257.0 to 245.6; cooperative 128x128 took 574.8 and 294.2. With the whole-tile store in a buffer per
-# warp group it kept 4 ring stages and lost (530.9, 276.9); the warp groups now share one buffer in
-# turn (5 stages), offered once that form's GPU tests pass (PINGPONG_WHOLE_TILE_GPU_CHECKED).
+# 257.0 to 245.6; cooperative 128x128 took 574.8 and 294.2.
 PINGPONG_GPU_CHECKED = True
-PINGPONG_WHOLE_TILE_GPU_CHECKED = False
 
-# Ping-pong in clusters joins them once its GPU tests have passed (-k pingpong, the cluster configs).
-# Written in the twenty-eighth session: ping-pong's 128x128 units read 128 KB of operands each out of
-# L2, 3.2 GB for the up projection's gradient in its 476 us, ~6.7 TB/s, about what this L2 gives; a
-# 2x1 or 1x2 cluster's two tiles share one operand's block (96 KB a unit), a 2x2 cluster's four
-# share both (64 KB a unit).
-PINGPONG_CLUSTERS_GPU_CHECKED = False
+# Ping-pong's whole-tile store (the warp groups take one staging buffer in turn, 5 ring stages) and
+# ping-pong in 2x1/1x2 clusters passed their GPU tests (-k pingpong: 106 passed on an H100 in the
+# twenty-ninth session) but won nothing there on the same weight gradients (us, up / down; plain
+# ping-pong 472.1 / 244.8): whole tiles 490.1 / 255.1, 1x2 474.8 / 248.5, 2x1 478.8 / 248.9
+# (grouped-rounds-h100-20261206-s29.txt). Nsight Compute put the plain form at 79% of L2's
+# throughput and 64% of DRAM's, so neither its epilogue nor one operand's L2 reads bind alone.
+# They stay out of the candidates (compile time for no gain) until a case shows them winning.
+PINGPONG_WHOLE_TILE_OFFERED = False
+PINGPONG_CLUSTERS_OFFERED = False
 
 
 def _cluster_shapes(m: int, n: int, tile_m: int, tile_n: int, square: bool = False) -> tuple[tuple[int, int], ...]:
@@ -160,8 +160,8 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
     (and tile_k 128 with `exhaustive`), each also storing whole tiles where that is offered and,
     for 128-row tiles at tile_k 64, in clusters (with `clusters`; by default CLUSTERS_OFFERED), then
     the ping-pong 128x128 config (with `pingpong`, by default once PINGPONG_GPU_CHECKED), also in
-    clusters (with `clusters`, by default once PINGPONG_CLUSTERS_GPU_CHECKED), also storing whole
-    tiles (with `pingpong`, by default once PINGPONG_WHOLE_TILE_GPU_CHECKED)."""
+    clusters (with `clusters`, by default if PINGPONG_CLUSTERS_OFFERED), also storing whole
+    tiles (with `pingpong`, by default if PINGPONG_WHOLE_TILE_OFFERED)."""
     out = [default_config(problem, m, n, tokens, groups, num_sms)]
     clustered = CLUSTERS_OFFERED if clusters is None else clusters
     for tm, tn, wg in grouped_config._SHAPES:
@@ -173,8 +173,8 @@ def candidates(problem: WgradProblem, m: int, n: int, tokens: int | None = None,
                     if cfg is not None and cfg not in out:
                         out.append(cfg)
     if PINGPONG_GPU_CHECKED if pingpong is None else pingpong:
-        in_clusters = PINGPONG_CLUSTERS_GPU_CHECKED if clusters is None else clusters
-        wholes = (False, True) if PINGPONG_WHOLE_TILE_GPU_CHECKED or pingpong else (False,)
+        in_clusters = PINGPONG_CLUSTERS_OFFERED if clusters is None else clusters
+        wholes = (False, True) if PINGPONG_WHOLE_TILE_OFFERED or pingpong else (False,)
         for cm, cn in ((1, 1),) + (_cluster_shapes(m, n, 128, 128, square=True) if in_clusters else ()):
             for whole in wholes:
                 cfg = _deepest(GroupedConfig(128, 128, 64, MAX_STAGES, 2, cm, cn, store_whole_tile=whole,
