@@ -134,6 +134,8 @@ for s in $steps; do
         wgrad_pingpong) step wgrad_pingpong 200 python3 -m pytest -m gpu tests/gpu/test_grouped_wgrad_gpu.py -q -rf -n 4 \
                    -p no:cacheprovider -k pingpong ;;
         wgrad_rounds) step wgrad_rounds 200 python3 benchmarks/grouped_rounds.py 4096 --wgrad ;;
+        # the weight gradients at every ring depth: is a unit's time its bytes over ring bytes / latency?
+        wgrad_ring) step wgrad_ring 200 python3 benchmarks/grouped_rounds.py 4096 --ring ;;
         # the forward kernel's 2x2 clusters (grouped_config.CLUSTERS_2X2_OFFERED), and that a wave of
         # 4-CTA clusters fits the GPCs at once (TileScheduler.max_clusters against the driver's count)
         clusters_2x2) step clusters_2x2 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -q -rf -n 4 \

@@ -10,7 +10,12 @@ its count of work units and of rounds over the SMs: a 2x1 cluster whose group ha
 of row tiles leaves its second CTA computing rows past the group (docs/perf-notes.md, twenty-fifth
 session).
 
-    python3 benchmarks/grouped_rounds.py [tokens] [--wgrad]     (--wgrad: the weight gradients alone)
+    python3 benchmarks/grouped_rounds.py [tokens] [--wgrad] [--ring]
+
+--wgrad: the weight gradients alone. --ring: the weight gradients alone at every ring depth
+(ping-pong 128x128 and cooperative 128x256), each with its ring's bytes and its time per unit an
+SM: if a unit's time is its operand bytes over (ring bytes / a fixed latency), as the twenty-ninth
+session's notes propose, time per unit falls in proportion to the ring's bytes.
 """
 
 import dataclasses
@@ -52,7 +57,7 @@ def add_checked(fns: dict, configs: list[GroupedConfig], run, want: torch.Tensor
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--wgrad"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     tokens = int(args[0]) if args else 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(0), f"T{tokens}")
@@ -67,7 +72,7 @@ def main() -> None:
              ("down fwd", w_down.shape[2], w_down.transpose(1, 2), "k"),
              ("down dgrad", w_down.shape[1], w_down, "n")]
     print(f"rows per expert: min {min(sizes)} mean {sum(sizes) / len(sizes):.0f} max {max(sizes)}")
-    for name, k, b, b_major in ([] if "--wgrad" in sys.argv else forms):
+    for name, k, b, b_major in ([] if "--wgrad" in sys.argv or "--ring" in sys.argv else forms):
         n = b.shape[2]
         problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major)
         a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -108,9 +113,14 @@ def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms
         a = grad.t()
         out = torch.empty(len(sizes), m, n, device="cuda", dtype=torch.bfloat16)
         # what autotuning weighs, and ping-pong in clusters (not yet offered) beside it
-        configs = wg.candidates(problem, m, n, rows, groups=len(sizes), num_sms=sms, pingpong=True)
-        configs += [c for c in wg.candidates(problem, m, n, rows, groups=len(sizes), num_sms=sms, clusters=True,
-                                             pingpong=True) if c.pingpong and c not in configs]
+        if "--ring" in sys.argv:  # every depth of the two forms (stages of 32 KB and 48 KB)
+            configs = [GroupedConfig(128, 128, 64, st, 2, pingpong=True) for st in range(2, 7)]
+            configs += [GroupedConfig(128, 256, 64, st, 2) for st in range(2, 5)]
+            configs = [c for c in configs if wg.unsupported_reason(problem, c) is None]
+        else:
+            configs = wg.candidates(problem, m, n, rows, groups=len(sizes), num_sms=sms, pingpong=True)
+            configs += [c for c in wg.candidates(problem, m, n, rows, groups=len(sizes), num_sms=sms, clusters=True,
+                                                 pingpong=True) if c.pingpong and c not in configs]
         precompile([wg.spec(problem, c, sms) for c in configs])
         fns = {"aten": lambda: torch._grouped_mm(a, x, offs=offs)}
         add_checked(fns, configs, lambda c: grouped_mm(a, x, offs, out, config=c), fns["aten"]())
@@ -118,7 +128,13 @@ def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms
         units = wg.work_units(m, n, len(sizes), 128, 256)
         print(f"{name}: ({m}, {rows}) x ({rows}, {n}) -> ({len(sizes)}, {m}, {n}); 128x256 units {units}")
         for key, us in sorted(times.items(), key=lambda kv: kv[1]):
-            print(f"    {us:9.1f} us  {times['aten'] / us:5.2f}x aten  {key}")
+            c = next((c for c in configs if c.describe() == key), None)
+            per_unit = ""
+            if c is not None:  # ring bytes, and us a unit on each SM (units dealt evenly)
+                ring_kb = (c.tile_m + c.tile_n) * c.tile_k * 2 * c.stages // 1024
+                per_sm = wg.work_units(m, n, len(sizes), c.tile_m, c.tile_n) / sms
+                per_unit = f"  ring {ring_kb} KB, {us / per_sm:.2f} us a unit"
+            print(f"    {us:9.1f} us  {times['aten'] / us:5.2f}x aten  {key}{per_unit}")
 
 
 if __name__ == "__main__":
