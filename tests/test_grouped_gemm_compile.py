@@ -43,6 +43,11 @@ VARIANTS = {
                                      GroupedConfig(128, 128, 64, 6, 2, 2, 2, overlap_last=True, staged_partial=True,
                                                    half_tiles=True)),
     "gathered-n-major-64x128-one-warpgroup": (GroupedProblem(b_major="n", rows="int64"), GroupedConfig(64, 128, 64, 8, 1)),
+    "gate-grad-n-major-staged": (GroupedProblem(b_major="n", gate_grad="silu"),
+                                 GroupedConfig(128, 256, 64, 4, 2, overlap_last=True, staged_partial=True)),
+    "gate-grad-1x2-half-tiles": (GroupedProblem(gate_grad="silu"),
+                                 GroupedConfig(128, 128, 64, 6, 2, 1, 2, overlap_last=True, staged_partial=True,
+                                               half_tiles=True)),
 }
 
 
@@ -94,6 +99,18 @@ def test_gated_kernels_load_two_weight_boxes_and_store_half_the_columns(name):
         assert boxes == 2 * plain_boxes
     # one tanh.approx per output value of the thread (the fast sigmoid of a bf16 output)
     assert compiled.ptx.count("tanh.approx") >= config.tile_m * config.tile_n // 2 // (128 * config.consumer_warpgroups)
+
+
+@pytest.mark.parametrize("name", ["gate-grad-n-major-staged", "gate-grad-1x2-half-tiles"])
+def test_gate_gradient_kernels_read_h_and_store_both_halves(name):
+    problem, config = VARIANTS[name]
+    compiled = compile_spec(spec(problem, config), "sm_90a", keep_ptx=True)
+    plain = compile_spec(spec(dataclasses.replace(problem, gate_grad=""), config), "sm_90a", keep_ptx=True)
+    (boxes, stores), (plain_boxes, plain_stores) = _copies(compiled.ptx), _copies(plain.ptx)
+    assert (boxes, stores) == (plain_boxes, 2 * plain_stores)  # the same loads, two TMA stores a subtile
+    values = config.tile_m * config.tile_n // (128 * config.consumer_warpgroups)  # of the thread's tile
+    assert compiled.ptx.count("ld.global.b16") == 2 * values  # gate and up of each, from h
+    assert compiled.ptx.count("tanh.approx") >= values
 
 
 def test_ptxas_reports_no_spills_and_no_serialized_wgmma(compiled):
@@ -184,6 +201,21 @@ def test_gated_rules():
     cands = candidates(gated, 16384, 1536, 2048, groups=128, exhaustive=True)
     assert cands and all(c.tile_k == 64 for c in cands)
     assert spec(gated, GroupedConfig()).name != spec(K_MAJOR, GroupedConfig()).name
+
+
+def test_gate_gradient_rules():
+    grad = GroupedProblem(b_major="n", gate_grad="silu")
+    assert unsupported_reason(grad, GroupedConfig(128, 256, 64, 4, 2), n=768, k=2048, groups=128) is None
+    assert "multiple of 32" in unsupported_reason(grad, n=784)  # a subtile would straddle the halves
+    for other in (GroupedProblem(gate="silu", gate_grad="silu"), GroupedProblem(rows="int32", gate_grad="silu"),
+                  GroupedProblem(gate_grad="gelu_tanh")):
+        assert "the gate's gradient takes silu" in unsupported_reason(other)
+    assert "gate_grad" not in GroupedProblem().as_params() and grouped_spec_name(grad) != grouped_spec_name(N_MAJOR)
+    assert candidates(grad, 32768, 768, 2048, groups=128)
+
+
+def grouped_spec_name(problem):
+    return spec(problem, GroupedConfig()).name
 
 
 def test_default_config_follows_group_sizes():

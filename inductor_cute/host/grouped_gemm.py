@@ -72,6 +72,20 @@ def grouped_mm_gated(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activ
     return _grouped_forward(a, b, offs, out, config, gate=activation, rows=rows)
 
 
+def grouped_mm_gate_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, h: torch.Tensor,
+                         activation: str = "silu", out: torch.Tensor | None = None, *, config=None) -> torch.Tensor:
+    """The MoE down projection's input gradient with the gate's backward fused: h (tokens, 2F) is
+    the up projection's saved product [gate | up], and with y = the grouped product of a and b
+    (tokens, F) as `grouped_mm` computes it (fp32, never stored)
+
+        out[:, :F] = y * up * act'(gate),   out[:, F:] = y * act(gate)          out (tokens, 2F)
+
+    the gradient of act(gate) * up. `activation`: one of grouped_config.GATE_GRADS; F a multiple of
+    32. Otherwise as `grouped_mm`."""
+    check_cuda(f"{NAME}_gate_grad", h)
+    return _grouped_forward(a, b, offs, out, config, gate="", gate_grad=activation, h=h)
+
+
 def _row_index(name: str, rows: torch.Tensor) -> tuple[torch.Tensor, str]:
     if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
         raise UnsupportedError(f"{name}: rows must be a 1-D int32 or int64 index, got {rows.dtype} of shape "
@@ -79,10 +93,10 @@ def _row_index(name: str, rows: torch.Tensor) -> tuple[torch.Tensor, str]:
     return rows.contiguous(), str(rows.dtype).removeprefix("torch.")
 
 
-def _grouped_forward(a, b, offs, out, config, gate: str, rows=None) -> torch.Tensor:
+def _grouped_forward(a, b, offs, out, config, gate: str, rows=None, gate_grad: str = "", h=None) -> torch.Tensor:
     from ..kernels.gemm.grouped_config import GroupedProblem, default_config, unsupported_reason
 
-    name = f"{NAME}_gated" if gate else NAME
+    name = f"{NAME}_gated" if gate else f"{NAME}_gate_grad" if gate_grad else NAME
     check_cuda(name, a, b, offs, *(t for t in (out, rows) if t is not None))
     rows, rows_dtype = _row_index(name, rows) if rows is not None else (None, "")
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
@@ -92,7 +106,7 @@ def _grouped_forward(a, b, offs, out, config, gate: str, rows=None) -> torch.Ten
                                f"b (tokens, N), got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     tokens, k = (rows.shape[0], a.shape[1]) if rows is not None else a.shape  # out's rows, the reduction
     groups, kb, n_b = b.shape
-    n = n_b // 2 if gate else n_b  # output columns
+    n = n_b // 2 if gate else 2 * n_b if gate_grad else n_b  # output columns
     if kb != k:
         raise UnsupportedError(f"{name}: a has K={k} but b has K={kb}")
     if rows is not None and tokens and a.shape[0] == 0:
@@ -103,7 +117,11 @@ def _grouped_forward(a, b, offs, out, config, gate: str, rows=None) -> torch.Ten
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (tokens, n)):
         raise UnsupportedError(f"{name}: out must be bfloat16 of shape {(tokens, n)}, got {out.dtype} "
                                f"of shape {tuple(out.shape)}")
-    reason = unsupported_reason(GroupedProblem(gate=gate, rows=rows_dtype), config, n=n_b, k=k, groups=groups)
+    if gate_grad and (h.dtype != torch.bfloat16 or tuple(h.shape) != (tokens, n)):
+        raise UnsupportedError(f"{name}: h must be bfloat16 of shape {(tokens, n)}, got {h.dtype} "
+                               f"of shape {tuple(h.shape)}")
+    reason = unsupported_reason(GroupedProblem(gate=gate, rows=rows_dtype, gate_grad=gate_grad), config, n=n_b, k=k,
+                                groups=groups)
     if reason:
         raise UnsupportedError(f"{name}: {reason}")
     a_view = _tma_view(a, 1)
@@ -112,19 +130,24 @@ def _grouped_forward(a, b, offs, out, config, gate: str, rows=None) -> torch.Ten
     if a_view is None:  # a contiguous tensor at an unaligned address
         a_view = _tma_view(a.clone(memory_format=torch.contiguous_format), 1)
     b_view, b_major = _b_operand(b)
-    problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major, gate, rows_dtype)
+    problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major, gate, rows_dtype, gate_grad)
     if out is None:
         out = torch.empty(tokens, n, device=a.device, dtype=torch.bfloat16)
     out_view = _tma_view(out, 1)
     if out_view is None:
         raise UnsupportedError(f"{name}: out must be row-major with 16-byte aligned rows, got strides "
                                f"{tuple(out.stride())}")
+    h_view = None
+    if gate_grad:
+        h_view = _tma_view(h, 1)  # (read by plain loads, 16-byte aligned rows as the kernel assumes)
+        if h_view is None:
+            h_view = _tma_view(h.clone(memory_format=torch.contiguous_format), 1)
     if tokens == 0:
         return out
     num_sms = sm_count(a.device.index or 0)
     config = config or default_config(problem, tokens, n_b, k, groups, num_sms)
     kernel = _grouped_kernel(problem, config, num_sms)
-    kernel(a_view, b_view, offs.contiguous(), out_view, rows)
+    kernel(a_view, b_view, offs.contiguous(), out_view, rows, h_view)
     return out
 
 

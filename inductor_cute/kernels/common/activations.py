@@ -31,3 +31,15 @@ def activations(fast: bool) -> dict[str, Callable]:
         "sigmoid": sigmoid,
         "tanh": lambda x: cute.math.tanh(x, fastmath=fast),
     }
+
+
+def gate_gradients(fast: bool) -> dict[str, Callable]:
+    """(gradient of gate, gradient of up) of act(gate) * up from its output's gradient y, on fp32
+    fragments: y * up * act'(gate) and y * act(gate)."""
+    sigmoid = _sigmoid_fast if fast else _sigmoid_precise
+
+    def silu(y, gate, up):
+        s = sigmoid(gate)
+        return y * up * s * (1.0 + gate * (1.0 - s)), y * gate * s
+
+    return {"silu": silu}

@@ -9,6 +9,12 @@ no host sync. Gated (problem.gate = an activation name): b has 2F columns, gate 
 
     out[offs[g-1]:offs[g], :] = act(a_g @ b[g][:, :F]) * (a_g @ b[g][:, F:])      out (total_tokens, F)
 
+The gate's gradient (problem.gate_grad = "silu"): b has F columns, h (total_tokens, 2F) is the up
+projection's saved product [gate | up], and with y_g = a_g @ b[g] (the down projection's input
+gradient, never stored)
+
+    out[rows, :F] = y * up * silu'(gate),  out[rows, F:] = y * silu(gate)      out (total_tokens, 2F)
+
 Same names as config.py (see there): Problem, Config, unsupported_reason, candidates,
 default_config, spec.
 """
@@ -28,6 +34,7 @@ MAX_GROUPS = 512
 MAX_STAGES = 8
 # activations a gated problem takes (kernels/common/activations.py)
 GATES = ("silu", "gelu_tanh", "gelu_erf", "relu", "sigmoid", "tanh")
+GATE_GRADS = ("silu",)  # activations whose gated product's gradient the epilogue computes
 ROW_INDEX_DTYPES = ("int32", "int64")  # of a gathered problem's row index
 
 
@@ -43,11 +50,15 @@ class GroupedProblem:
     # gathered: the dtype (ROW_INDEX_DTYPES) of a row index: out's row r is computed from a[rows[r]]
     # (the MoE permute's gather fused into the A loads); "": a's rows in order
     rows: str = ""
+    # the gate's gradient: the activation (GATE_GRADS) of a gated product whose saved [gate | up]
+    # the epilogue reads to turn the product (the gate's output gradient) into [gate | up]'s gradient
+    gate_grad: str = ""
 
     def as_params(self) -> dict:
         params = dataclasses.asdict(self)
-        if not params["rows"]:  # the specs that predate it keep their keys
-            del params["rows"]
+        for name in ("rows", "gate_grad"):  # the specs that predate them keep their keys
+            if not params[name]:
+                del params[name]
         return params
 
 
@@ -146,6 +157,12 @@ def unsupported_reason(problem: GroupedProblem, config: GroupedConfig | None = N
         return f"row index dtype {p.rows!r} is not one of {', '.join(ROW_INDEX_DTYPES)}"
     if p.gate and p.gate not in GATES:
         return f"gate activation {p.gate!r} is not one of {', '.join(GATES)}"
+    if p.gate_grad and (p.gate_grad not in GATE_GRADS or p.gate or p.rows):
+        return f"the gate's gradient takes {', '.join(GATE_GRADS)}, without a gate or gathered rows"
+    if p.gate_grad and n is not None and n % EPI_N:
+        # an epilogue subtile's columns lie wholly in the gate half or wholly past it: the gate
+        # half's TMA stores clip only at the output's edge, past the up half
+        return f"the gate's gradient: N={n} must be a multiple of {EPI_N}"
     if p.gate and n is not None and (n < 2 or n % 16):
         return f"gated: the weight's N={n} (gate and up) must be a positive multiple of 16 (8 output columns)"
     if n is not None and (n < 1 or n % 8):

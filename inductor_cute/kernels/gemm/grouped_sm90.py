@@ -50,11 +50,18 @@ half tiles' smem layout, twice the stages, addresses the stage's memory exactly 
 does at tile_k 64: the MMA reads the stage as one tile_n-column operand). Gate and up values of
 an output element sit in the same thread's accumulator, tile_n / 2 columns apart.
 
+The gate's gradient (problem.gate_grad; the MoE down projection's input gradient with SwiGLU's
+backward fused in): the product y (T, F) is the gradient of act(gate) * up, and the epilogue reads
+the saved h = [gate | up] (T, 2F) at each value's place (plain loads from L2, the row clamped to
+the group's) and stores d = [y * up * act'(gate) | y * act(gate)] (T, 2F), each output subtile
+twice, F columns apart; y never reaches memory. F must be a multiple of the subtile's 32 columns.
+
 Tensor conventions of the jit function: a (T, K) row-major; b (N, K, E), from torch's b (E, K, N)
 as b.permute(2, 1, 0) (b_major "k": b[g] is the transpose of an (N, K) row-major weight; "n": b[g]
 is (K, N) row-major); offs int32 (E,); d (T, N) row-major. The compiled function (TVM-FFI, env
-stream) is f(a, b, offs, d, rows): rows None, or (problem.rows) the int32/int64 index (T,) that
-picks a's row for each row of d, a then any number of rows (the gathered A loads by cp.async).
+stream) is f(a, b, offs, d, rows, h): rows None, or (problem.rows) the int32/int64 index (T,) that
+picks a's row for each row of d, a then any number of rows (the gathered A loads by cp.async); h
+None, or (problem.gate_grad) the saved [gate | up] (T, 2N), d then (T, 2N) too.
 Rows of d past offs[E-1] are not written.
 """
 from typing import Optional
@@ -65,32 +72,34 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_tensor
 
 from ..common import barriers
 from ..common.device_assert import trap
-from ..common.activations import activations
+from ..common.activations import activations, gate_gradients
 from ..common.grouped_tile_map import GroupedTileMap, write_tables
 from ..common.tile_scheduler import TileScheduler
 from .config import EPI_STAGES, SM_COUNT, GemmConfig
 from .grouped_config import MAX_GROUPS, GroupedConfig, GroupedProblem, smem_bytes, unsupported_reason
+from .grouped_stores import GroupedStores
 from .sm90 import CUTE_DTYPES, HopperGemm
 
 INDEX_CUTE_TYPES = {"int32": Int32, "int64": cutlass.Int64}  # of GroupedProblem.rows
 
 
-class GroupedHopperGemm(HopperGemm):
+class GroupedHopperGemm(GroupedStores, HopperGemm):
     """The dense GEMM's CTA over a grouped tile map; cooperative consumers (the weight-gradient
     subclass also runs ping-pong)."""
 
     def __init__(self, config: GroupedConfig, b_major: str, num_sms: int = SM_COUNT, a_major: str = "k",
-                 gate: str = "", gather: bool = False):
+                 gate: str = "", gather: bool = False, gate_grad: str = ""):
         dense = GemmConfig(config.tile_m, config.tile_n, config.tile_k, config.cluster_m, config.cluster_n,
                            config.stages, config.consumer_warpgroups, True, config.pingpong)
         super().__init__(dense, a_major, b_major, False, False, None, num_sms=num_sms)
         self.grouped_cfg = config
         self.gate = gate
+        self.gate_grad = gate_grad  # the epilogue turns the product into [gate | up]'s gradient
         self.gather = gather  # a's rows picked by a row-index tensor (the MoE permute fused in)
         if gather and self.num_consumers == 2:
             # the gathering producer spills at 40 and at 48 registers (ptxas, 128x256 tiles); 56 fit
@@ -101,66 +110,9 @@ class GroupedHopperGemm(HopperGemm):
         # output columns of a tile; a TMA box of the weight covers the same columns (gated: per half)
         self.out_tn = config.tile_n // 2 if gate else config.tile_n
 
-    def _epilogue_fragments(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, sD: cute.Tensor, ctid):
-        """A consumer thread's epilogue pieces: the stmatrix-shaped register-to-smem copy, its
-        smem destination, the accumulator retiled for it, each value's (m, n) in a subtile, and
-        fp32 / output-dtype registers of one subtile."""
-        c_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
-        tiled_copy_c = cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
-        r2s = cute.make_tiled_copy_S(
-            sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, Float32), tiled_copy_c)
-        thr_r2s = r2s.get_slice(ctid)
-        tRS_cD = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))
-        return (r2s, thr_r2s.partition_D(sD), r2s.retile(acc), tRS_cD,
-                cute.make_rmem_tensor(tRS_cD.shape, Float32), cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype))
-
-    @cute.jit
-    def _tma_store_subtile(self, r2s: cute.TiledCopy, tRS_rOut: cute.Tensor, tRS_sD_buf: cute.Tensor,
-                           tma_d: cute.CopyAtom, bsD_buf: cute.Tensor, bgD_e: cute.Tensor,
-                           epi_barrier: pipeline.NamedBarrier, store_pipe: pipeline.PipelineTmaStore,
-                           is_store_warp):
-        """Registers -> staging buffer (stmatrix) -> one TMA store by the store warp."""
-        cute.copy(r2s, tRS_rOut, tRS_sD_buf)
-        # make the generic-proxy smem writes visible to the TMA unit
-        cute.arch.fence_proxy("async.shared", space="cta")
-        epi_barrier.arrive_and_wait()
-        if is_store_warp:
-            cute.copy(tma_d, bsD_buf, bgD_e)
-            store_pipe.producer_commit()
-            store_pipe.producer_acquire()
-        epi_barrier.arrive_and_wait()
-
-    @cute.jit
-    def _staged_store_subtile(self, r2s: cute.TiledCopy, tRS_rOut: cute.Tensor, tRS_sD_buf: cute.Tensor,
-                              sD_buf: cute.Tensor, mD: cute.Tensor, r_base: Int32, c_base: Int32, row_end: Int32,
-                              n_cols: Int32, ctid: Int32, epi_barrier: pipeline.NamedBarrier):
-        """A partial tile's subtile (config staged_partial): registers -> staging buffer (stmatrix),
-        then every epilogue thread copies 16-byte row pieces of it to global memory, only rows
-        before `row_end` (columns come in whole pieces: N is a multiple of 8). The buffer must be
-        free (no TMA store reading it) and is free again after: the last barrier."""
-        cute.copy(r2s, tRS_rOut, tRS_sD_buf)
-        epi_barrier.arrive_and_wait()  # generic-proxy writes, generic-proxy reads: no proxy fence
-        vec = 128 // self.d_dtype.width
-        per_row = self.epi_tile[1] // vec
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype, num_bits_per_copy=128)
-        s2g = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((self.epi_threads // per_row, per_row),
-                                                                     order=(1, 0)), cute.make_layout((1, vec)))
-        thr = s2g.get_slice(ctid)
-        tSsD = thr.partition_S(sD_buf)
-        tScD = thr.partition_S(cute.make_identity_tensor(self.epi_tile))
-        piece = cute.make_rmem_tensor(cute.make_layout(vec), self.d_dtype)
-        for m in cutlass.range_constexpr(cute.size(tSsD, mode=[1])):
-            for k in cutlass.range_constexpr(cute.size(tSsD, mode=[2])):
-                crd = tScD[(0, m, k)]
-                r, c = r_base + crd[0], c_base + crd[1]
-                if r < row_end and c < n_cols:
-                    cute.autovec_copy(tSsD[(None, m, k)], piece)
-                    # the piece's address, 16-byte aligned (row strides and c are multiples of 8)
-                    dst = mD.iterator + (cutlass.Int64(r) * mD.stride[0] + c)
-                    cute.autovec_copy(piece, cute.make_tensor(
-                        cute.make_ptr(self.d_dtype, dst.toint(), cute.AddressSpace.gmem, assumed_align=16),
-                        cute.make_layout(vec)))
-        epi_barrier.arrive_and_wait()  # every thread's reads done before the buffer is written again
+    def _out_cols(self, mD: cute.Tensor):
+        """The product's columns: d's, or half of them (the gate's gradient: [gate | up]'s)."""
+        return mD.shape[1] // 2 if self.gate_grad else mD.shape[1]
 
     def _tile_rows(self, tiles: GroupedTileMap, tile, mD: cute.Tensor):
         """(first row, end row) of a tile, as producer and consumers must both place it."""
@@ -252,7 +204,7 @@ class GroupedHopperGemm(HopperGemm):
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mOffs: cute.Tensor, mD: cute.Tensor,
-                 mRows: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mRows: Optional[cute.Tensor], mH: Optional[cute.Tensor], stream: cuda.CUstream):
         self.ab_dtype, self.d_dtype = mA.element_type, mD.element_type
         self._setup()
         tm, tn, tk = self.tile_mnk
@@ -272,13 +224,13 @@ class GroupedHopperGemm(HopperGemm):
                                                 cute.slice_(self.sD_layout, (None, None, 0)), self.epi_tile)
         # the work units are known only on the device: launch for an upper bound (max_work_units),
         # capped at a wave of clusters
-        work_bound = cute.ceil_div(cute.ceil_div(mD.shape[1], self.out_tn), cn) * (
+        work_bound = cute.ceil_div(cute.ceil_div(self._out_cols(mD), self.out_tn), cn) * (
             cute.ceil_div(mD.shape[0], tm * cm) + mOffs.shape[0])
         grid_z = TileScheduler.launch_clusters(work_bound, self.max_clusters)
         self.shared_storage = self._shared_storage()
         assert self.shared_storage.size_in_bytes() == smem_bytes(
             self.grouped_cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8)
-        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mA, mD, mOffs, mRows, self.tiled_mma,
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mA, mD, mOffs, mRows, mH, self.tiled_mma,
                     self.sA_layout, self.sB_layout, sB_box_layout, self.sD_layout
                     ).launch(grid=[cm, cn, grid_z], block=[self.threads, 1, 1], cluster=[cm, cn, 1],
                              min_blocks_per_mp=1, stream=stream)
@@ -286,7 +238,7 @@ class GroupedHopperGemm(HopperGemm):
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom, tB: cute.Tensor,
                tma_d: cute.CopyAtom, tD: cute.Tensor, mA: cute.Tensor, mD: cute.Tensor, mOffs: cute.Tensor,
-               mRows: Optional[cute.Tensor], tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+               mRows: Optional[cute.Tensor], mH: Optional[cute.Tensor], tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sB_box_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout):
         tm, tn, tk = self.tile_mnk
         out_tn = self.out_tn
@@ -321,7 +273,7 @@ class GroupedHopperGemm(HopperGemm):
 
         # group tables from the device offsets, counting cluster blocks of tiles; the CTA-wide sync
         # after them also publishes the pipeline barriers' initialisation
-        n_cols = mD.shape[1]  # output columns (gated: the up half starts at this column of the weight)
+        n_cols = self._out_cols(mD)  # gated: the up half starts at this column of the weight; gate_grad: of d
         write_tables(mOffs, sEnds, sPrefix, cute.ceil_div(cute.ceil_div(n_cols, out_tn), cn), tm * cm, tidx,
                      self.threads)
         cute.arch.sync_threads()
@@ -423,6 +375,8 @@ class GroupedHopperGemm(HopperGemm):
             n_vals = cute.size(tRS_rD)
             tRS_rUp = cute.make_rmem_tensor(tRS_cD.shape, Float32)
             gate_fn = activations(self.d_dtype.width == 16)[self.gate] if self.gate else None
+            grad_fn = gate_gradients(self.d_dtype.width == 16)[self.gate_grad] if self.gate_grad else None
+            tRS_rGate = cute.make_rmem_tensor(tRS_cD.shape, Float32) if self.gate_grad else None
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
@@ -474,41 +428,46 @@ class GroupedHopperGemm(HopperGemm):
                         cute.local_tile(cute.domain_offset((first_row, first_col), tD), (tm, out_tn), (0, 0)),
                         self.epi_tile)
                     bsD, bgD = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t)
+                    epi = (r2s, tRS_sD, sD, tRS_cD, tma_d, bsD, epi_barrier, store_pipe, is_store_warp, ctid)
+                    bgD_up = bgD
+                    if cutlass.const_expr(bool(self.gate_grad)):  # the up half's gradient, n_cols columns on
+                        gD_up = cute.zipped_divide(cute.local_tile(
+                            cute.domain_offset((first_row, n_cols + first_col), tD), (tm, out_tn), (0, 0)), self.epi_tile)
+                        _, bgD_up = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
+                                                          gD_up)
                     for e in cutlass.range_constexpr(n_epi):
                         e_coord = epi_order.get_hier_coord(e)
                         e_acc = (e // epi_tiles[1]) * acc_epi_n + e % epi_tiles[1]  # the same subtile in the acc
                         for v in cutlass.range_constexpr(n_vals):
                             tRS_rD[v] = tRS_acc[e_acc * n_vals + v]
-                        if cutlass.const_expr(bool(self.gate)):
-                            for v in cutlass.range_constexpr(n_vals):
-                                tRS_rUp[v] = tRS_acc[(e_acc + up_shift) * n_vals + v]
-                            tRS_rOut.store((gate_fn(tRS_rD.load()) * tRS_rUp.load()).to(self.d_dtype))
-                        else:
-                            tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
-                        if whole:
-                            buf = n_stored % EPI_STAGES
-                            self._tma_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)], tma_d,
-                                                    bsD[(None, buf)], bgD[(None, e_coord)], epi_barrier, store_pipe,
-                                                    is_store_warp)
-                            n_stored += 1
-                        else:
-                            r_base = first_row + e_coord[0] * self.epi_tile[0]
+                        if cutlass.const_expr(bool(self.gate_grad)):
                             c_base = first_col + e_coord[1] * self.epi_tile[1]
-                            if cutlass.const_expr(self.grouped_cfg.staged_partial):
-                                # the free staging buffer (the one the next TMA store takes), not
-                                # advanced; a subtile wholly past the rows or N is skipped (the
-                                # test is the same for every thread: both barriers or neither)
-                                if r_base < row_end and c_base < n_cols:
-                                    buf = n_stored % EPI_STAGES
-                                    self._staged_store_subtile(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)],
-                                                               sD[(None, None, buf)], mD, r_base, c_base,
-                                                               row_end, n_cols, ctid, epi_barrier)
-                            else:
+                            # a subtile past N stores neither half (the gate half's would land in the up half)
+                            if c_base < n_cols:
+                                r_base = first_row + e_coord[0] * self.epi_tile[0]
                                 for v in cutlass.range_constexpr(n_vals):
-                                    r = r_base + tRS_cD[v][0]
+                                    # rows past the group's end read its last row: never stored
+                                    r = cutlass.min(r_base + tRS_cD[v][0], row_end - 1)
                                     c = c_base + tRS_cD[v][1]
-                                    if r < row_end and c < n_cols:
-                                        mD[r, c] = tRS_rOut[v]
+                                    tRS_rGate[v] = mH[r, c].to(Float32)
+                                    tRS_rUp[v] = mH[r, n_cols + c].to(Float32)
+                                d_gate, d_up = grad_fn(tRS_rD.load(), tRS_rGate.load(), tRS_rUp.load())
+                                tRS_rOut.store(d_gate.to(self.d_dtype))
+                                n_stored = self._store_subtile(tRS_rOut, whole, n_stored, epi, bgD[(None, e_coord)],
+                                                               mD, e_coord, first_row, first_col, row_end, n_cols)
+                                tRS_rOut.store(d_up.to(self.d_dtype))
+                                n_stored = self._store_subtile(tRS_rOut, whole, n_stored, epi, bgD_up[(None, e_coord)],
+                                                               mD, e_coord, first_row, n_cols + first_col, row_end,
+                                                               mD.shape[1])
+                        else:
+                            if cutlass.const_expr(bool(self.gate)):
+                                for v in cutlass.range_constexpr(n_vals):
+                                    tRS_rUp[v] = tRS_acc[(e_acc + up_shift) * n_vals + v]
+                                tRS_rOut.store((gate_fn(tRS_rD.load()) * tRS_rUp.load()).to(self.d_dtype))
+                            else:
+                                tRS_rOut.store(tRS_rD.load().to(self.d_dtype))
+                            n_stored = self._store_subtile(tRS_rOut, whole, n_stored, epi, bgD[(None, e_coord)], mD,
+                                                           e_coord, first_row, first_col, row_end, n_cols)
                 work = scheduler.next(work)
             store_pipe.producer_tail()
 
@@ -516,9 +475,9 @@ class GroupedHopperGemm(HopperGemm):
 # ----------------------------------------------------------------------------- build
 def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, stages, consumer_warpgroups,
           cluster_m=1, cluster_n=1, gate="", prefetch=0, overlap_last=False, staged_partial=False, rows="",
-          half_tiles=False, num_sms=SM_COUNT):
+          half_tiles=False, gate_grad="", num_sms=SM_COUNT):
     """(jit function, fake arguments) for cute.compile; see the module docstring for conventions."""
-    problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major, gate, rows)
+    problem = GroupedProblem(dtype_name, out_dtype_name, a_major, b_major, gate, rows, gate_grad)
     cfg = GroupedConfig(tile_m, tile_n, tile_k, stages, consumer_warpgroups, cluster_m, cluster_n, prefetch,
                         overlap_last, staged_partial, half_tiles=half_tiles)
     err = unsupported_reason(problem, cfg)
@@ -543,7 +502,10 @@ def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, 
     b_n = cute.sym_int(divisibility=16) if gate else N
     b = make_fake_tensor(ab_t, (b_n, K, E), stride=b_stride, assumed_align=16)
     offs = make_fake_tensor(Int32, (E,), stride=(1,), assumed_align=4)
-    d = make_fake_tensor(d_t, (T, N), stride=(ld(), 1), assumed_align=16)
+    # the gate's gradient: d and the saved product h are [gate | up], twice b's columns (the host checks)
+    d_n = cute.sym_int(divisibility=16) if gate_grad else N
+    d = make_fake_tensor(d_t, (T, d_n), stride=(ld(), 1), assumed_align=16)
+    h = make_fake_tensor(d_t, (T, d_n), stride=(ld(), 1), assumed_align=16) if gate_grad else None
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return GroupedHopperGemm(cfg, b_major, num_sms=num_sms, gate=gate, gather=bool(rows)), (a, b, offs, d, index,
-                                                                                            stream)
+    gemm = GroupedHopperGemm(cfg, b_major, num_sms=num_sms, gate=gate, gather=bool(rows), gate_grad=gate_grad)
+    return gemm, (a, b, offs, d, index, h, stream)
