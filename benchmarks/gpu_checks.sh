@@ -101,7 +101,7 @@ for s in $steps; do
                    tests/gpu/test_flex_{decode,prefill,backward,launch}_gpu.py tests/gpu/test_gemm_gpu.py \
                    tests/gpu/test_gemv{,_group}_gpu.py tests/gpu/test_rmsnorm_gpu.py ;;
         all_grouped) step all_grouped 540 python3 -m pytest -m gpu -q -rf -n 8 -p no:cacheprovider \
-                   tests/gpu/test_grouped_{gemm,wgrad,gather}_gpu.py ;;
+                   tests/gpu/test_grouped_{gemm,wgrad,gather,gate_grad}_gpu.py ;;
         all_compiled) step all_compiled 540 python3 -m pytest -m gpu -q -rf -n 14 -p no:cacheprovider \
                    tests/gpu/test_flex_{backward_lowering,compile,coverage,prefill_lowering}_gpu.py \
                    tests/gpu/test_{choice_timing,gemv_shared_a_pass,grouped_gemm_compile,inductor_dynamic_m,inductor}_gpu.py \
@@ -140,6 +140,12 @@ for s in $steps; do
         # 4-CTA clusters fits the GPCs at once (TileScheduler.max_clusters against the driver's count)
         clusters_2x2) step clusters_2x2 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -q -rf -n 4 \
                    -p no:cacheprovider -k "2x2 or wave" ;;
+        # the down projection's input gradient with SwiGLU's backward fused (GroupedProblem.gate_grad), then
+        # the MoE block's runners (a training step fuses it under max-autotune), then their speed beside unfused
+        gate_grad) step gate_grad 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gate_grad_gpu.py -q -rf -n 4 \
+                   -p no:cacheprovider
+            step gate_grad_block 300 python3 -m pytest -m gpu tests/gpu/test_moe_block_gpu.py -q -rf -p no:cacheprovider
+            step gate_grad_rounds 200 python3 benchmarks/grouped_rounds.py 4096 --gate-grad ;;
         # the forward kernel's half tiles (GroupedConfig.half_tiles; grouped_config.HALF_TILES_GPU_CHECKED)
         half_tiles) step half_tiles 300 python3 -m pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -q -rf -n 4 \
                    -p no:cacheprovider -k half ;;

@@ -10,9 +10,12 @@ its count of work units and of rounds over the SMs: a 2x1 cluster whose group ha
 of row tiles leaves its second CTA computing rows past the group (docs/perf-notes.md, twenty-fifth
 session).
 
-    python3 benchmarks/grouped_rounds.py [tokens] [--wgrad] [--ring]
+    python3 benchmarks/grouped_rounds.py [tokens] [--wgrad] [--ring] [--gate-grad]
 
---wgrad: the weight gradients alone. --ring: the weight gradients alone at every ring depth
+--gate-grad: the down projection's input gradient with SwiGLU's backward fused (every config),
+against the unfused pair as a compiled training step runs it (our best down input gradient config
+and eager's, then Inductor's pointwise kernel of the backward). --wgrad: the weight gradients alone.
+--ring: the weight gradients alone at every ring depth
 (ping-pong 128x128 and cooperative 128x256), each with its ring's bytes and its time per unit an
 SM: if a unit's time is its operand bytes over (ring bytes / a fixed latency), as the twenty-ninth
 session's notes propose, time per unit falls in proportion to the ring's bytes.
@@ -23,13 +26,15 @@ import math
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from inductor_cute.bench.suites import moe_block
 from inductor_cute.bench.suites.grouped_gemm import triton_runner
 from inductor_cute.bench.timing import time_side_by_side
 from inductor_cute.host.grouped_gemm import grouped_mm
 from inductor_cute.kernels.common.tile_scheduler import TileScheduler
-from inductor_cute.kernels.gemm.grouped_config import GroupedConfig, GroupedProblem, spec, unsupported_reason
+from inductor_cute.kernels.gemm.grouped_config import GroupedConfig, GroupedProblem, candidates, spec, \
+    unsupported_reason
 from inductor_cute.runtime import precompile
 
 SHAPES = [(128, 256, 4), (128, 128, 6)]  # (tile_m, tile_n, stages)
@@ -72,6 +77,9 @@ def main() -> None:
              ("down fwd", w_down.shape[2], w_down.transpose(1, 2), "k"),
              ("down dgrad", w_down.shape[1], w_down, "n")]
     print(f"rows per expert: min {min(sizes)} mean {sum(sizes) / len(sizes):.0f} max {max(sizes)}")
+    if "--gate-grad" in sys.argv:
+        gate_gradient(w_down, offs, rows, sms)
+        return
     for name, k, b, b_major in ([] if "--wgrad" in sys.argv or "--ring" in sys.argv else forms):
         n = b.shape[2]
         problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major)
@@ -96,6 +104,39 @@ def main() -> None:
             count = "" if c is None else "  units {} rounds {}".format(*work(sizes, n, c, sms))
             print(f"    {us:9.1f} us  {times['aten'] / us:5.2f}x aten{count}  {key}")
     weight_gradients(block, sizes, offs, rows, sms)
+
+
+def gate_gradient(w_down: torch.Tensor, offs: torch.Tensor, rows: int, sms: int) -> None:
+    """The fused op (ops.grouped_mm_gate_grad, every config) against the unfused pair: the product
+    (eager's or our 128x256 2x1 config, the down input gradient's best in the twenty-ninth session)
+    then Inductor's kernel of SiLU-and-mul's backward, on the same offsets and saved gate and up."""
+    from inductor_cute.host.grouped_gemm import grouped_mm_gate_grad
+
+    hidden, ffn = w_down.shape[1], w_down.shape[2]
+    grad = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16)
+    gate, up = h.chunk(2, dim=-1)
+
+    @torch.compile(mode="max-autotune-no-cudagraphs")
+    def pointwise(y, gate, up):  # what a training step's backward fuses the SiLU-and-mul gradient into
+        return torch.cat([torch.ops.aten.silu_backward(y * up, gate), y * F.silu(gate)], dim=1)
+
+    best = GroupedConfig(128, 256, 64, 4, 2, 2, 1, overlap_last=True, staged_partial=True)
+    y_ours = torch.empty(rows, ffn, device="cuda", dtype=torch.bfloat16)
+    want = pointwise(torch._grouped_mm(grad, w_down, offs=offs), gate, up)
+    problem = GroupedProblem("bfloat16", "bfloat16", "k", "n", gate_grad="silu")
+    configs = candidates(problem, rows, ffn, hidden, len(offs), sms, exhaustive=True)
+    precompile([spec(problem, c, sms) for c in configs])
+    out = torch.empty(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16)
+    fns = {"unfused (eager product)": lambda: pointwise(torch._grouped_mm(grad, w_down, offs=offs), gate, up),
+           "unfused (ours 2x1 product)": lambda: pointwise(grouped_mm(grad, w_down, offs, y_ours, config=best), gate,
+                                                           up),
+           "product alone (ours 2x1)": lambda: grouped_mm(grad, w_down, offs, y_ours, config=best)}
+    add_checked(fns, configs, lambda c: grouped_mm_gate_grad(grad, w_down, offs, gate, up, out=out, config=c), want)
+    times = time_side_by_side(fns, reps=50)
+    print(f"gate grad: ({rows}, {hidden}) x ({len(offs)}, {hidden}, {ffn}) -> ({rows}, {2 * ffn})")
+    for key, us in sorted(times.items(), key=lambda kv: kv[1]):
+        print(f"    {us:9.1f} us  {key}")
 
 
 def weight_gradients(block, sizes: list[int], offs: torch.Tensor, rows: int, sms: int) -> None:

@@ -274,7 +274,7 @@ def test_a_gathered_choices_benchmark_gets_valid_rows_and_offsets(monkeypatch):
     timed = []
     monkeypatch.setattr(CuteGemmCaller, "benchmark", lambda self, *args, out: timed.append(args) or 1.0)
     mine = object.__new__(CuteGroupedCaller)
-    mine.description = "test"
+    mine.description, mine.kwargs = "test", {}
     x, w, _ = routed_inputs()
     rows = torch.tensor([3, 99, -50, 7] * 10)  # 99 and -50 outside x's 20 rows
     assert mine.benchmark(x, rows, w.transpose(-2, -1), torch.tensor([5, -2, 900], dtype=torch.int32), out=None) == 1.0

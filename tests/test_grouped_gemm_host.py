@@ -71,18 +71,18 @@ def cpu_kernels(monkeypatch):
     launches = []
 
     def get_kernel(spec):
-        def kernel(a, b, offs, out, rows=None, h=None):  # rows: gathered rows (a's index); h: the saved [gate | up]
+        def kernel(a, b, offs, out, rows=None, gate=None, up=None):  # rows: gathered rows; gate, up: saved halves
             launches.append((spec, (a, b, offs, out)))
             a = a if rows is None else a[rows]
             start = 0
             for g, end in enumerate(offs.tolist()):
                 if b.dim() == 2:  # weight gradient: a (M, T), b (N, T), out (M, N, E)
                     out[:, :, g] = (a[:, start:end].float() @ b[:, start:end].float().t()).to(out.dtype)
-                elif spec.kwargs.get("gate_grad"):  # the gate's gradient: b (F, K, E), h and out (T, 2F)
+                elif spec.kwargs.get("gate_grad"):  # the gate's gradient: b (F, K, E), gate, up (T, F), out (T, 2F)
                     y = a[start:end].float() @ b[:, :, g].float().t()
-                    gate_, up = h[start:end].float().chunk(2, dim=-1)
+                    gate_, up_ = gate[start:end].float(), up[start:end].float()
                     s = torch.sigmoid(gate_)
-                    out[start:end] = torch.cat([y * up * s * (1 + gate_ * (1 - s)), y * gate_ * s], -1).to(out.dtype)
+                    out[start:end] = torch.cat([y * up_ * s * (1 + gate_ * (1 - s)), y * gate_ * s], -1).to(out.dtype)
                 elif spec.kwargs.get("gate"):  # gated forward: b (2F, K, E), out (T, F)
                     prod = a[start:end].float() @ b[:, :, g].float().t()
                     f = out.shape[1]
@@ -222,7 +222,7 @@ def test_the_gate_gradient_is_silu_and_mul_backward_of_the_product(cpu_kernels):
     h = torch.randn(tokens, 2 * f).bfloat16()
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
     out = torch.full((tokens, 2 * f), float("nan"), dtype=torch.bfloat16)
-    got = ops.grouped_mm_gate_grad(a, w.transpose(-2, -1), offs, h, "silu", out)  # b (E, K, F) as a view
+    got = ops.grouped_mm_gate_grad(a, w.transpose(-2, -1), offs, *h.chunk(2, dim=-1), "silu", out)  # b a view
     spec, (_, b, _, d) = cpu_kernels[-1]
     assert got is out and d.data_ptr() == out.data_ptr() and spec.kwargs["gate_grad"] == "silu"
     assert spec.kwargs["b_major"] == "k" and b.shape == (f, k, len(sizes))
@@ -235,8 +235,9 @@ def test_the_gate_gradient_is_silu_and_mul_backward_of_the_product(cpu_kernels):
     assert out[offs[-1]:].isnan().all()  # rows past the last group are not written
 
 
-@pytest.mark.parametrize("h_shape,f,match", [((40, 96), 64, "h must be"), ((40, 80), 40, "multiple of 32")])
+@pytest.mark.parametrize("h_shape,f,match", [((40, 96), 64, "gate and up must be"), ((40, 80), 40, "multiple of 32")])
 def test_gate_gradients_we_cannot_take_are_refused(cpu_kernels, h_shape, f, match):
     a, w = torch.randn(40, 32).bfloat16(), torch.randn(2, 32, f).bfloat16()
     with pytest.raises(UnsupportedError, match=match):
-        ops.grouped_mm_gate_grad(a, w, torch.tensor([16, 40], dtype=torch.int32), torch.randn(*h_shape).bfloat16())
+        ops.grouped_mm_gate_grad(a, w, torch.tensor([16, 40], dtype=torch.int32),
+                                 *torch.randn(*h_shape).bfloat16().chunk(2, dim=-1))

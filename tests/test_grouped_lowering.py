@@ -287,7 +287,7 @@ def reference_kernel(spec):
     """A grouped GEMM kernel computing on the CPU from exactly the views it is given: a (tokens,
     K), b (N, K, groups), offs, out (tokens, N); or, the weight-gradient form, a (M, tokens),
     b (N, tokens), offs, out (M, N, groups)."""
-    def kernel(a, b, offs, out, rows=None):  # rows: the forward's gathered rows (a's row index)
+    def kernel(a, b, offs, out, rows=None, gate=None, up=None):  # rows: gathered rows; gate, up: gate_grad's
         reference_kernel.launches.append((spec, (a, b, offs, out)))
         a = a if rows is None else a[rows]
         start = 0

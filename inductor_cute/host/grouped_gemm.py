@@ -72,18 +72,20 @@ def grouped_mm_gated(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activ
     return _grouped_forward(a, b, offs, out, config, gate=activation, rows=rows)
 
 
-def grouped_mm_gate_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, h: torch.Tensor,
-                         activation: str = "silu", out: torch.Tensor | None = None, *, config=None) -> torch.Tensor:
-    """The MoE down projection's input gradient with the gate's backward fused: h (tokens, 2F) is
-    the up projection's saved product [gate | up], and with y = the grouped product of a and b
-    (tokens, F) as `grouped_mm` computes it (fp32, never stored)
+def grouped_mm_gate_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, gate: torch.Tensor,
+                         up: torch.Tensor, activation: str = "silu", out: torch.Tensor | None = None, *,
+                         config=None) -> torch.Tensor:
+    """The MoE down projection's input gradient with the gate's backward fused: gate and up
+    (tokens, F) are the up projection's saved product's halves (h.chunk(2, -1) of h = [gate | up]),
+    and with y = the grouped product of a and b (tokens, F) as `grouped_mm` computes it (fp32,
+    never stored)
 
         out[:, :F] = y * up * act'(gate),   out[:, F:] = y * act(gate)          out (tokens, 2F)
 
-    the gradient of act(gate) * up. `activation`: one of grouped_config.GATE_GRADS; F a multiple of
-    32. Otherwise as `grouped_mm`."""
-    check_cuda(f"{NAME}_gate_grad", h)
-    return _grouped_forward(a, b, offs, out, config, gate="", gate_grad=activation, h=h)
+    the gradient of act(gate) * up (of h). `activation`: one of grouped_config.GATE_GRADS; F a
+    multiple of 32. Otherwise as `grouped_mm`."""
+    check_cuda(f"{NAME}_gate_grad", gate, up)
+    return _grouped_forward(a, b, offs, out, config, gate="", gate_grad=activation, halves=(gate, up))
 
 
 def _row_index(name: str, rows: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -93,7 +95,7 @@ def _row_index(name: str, rows: torch.Tensor) -> tuple[torch.Tensor, str]:
     return rows.contiguous(), str(rows.dtype).removeprefix("torch.")
 
 
-def _grouped_forward(a, b, offs, out, config, gate: str, rows=None, gate_grad: str = "", h=None) -> torch.Tensor:
+def _grouped_forward(a, b, offs, out, config, gate: str, rows=None, gate_grad: str = "", halves=()) -> torch.Tensor:
     from ..kernels.gemm.grouped_config import GroupedProblem, default_config, unsupported_reason
 
     name = f"{NAME}_gated" if gate else f"{NAME}_gate_grad" if gate_grad else NAME
@@ -117,9 +119,10 @@ def _grouped_forward(a, b, offs, out, config, gate: str, rows=None, gate_grad: s
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (tokens, n)):
         raise UnsupportedError(f"{name}: out must be bfloat16 of shape {(tokens, n)}, got {out.dtype} "
                                f"of shape {tuple(out.shape)}")
-    if gate_grad and (h.dtype != torch.bfloat16 or tuple(h.shape) != (tokens, n)):
-        raise UnsupportedError(f"{name}: h must be bfloat16 of shape {(tokens, n)}, got {h.dtype} "
-                               f"of shape {tuple(h.shape)}")
+    for half in halves:
+        if half.dtype != torch.bfloat16 or tuple(half.shape) != (tokens, n_b):
+            raise UnsupportedError(f"{name}: gate and up must be bfloat16 of shape {(tokens, n_b)}, got "
+                                   f"{half.dtype} of shape {tuple(half.shape)}")
     reason = unsupported_reason(GroupedProblem(gate=gate, rows=rows_dtype, gate_grad=gate_grad), config, n=n_b, k=k,
                                 groups=groups)
     if reason:
@@ -137,18 +140,20 @@ def _grouped_forward(a, b, offs, out, config, gate: str, rows=None, gate_grad: s
     if out_view is None:
         raise UnsupportedError(f"{name}: out must be row-major with 16-byte aligned rows, got strides "
                                f"{tuple(out.stride())}")
-    h_view = None
-    if gate_grad:
-        h_view = _tma_view(h, 1)  # (read by plain loads, 16-byte aligned rows as the kernel assumes)
-        if h_view is None:
-            h_view = _tma_view(h.clone(memory_format=torch.contiguous_format), 1)
+    gate_view, up_view = (_row_major(t) for t in halves) if halves else (None, None)
     if tokens == 0:
         return out
     num_sms = sm_count(a.device.index or 0)
     config = config or default_config(problem, tokens, n_b, k, groups, num_sms)
     kernel = _grouped_kernel(problem, config, num_sms)
-    kernel(a_view, b_view, offs.contiguous(), out_view, rows, h_view)
+    kernel(a_view, b_view, offs.contiguous(), out_view, rows, gate_view, up_view)
     return out
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` with 16-byte aligned rows (the kernel's assumption for its plain loads), or such a copy."""
+    view = _tma_view(t, 1)
+    return view if view is not None else _tma_view(t.clone(memory_format=torch.contiguous_format), 1)
 
 
 def _operand(t: torch.Tensor, modes: tuple[tuple[int, str], ...]) -> tuple[torch.Tensor, str]:

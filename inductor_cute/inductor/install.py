@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from .gemm.extern import GEMM_KERNEL
-from .grouped.extern import GATED_KERNEL, GROUPED_KERNEL, ROWS_KERNEL, UNFUSED_KERNEL
+from .grouped.extern import GATE_GRAD_KERNEL, GATED_KERNEL, GROUPED_KERNEL, ROWS_KERNEL, UNFUSED_KERNEL
 from .hooks import (AttributeWrapper, DecompositionWrapper, FeedbackSaver, Hook, LoweringWrapper, ModuleHook,
                     SchedulingWrapper, _attr)
 from .hooks import stock_lowering  # noqa: F401  (public here too)
@@ -86,6 +86,12 @@ def _gated_op():
     return OP
 
 
+def _gate_grad_op():
+    from .grouped.gate_grad import OP  # defines the op and gives it Inductor's fallback lowering
+
+    return OP
+
+
 def _rows_op():
     from .grouped.gather import OP  # defines the op and gives it Inductor's fallback lowering
 
@@ -118,6 +124,11 @@ HOOKS: tuple[Hook, ...] = (
     # the fused MoE gate's op: its configs autotuned (grouped/gate_lowering.py)
     GATED_KERNEL,
     LoweringWrapper("grouped_mm_gated_lowering", _gated_op, _attr(".grouped.gate_lowering", "gated_lowering"),
+                    when=lambda settings: settings.fuse_moe_gate is not False),
+    # and its backward's (grouped/gate_grad.py): the down projection's input gradient with it
+    GATE_GRAD_KERNEL,
+    LoweringWrapper("grouped_mm_gate_grad_lowering", _gate_grad_op,
+                    _attr(".grouped.gate_lowering", "gate_grad_lowering"),
                     when=lambda settings: settings.fuse_moe_gate is not False),
     # the gathered rows' op (grouped/gather.py), autotuned the same way; both fused ops' choices
     # include torch's unfused computation
@@ -311,7 +322,10 @@ def enable(fuse_epilogues: bool = False, flex_decode: bool = True, flex_prefill:
     fuses the unfused graph into), so a fusion is dropped where it measures slower than that; that
     is why the default leaves graphs without max-autotune, or off Hopper, alone. (H100, the
     Qwen3-30B-A3B MoE block's forward: 1.26x stock at 4096 and 16384 tokens with both, 1.15x
-    without.) Training graphs keep their products: they save the rows and the gate for the backward.
+    without.) Training graphs keep their forward products (they save the rows and the gate for the
+    backward); there `fuse_moe_gate` fuses the gate's backward instead: autograd's SiLU-and-mul
+    gradient into the down projection's input gradient (inductor/grouped/gate_grad.py), so that
+    product is never stored and the pointwise kernel that reads it and the saved gate goes.
     With `moe_routing` (on by default), the same pass sorts an MoE permute's top-k expert ids as
     uint8/int16 keys (one or two radix passes instead of eight) and turns a top-k over at most 512
     elements (the router's experts) into Inductor's Triton sort and a slice (inductor/grouped/

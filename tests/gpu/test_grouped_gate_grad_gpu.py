@@ -1,7 +1,7 @@
 """The grouped GEMM with SwiGLU's backward in its epilogue (ops.grouped_mm_gate_grad; the MoE down
 projection's input gradient) against fp32 autograd: the product y of the output gradient and the
 down weight is the gradient of silu(gate) * up, and the kernel stores [gate | up]'s gradient from
-the saved h = [gate | up]. Skewed, empty and sub-tile groups, offsets off the tile, F not a
+the saved halves of h = [gate | up]. Skewed, empty and sub-tile groups, offsets off the tile, F not a
 multiple of the tile (the gate half's subtiles past F must not land in the up half), both weight
 layouts, the configs autotuning offers. Outputs are poisoned with NaN first."""
 
@@ -42,7 +42,7 @@ def check_gate_grad(sizes, k, f, layout="k", tokens=None, config=None, seed=0):
     b = weights(len(sizes), k, f, layout, seed)
     h = torch.randn(tokens, 2 * f, device=DEV, generator=g).mul_(2).bfloat16()
     out = torch.full((tokens, 2 * f), float("nan"), device=DEV, dtype=torch.bfloat16)
-    got = grouped_mm_gate_grad(a, b, offsets(sizes), h, "silu", out=out, config=config)
+    got = grouped_mm_gate_grad(a, b, offsets(sizes), *h.chunk(2, dim=-1), "silu", out=out, config=config)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     want = reference_gate_grad(reference(a, b, sizes), h[:covered])
@@ -83,11 +83,23 @@ def test_it_matches_the_unfused_backward_of_a_moe_down_projection():
     y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
     grad_y = torch.randn_like(y)
     y.backward(grad_y)
-    ours = grouped_mm_gate_grad(grad_y, w_down, offs, h.detach(), "silu")
+    ours = grouped_mm_gate_grad(grad_y, w_down, offs, gate.detach(), up.detach(), "silu")
     torch.testing.assert_close(ours.float(), h.grad.float(), atol=6e-2, rtol=4e-2)
 
 
 def test_widths_the_epilogue_cannot_split_are_refused():
     a = torch.randn(64, 128, device=DEV).bfloat16()
     with pytest.raises(UnsupportedError, match="multiple of 32"):
-        grouped_mm_gate_grad(a, weights(2, 128, 40, "k"), offsets([32, 32]), torch.randn(64, 80, device=DEV).bfloat16())
+        grouped_mm_gate_grad(a, weights(2, 128, 40, "k"), offsets([32, 32]),
+                             *torch.randn(64, 80, device=DEV).bfloat16().chunk(2, dim=-1))
+
+
+def test_separate_gate_and_up_tensors():
+    """The halves as a training graph may save them: two tensors, not views of one buffer."""
+    sizes, k, f = [100, 0, 157], 512, 224
+    a = torch.randn(sum(sizes), k, device=DEV).bfloat16()
+    b = weights(len(sizes), k, f, "n")
+    gate, up = (torch.randn(sum(sizes), f, device=DEV).bfloat16() for _ in range(2))
+    got = grouped_mm_gate_grad(a, b, offsets(sizes), gate, up, "silu")
+    want = reference_gate_grad(reference(a, b, sizes), torch.cat([gate, up], dim=1))
+    torch.testing.assert_close(got.float(), want, atol=4e-2, rtol=3e-2)

@@ -20,12 +20,13 @@ RUNTIME = runtime.MODULE
 
 
 class CuteGroupedOut(ir.ExternKernelOut):
-    """The chosen grouped GEMM in the graph: `icute_grouped_mm_<n>(a, b, offs, out)`, or with gathered
-    rows `icute_grouped_mm_<n>(a, rows, b, offs, out)`."""
+    """The chosen grouped GEMM in the graph: `icute_grouped_mm_<n>(a, b, offs, out)`, with gathered
+    rows `icute_grouped_mm_<n>(a, rows, b, offs, out)`, the gate's gradient (a, b, offs, gate, up, out)."""
 
     def codegen(self, wrapper) -> None:
         made = runtime.GroupedLauncher(tuple(self.kwargs["config"]), self.kwargs.get("activation", ""))
-        method = "launch_rows" if _gathers(self.inputs) else "launch"
+        method = {"grouped_mm_rows": "launch_rows", "grouped_mm_gate_grad": "launch_gate_grad"}.get(
+            _kernel_name(self.inputs, self.kwargs), "launch")
         launcher = define_call_site(wrapper, "icute_grouped_mm", RUNTIME, f"{made!r}.{method}")
         self.codegen_comment(wrapper)
         out = (self.output_view or self).codegen_reference()
@@ -50,7 +51,10 @@ class CuteGroupedCaller(CuteGemmCaller):
         # benchmarks) passes random int32s. Our kernel reads offs on the device: garbage ends would
         # make it read and write out of bounds, so such offsets are replaced by an even split.
         try:
-            if _gathers(args):  # (a, rows, b, offs): indices out of a's rows would trap
+            if self.kwargs.get("gate_grad"):  # (a, b, offs, gate, up): the forward form's offsets
+                a, b, offs, *halves = args
+                args = (a, b, runtime.valid_offsets(offs, a.shape[0]), *halves)
+            elif _gathers(args, self.kwargs):  # (a, rows, b, offs): indices out of a's rows would trap
                 a, rows, b, offs = args
                 rows = runtime.valid_rows(rows, a.shape[0])
                 args = (a, rows, b, runtime.valid_offsets(offs, rows.shape[0]))
@@ -70,14 +74,19 @@ class CuteGroupedCaller(CuteGemmCaller):
                                                   python_kernel_name=name))
 
 
-def _gathers(inputs) -> bool:
-    """Whether a choice's inputs are gathered rows' (a, rows, b, offs); every other form has three."""
-    return len(inputs) == 4
+def _gathers(inputs, kwargs: dict) -> bool:
+    """Whether a choice's inputs are gathered rows' (a, rows, b, offs); the gate's gradient has five,
+    every other form three."""
+    return len(inputs) == 4 and not kwargs.get("gate_grad")
 
 
 def _kernel_name(inputs, kwargs: dict) -> str:
-    """The runtime function of a choice with these inputs and kwargs (`activation`: the gate)."""
-    return "grouped_mm_rows" if _gathers(inputs) else "grouped_mm_gated" if kwargs.get("activation") else "grouped_mm"
+    """The runtime function of a choice with these inputs and kwargs (`activation`: the gate;
+    `gate_grad`: its gradient)."""
+    if kwargs.get("gate_grad"):
+        return "grouped_mm_gate_grad"
+    return "grouped_mm_rows" if _gathers(inputs, kwargs) else "grouped_mm_gated" if kwargs.get("activation") else \
+        "grouped_mm"
 
 
 class CuteGroupedChoice(ExternKernelChoice):
@@ -103,6 +112,12 @@ def new_rows_choice(name: str) -> CuteGroupedChoice:
     return CuteGroupedChoice(runtime.grouped_mm_rows, name=name, has_out_variant=True)
 
 
+def new_gate_grad_choice(name: str) -> CuteGroupedChoice:
+    """The gate's gradient's (gate_grad.py, through gate_lowering.py): registers `runtime.grouped_mm_gate_grad`.
+    Its choices' kwargs carry gate_grad=True."""
+    return CuteGroupedChoice(runtime.grouped_mm_gate_grad, name=name, has_out_variant=True)
+
+
 def new_unfused_choice(name: str) -> ExternKernelChoice:
     """Torch's kernels for a fused op's computation (runtime.grouped_mm_unfused): the choice our
     fused configs must beat."""
@@ -113,6 +128,8 @@ def new_unfused_choice(name: str) -> ExternKernelChoice:
 GROUPED_KERNEL = ExternKernel("grouped_extern_kernel", "inductor_cute_grouped_mm", lambda: new_grouped_choice)
 GATED_KERNEL = ExternKernel("grouped_gated_extern_kernel", "inductor_cute_grouped_mm_gated", lambda: new_gated_choice)
 ROWS_KERNEL = ExternKernel("grouped_rows_extern_kernel", "inductor_cute_grouped_mm_rows", lambda: new_rows_choice)
+GATE_GRAD_KERNEL = ExternKernel("grouped_gate_grad_extern_kernel", "inductor_cute_grouped_mm_gate_grad",
+                                lambda: new_gate_grad_choice)
 UNFUSED_KERNEL = ExternKernel("grouped_unfused_extern_kernel", "inductor_cute_grouped_mm_unfused",
                               lambda: new_unfused_choice)
 
@@ -127,6 +144,10 @@ def gated_choice() -> CuteGroupedChoice:
 
 def rows_choice() -> CuteGroupedChoice:
     return ROWS_KERNEL.choice()
+
+
+def gate_grad_choice() -> CuteGroupedChoice:
+    return GATE_GRAD_KERNEL.choice()
 
 
 def unfused_choice() -> ExternKernelChoice:

@@ -59,6 +59,14 @@ def rows_lowering(a, rows, b, offs, activation: str):
                      lambda: _autotuned(a, rows, b, offs, activation))
 
 
+def gate_grad_lowering(a, b, offs, gate, up, activation: str):
+    """The gate's gradient's op's lowering (gate_grad.py) while fuse_moe_gate is not False: as the gate's."""
+    import torch
+
+    return _lowering(torch.ops.inductor_cute.grouped_mm_gate_grad.default,  # gate_grad.OP
+                     (a, b, offs, gate, up, activation), lambda: _autotuned(a, None, b, offs, activation, (gate, up)))
+
+
 def _lowering(op, args: tuple, autotuned):
     from ..gemm.choices import backend_requested
     from ..hooks import stock_lowering
@@ -73,27 +81,28 @@ def _lowering(op, args: tuple, autotuned):
     return stock_lowering(op)(*args)
 
 
-def _autotuned(a, rows, b, offs, activation: str):
-    """The autotuned node of the gated product of a and b (activation named) or of the product of
-    a's rows picked by `rows` (gated or not), or None where no config of ours is ready (the reason
-    logged)."""
+def _autotuned(a, rows, b, offs, activation: str, halves: tuple = ()):
+    """The autotuned node of the gated product of a and b (activation named), of the product of
+    a's rows picked by `rows` (gated or not), or (given the saved gate and up `halves`) of the
+    gate's gradient for the output gradient a @ b; None where no config of ours is ready (the
+    reason logged)."""
     from torch._inductor.ir import FixedLayout
     from torch._inductor.select_algorithm import autotune_select_algorithm, realize_inputs
     from torch._inductor.virtualized import V
 
     from ...host.common import sm_count
     from ...kernels.gemm import grouped_config
-    from .extern import gated_choice, rows_choice, unfused_choice
+    from .extern import gate_grad_choice, gated_choice, rows_choice, unfused_choice
     from .lowering import b_major, bound_choices, decline_reason, device_reason, exhaustive_search, grouped_call
     from .runtime import even_offsets, random_rows, routed_offsets
 
-    name = "grouped_mm_rows" if rows is not None else NAME
+    name = "grouped_mm_rows" if rows is not None else "grouped_mm_gate_grad" if halves else NAME
     a, b, offs = realize_inputs(a, b, offs)
     if len(a.get_size()) != 2 or len(b.get_size()) != 3:
         return None
     groups, k, n = b.get_size()
     tokens = a.get_size()[0] if rows is None else rows.get_size()[0]  # the product's rows
-    n_out = n // 2 if activation else n
+    n_out = 2 * n if halves else n // 2 if activation else n
     layout = FixedLayout(a.get_device(), a.get_dtype(), [tokens, n_out], [n_out, 1])
     hints = V.graph.sizevars
     call = grouped_call([a, b, offs], layout, has_bias=False)
@@ -102,28 +111,34 @@ def _autotuned(a, rows, b, offs, activation: str):
         call = dataclasses.replace(call, a_size=(hints.optimization_hint(tokens), k_hint), a_stride=(k_hint, 1))
     groups, k, n = (int(hints.optimization_hint(x)) for x in (groups, k, n))
     rows_dtype = str(rows.get_dtype()).removeprefix("torch.") if rows is not None else ""
+    gate, gate_grad = ("", activation) if halves else (activation, "")
+    if halves:  # (the product's own checks: as an unfused call's output of n columns)
+        call = dataclasses.replace(call, out_size=(call.out_size[0], n), out_stride=(n, 1))
     reason = decline_reason(call) or grouped_config.unsupported_reason(
-        grouped_config.GroupedProblem(gate=activation, rows=rows_dtype), n=n, k=k, groups=groups) or \
+        grouped_config.GroupedProblem(gate=gate, rows=rows_dtype, gate_grad=gate_grad), n=n, k=k, groups=groups) or \
         device_reason(layout.device)
     if reason:
         log.info("inductor-cute leaves %s %s x %s to its fallback: %s", name, call.a_size, call.b_size, reason)
         return None
-    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", b_major(call), activation, rows_dtype)
+    problem = grouped_config.GroupedProblem("bfloat16", "bfloat16", "k", b_major(call), gate, rows_dtype, gate_grad)
     tokens_hint = hints.optimization_hint(tokens)
     num_sms = sm_count(layout.device.index or 0)
     configs = grouped_config.candidates(problem, tokens_hint, n, k, groups, num_sms, exhaustive_search())
-    inputs = [a, b, offs] if rows is None else [a, realize_inputs(rows), b, offs]
-    choice = gated_choice() if rows is None else rows_choice()
-    choices = bound_choices(choice, inputs, layout, problem, configs, grouped_config, num_sms, activation=activation)
+    inputs = [a, realize_inputs(rows), b, offs] if rows is not None else [a, b, offs, *realize_inputs(*halves)] \
+        if halves else [a, b, offs]
+    choice = rows_choice() if rows is not None else gate_grad_choice() if halves else gated_choice()
+    marks = {"gate_grad": True} if halves else {}
+    choices = bound_choices(choice, inputs, layout, problem, configs, grouped_config, num_sms, activation=activation,
+                            **marks)
     if not choices:
         log.info("inductor-cute: no config of %s compiled: its fallback", name)
         return None
     log.info("inductor-cute autotunes %d configs of %s for %sx%sx%s in %s groups", len(choices), name,
              tokens_hint, n_out, k, groups)
     # torch's kernels for the same computation compete: the fusion is taken only where it measures faster
-    choices.insert(0, unfused_choice().bind(inputs, layout, activation=activation))
+    choices.insert(0, unfused_choice().bind(inputs, layout, activation=activation, **marks))
     alignment = max(1, 16 // a.get_dtype().itemsize)
-    offsets_at = len(inputs) - 1
+    offsets_at = 2 if halves else len(inputs) - 1  # (a, b, offs, gate, up) or (a, [rows,] b, offs)
     timing = {offsets_at: lambda node: routed_offsets(even_offsets(tokens_hint, groups, alignment, node.get_device(),
                                                                    node.get_dtype()), alignment)}
     if rows is not None:  # each routed row's token, within a's rows

@@ -1,6 +1,7 @@
 """The MoE post-grad graph pass (Inductor's `post_grad_custom_pre_pass`): with
 enable(moe_routing=True) (the default) the router's top-k and the permute's sort made cheap
-(routing.py), with enable(fuse_moe_gate=...) the gate fusion (gate.py), with
+(routing.py), with enable(fuse_moe_gate=...) the gate fusion (gate.py) and its backward's
+(gate_grad.py), with
 enable(fuse_moe_gather=...) the row-gather fusion (gather.py), in that order, so a fused gate
 whose rows are gathered becomes one gathered, gated call. A fusion set True is made in every
 graph; set None (enable()'s default) only where the graph autotunes with our backend
@@ -20,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ...kernels.gemm import grouped_config
 from ..settings import source_hash, spelled
-from . import gate, gather, lowering, nodes, routing
+from . import gate, gate_grad, gather, lowering, nodes, routing
 
 
 class MoePass(CustomGraphPass):
@@ -35,6 +36,7 @@ class MoePass(CustomGraphPass):
             routing.rewrite_routing(graph)
         if _wanted(self.fuse_gate, graph):
             gate.fuse_grouped_gates(graph)
+            gate_grad.fuse_gate_grads(graph)
         if _wanted(self.fuse_gather, graph):
             gather.fuse_row_gathers(graph)
 
@@ -60,9 +62,9 @@ def kernels_run_on(graph: torch.fx.Graph) -> bool:
     return bool(devices) and all(lowering.device_reason(device) is None for device in devices)
 
 
-# what decides a rewrite: this pass (their order), the routing rewrites, the two fusions, their node helpers, the
+# what decides a rewrite: this pass (their order), the routing rewrites, the fusions, their node helpers, the
 # grouped lowering's decline reasons, the kernel's limits
-_SOURCE_HASH = source_hash(sys.modules[__name__], routing, gate, gather, nodes, lowering, grouped_config)
+_SOURCE_HASH = source_hash(sys.modules[__name__], routing, gate, gate_grad, gather, nodes, lowering, grouped_config)
 
 
 @functools.cache  # enabling twice leaves the config value as it was

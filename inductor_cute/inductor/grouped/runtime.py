@@ -62,6 +62,11 @@ class GroupedLauncher:
         """The product of a's rows picked by `rows` (gather.py's op), gated when an activation is set."""
         fused_product(a, b, offs, self.activation, rows=rows, out=out, config=self._config)
 
+    def launch_gate_grad(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, gate: torch.Tensor,
+                         up: torch.Tensor, out: torch.Tensor) -> None:
+        """The gate's gradient at the saved gate and up for the output gradient a @ b (gate_grad.py's op)."""
+        fused_gate_grad(a, b, offs, gate, up, self.activation, out=out, config=self._config)
+
 
 def fused_product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str, *,
                   rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -91,6 +96,27 @@ def unfused_product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activa
 
 # the gate activations as torch computes them (grouped_config.GATES)
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+
+
+def fused_gate_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    activation: str, *, out: torch.Tensor | None = None,
+                    config: GroupedConfig | None = None) -> torch.Tensor:
+    """gate_grad.py's op by our kernel; what only real tensors show it cannot take runs unfused."""
+    try:
+        return host_grouped.grouped_mm_gate_grad(a, b, offs, gate, up, activation, out, config=config)
+    except UnsupportedError as e:
+        log.debug("grouped_mm_gate_grad: %s; unfused instead", e)
+    return unfused_gate_grad(a, b, offs, gate, up, activation, out=out)
+
+
+def unfused_gate_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                      activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_gate_grad`'s computation by torch's kernels, as autograd computes it: the product,
+    then act(gate) * up's backward (into `out` when given)."""
+    if activation != "silu":
+        raise ValueError(f"the gate's gradient of {activation!r} is not implemented (silu is)")
+    y = torch._grouped_mm(a, b, offs=offs)
+    return torch.cat([torch.ops.aten.silu_backward(y * up, gate), y * F.silu(gate)], dim=1, out=out)
 
 
 def unfused_gate(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, activation: str,
@@ -129,10 +155,21 @@ def grouped_mm_rows(a: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, offs: 
     _launcher(config, activation).launch_rows(a, rows, b, offs, out)
 
 
-def grouped_mm_unfused(*inputs: torch.Tensor, out: torch.Tensor, activation: str) -> None:
+def grouped_mm_gate_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                         *, out: torch.Tensor, config: tuple, activation: str, gate_grad: bool = True) -> None:
+    """The gate's gradient form of `grouped_mm` (the extern kernel of gate_grad.py's op's autotuning;
+    `gate_grad` marks its choices)."""
+    _launcher(config, activation).launch_gate_grad(a, b, offs, gate, up, out)
+
+
+def grouped_mm_unfused(*inputs: torch.Tensor, out: torch.Tensor, activation: str, gate_grad: bool = False) -> None:
     """The fused ops' computation by torch's own kernels, into `out`: (a, b, offs) gated, or
-    (a, rows, b, offs) gathered (and gated when an activation is named). The autotuning choice
-    beside our fused configs (gate_lowering.py): a fusion is taken only where it measures faster."""
+    (a, rows, b, offs) gathered (and gated when an activation is named), or with `gate_grad` (a, b,
+    offs, gate, up) the gate's gradient. The autotuning choice beside our fused configs (gate_lowering.py):
+    a fusion is taken only where it measures faster."""
+    if gate_grad:
+        unfused_gate_grad(*inputs, activation, out=out)
+        return
     a, *rows, b, offs = inputs
     unfused_product(a, b, offs, activation, *rows, out=out)
 

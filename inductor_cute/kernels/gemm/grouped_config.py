@@ -9,9 +9,9 @@ no host sync. Gated (problem.gate = an activation name): b has 2F columns, gate 
 
     out[offs[g-1]:offs[g], :] = act(a_g @ b[g][:, :F]) * (a_g @ b[g][:, F:])      out (total_tokens, F)
 
-The gate's gradient (problem.gate_grad = "silu"): b has F columns, h (total_tokens, 2F) is the up
-projection's saved product [gate | up], and with y_g = a_g @ b[g] (the down projection's input
-gradient, never stored)
+The gate's gradient (problem.gate_grad = "silu"): b has F columns, gate and up (total_tokens, F)
+are the up projection's saved product's halves, and with y_g = a_g @ b[g] (the down projection's
+input gradient, never stored)
 
     out[rows, :F] = y * up * silu'(gate),  out[rows, F:] = y * silu(gate)      out (total_tokens, 2F)
 
@@ -50,7 +50,7 @@ class GroupedProblem:
     # gathered: the dtype (ROW_INDEX_DTYPES) of a row index: out's row r is computed from a[rows[r]]
     # (the MoE permute's gather fused into the A loads); "": a's rows in order
     rows: str = ""
-    # the gate's gradient: the activation (GATE_GRADS) of a gated product whose saved [gate | up]
+    # the gate's gradient: the activation (GATE_GRADS) of a gated product whose saved gate and up
     # the epilogue reads to turn the product (the gate's output gradient) into [gate | up]'s gradient
     gate_grad: str = ""
 

@@ -52,16 +52,16 @@ an output element sit in the same thread's accumulator, tile_n / 2 columns apart
 
 The gate's gradient (problem.gate_grad; the MoE down projection's input gradient with SwiGLU's
 backward fused in): the product y (T, F) is the gradient of act(gate) * up, and the epilogue reads
-the saved h = [gate | up] (T, 2F) at each value's place (plain loads from L2, the row clamped to
-the group's) and stores d = [y * up * act'(gate) | y * act(gate)] (T, 2F), each output subtile
-twice, F columns apart; y never reaches memory. F must be a multiple of the subtile's 32 columns.
+the saved gate and up (T, F) each at each value's place (plain loads, the row clamped to the
+group's) and stores d = [y * up * act'(gate) | y * act(gate)] (T, 2F), each output subtile twice,
+F columns apart; y never reaches memory. F must be a multiple of the subtile's 32 columns.
 
 Tensor conventions of the jit function: a (T, K) row-major; b (N, K, E), from torch's b (E, K, N)
 as b.permute(2, 1, 0) (b_major "k": b[g] is the transpose of an (N, K) row-major weight; "n": b[g]
 is (K, N) row-major); offs int32 (E,); d (T, N) row-major. The compiled function (TVM-FFI, env
-stream) is f(a, b, offs, d, rows, h): rows None, or (problem.rows) the int32/int64 index (T,) that
-picks a's row for each row of d, a then any number of rows (the gathered A loads by cp.async); h
-None, or (problem.gate_grad) the saved [gate | up] (T, 2N), d then (T, 2N) too.
+stream) is f(a, b, offs, d, rows, gate, up): rows None, or (problem.rows) the int32/int64 index (T,)
+that picks a's row for each row of d, a then any number of rows (the gathered A loads by
+cp.async); gate and up None, or (problem.gate_grad) the saved halves (T, N) each, d then (T, 2N).
 Rows of d past offs[E-1] are not written.
 """
 from typing import Optional
@@ -204,7 +204,8 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mOffs: cute.Tensor, mD: cute.Tensor,
-                 mRows: Optional[cute.Tensor], mH: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mRows: Optional[cute.Tensor], mGate: Optional[cute.Tensor], mUp: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
         self.ab_dtype, self.d_dtype = mA.element_type, mD.element_type
         self._setup()
         tm, tn, tk = self.tile_mnk
@@ -230,7 +231,7 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
         self.shared_storage = self._shared_storage()
         assert self.shared_storage.size_in_bytes() == smem_bytes(
             self.grouped_cfg, self.ab_dtype.width // 8, self.d_dtype.width // 8)
-        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mA, mD, mOffs, mRows, mH, self.tiled_mma,
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, mA, mD, mOffs, mRows, mGate, mUp, self.tiled_mma,
                     self.sA_layout, self.sB_layout, sB_box_layout, self.sD_layout
                     ).launch(grid=[cm, cn, grid_z], block=[self.threads, 1, 1], cluster=[cm, cn, 1],
                              min_blocks_per_mp=1, stream=stream)
@@ -238,7 +239,8 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, tA: cute.Tensor, tma_b: cute.CopyAtom, tB: cute.Tensor,
                tma_d: cute.CopyAtom, tD: cute.Tensor, mA: cute.Tensor, mD: cute.Tensor, mOffs: cute.Tensor,
-               mRows: Optional[cute.Tensor], mH: Optional[cute.Tensor], tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+               mRows: Optional[cute.Tensor], mGate: Optional[cute.Tensor], mUp: Optional[cute.Tensor],
+               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sB_box_layout: cute.ComposedLayout, sD_layout: cute.ComposedLayout):
         tm, tn, tk = self.tile_mnk
         out_tn = self.out_tn
@@ -431,8 +433,8 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
                     epi = (r2s, tRS_sD, sD, tRS_cD, tma_d, bsD, epi_barrier, store_pipe, is_store_warp, ctid)
                     bgD_up = bgD
                     if cutlass.const_expr(bool(self.gate_grad)):  # the up half's gradient, n_cols columns on
-                        gD_up = cute.zipped_divide(cute.local_tile(
-                            cute.domain_offset((first_row, n_cols + first_col), tD), (tm, out_tn), (0, 0)), self.epi_tile)
+                        up_at = cute.domain_offset((first_row, n_cols + first_col), tD)
+                        gD_up = cute.zipped_divide(cute.local_tile(up_at, (tm, out_tn), (0, 0)), self.epi_tile)
                         _, bgD_up = cpasync.tma_partition(tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
                                                           gD_up)
                     for e in cutlass.range_constexpr(n_epi):
@@ -449,8 +451,8 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
                                     # rows past the group's end read its last row: never stored
                                     r = cutlass.min(r_base + tRS_cD[v][0], row_end - 1)
                                     c = c_base + tRS_cD[v][1]
-                                    tRS_rGate[v] = mH[r, c].to(Float32)
-                                    tRS_rUp[v] = mH[r, n_cols + c].to(Float32)
+                                    tRS_rGate[v] = mGate[r, c].to(Float32)
+                                    tRS_rUp[v] = mUp[r, c].to(Float32)
                                 d_gate, d_up = grad_fn(tRS_rD.load(), tRS_rGate.load(), tRS_rUp.load())
                                 tRS_rOut.store(d_gate.to(self.d_dtype))
                                 n_stored = self._store_subtile(tRS_rOut, whole, n_stored, epi, bgD[(None, e_coord)],
@@ -502,10 +504,12 @@ def build(dtype_name, out_dtype_name, a_major, b_major, tile_m, tile_n, tile_k, 
     b_n = cute.sym_int(divisibility=16) if gate else N
     b = make_fake_tensor(ab_t, (b_n, K, E), stride=b_stride, assumed_align=16)
     offs = make_fake_tensor(Int32, (E,), stride=(1,), assumed_align=4)
-    # the gate's gradient: d and the saved product h are [gate | up], twice b's columns (the host checks)
-    d_n = cute.sym_int(divisibility=16) if gate_grad else N
-    d = make_fake_tensor(d_t, (T, d_n), stride=(ld(), 1), assumed_align=16)
-    h = make_fake_tensor(d_t, (T, d_n), stride=(ld(), 1), assumed_align=16) if gate_grad else None
+    # the gate's gradient: d is [gate | up]'s, twice b's columns (the host checks); the saved gate and
+    # up have b's columns each
+    d = make_fake_tensor(d_t, (T, cute.sym_int(divisibility=16) if gate_grad else N), stride=(ld(), 1),
+                         assumed_align=16)
+    gate_t, up_t = (make_fake_tensor(d_t, (T, N), stride=(ld(), 1), assumed_align=16) if gate_grad else None
+                    for _ in range(2))
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     gemm = GroupedHopperGemm(cfg, b_major, num_sms=num_sms, gate=gate, gather=bool(rows), gate_grad=gate_grad)
-    return gemm, (a, b, offs, d, index, h, stream)
+    return gemm, (a, b, offs, d, index, gate_t, up_t, stream)
