@@ -110,6 +110,19 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
         # output columns of a tile; a TMA box of the weight covers the same columns (gated: per half)
         self.out_tn = config.tile_n // 2 if gate else config.tile_n
 
+    @cute.jit
+    def _load_halves(self, mGate: cute.Tensor, mUp: cute.Tensor, tRS_cD: cute.Tensor, e_coord, first_row: Int32,
+                     first_col: Int32, row_end: Int32, n_cols: Int32, r_gate: cute.Tensor, r_up: cute.Tensor):
+        """This thread's saved gate and up values of output subtile `e_coord` (the gate's gradient),
+        each row clamped into the group and each column into N: what lies past them is never stored."""
+        r_base = first_row + e_coord[0] * self.epi_tile[0]
+        c_base = first_col + e_coord[1] * self.epi_tile[1]
+        for v in cutlass.range_constexpr(cute.size(r_gate)):
+            r = cutlass.max(cutlass.min(r_base + tRS_cD[v][0], row_end - 1), 0)
+            c = cutlass.min(c_base + tRS_cD[v][1], n_cols - 1)
+            r_gate[v] = mGate[r, c]
+            r_up[v] = mUp[r, c]
+
     def _out_cols(self, mD: cute.Tensor):
         """The product's columns: d's, or half of them (the gate's gradient: [gate | up]'s)."""
         return mD.shape[1] // 2 if self.gate_grad else mD.shape[1]
@@ -378,7 +391,12 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
             tRS_rUp = cute.make_rmem_tensor(tRS_cD.shape, Float32)
             gate_fn = activations(self.d_dtype.width == 16)[self.gate] if self.gate else None
             grad_fn = gate_gradients(self.d_dtype.width == 16)[self.gate_grad] if self.gate_grad else None
-            tRS_rGate = cute.make_rmem_tensor(tRS_cD.shape, Float32) if self.gate_grad else None
+            # the gate's gradient: the saved gate and up of a subtile; where the accumulator leaves the
+            # registers (64 a thread or fewer), of two, the next one's loads in flight while the current
+            # one is stored (a 128x256 tile's 128 spilled with them)
+            ahead = tm * tn // (128 * self.tile_wgs) <= 64
+            halves = [tuple(cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype) for _ in range(2))
+                      for _ in range(2 if ahead else 1)] if self.gate_grad else None
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
@@ -421,6 +439,9 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
                 if k_tiles > 0:
                     self._release(ab_pipe, a_pipe, release_state)
                     release_state.advance()
+                if cutlass.const_expr(bool(self.gate_grad) and ahead):  # the first subtile's saved gate and up
+                    self._load_halves(mGate, mUp, tRS_cD, epi_order.get_hier_coord(0), first_row, first_col, row_end,
+                                      n_cols, *halves[0])
 
                 # ---- epilogue, one (64 * tile_wgs x 32) subtile at a time
                 # a cluster peer's tile past its group's rows or past N: nothing to store
@@ -443,17 +464,14 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
                         for v in cutlass.range_constexpr(n_vals):
                             tRS_rD[v] = tRS_acc[e_acc * n_vals + v]
                         if cutlass.const_expr(bool(self.gate_grad)):
-                            c_base = first_col + e_coord[1] * self.epi_tile[1]
+                            if cutlass.const_expr(not ahead or e + 1 < n_epi):
+                                e_load = e + 1 if ahead else e
+                                self._load_halves(mGate, mUp, tRS_cD, epi_order.get_hier_coord(e_load), first_row,
+                                                  first_col, row_end, n_cols, *halves[e_load % len(halves)])
+                            r_gate, r_up = halves[e % len(halves)]
                             # a subtile past N stores neither half (the gate half's would land in the up half)
-                            if c_base < n_cols:
-                                r_base = first_row + e_coord[0] * self.epi_tile[0]
-                                for v in cutlass.range_constexpr(n_vals):
-                                    # rows past the group's end read its last row: never stored
-                                    r = cutlass.min(r_base + tRS_cD[v][0], row_end - 1)
-                                    c = c_base + tRS_cD[v][1]
-                                    tRS_rGate[v] = mGate[r, c].to(Float32)
-                                    tRS_rUp[v] = mUp[r, c].to(Float32)
-                                d_gate, d_up = grad_fn(tRS_rD.load(), tRS_rGate.load(), tRS_rUp.load())
+                            if first_col + e_coord[1] * self.epi_tile[1] < n_cols:
+                                d_gate, d_up = grad_fn(tRS_rD.load(), r_gate.load().to(Float32), r_up.load().to(Float32))
                                 tRS_rOut.store(d_gate.to(self.d_dtype))
                                 n_stored = self._store_subtile(tRS_rOut, whole, n_stored, epi, bgD[(None, e_coord)],
                                                                mD, e_coord, first_row, first_col, row_end, n_cols)
