@@ -241,3 +241,19 @@ def test_gate_gradients_we_cannot_take_are_refused(cpu_kernels, h_shape, f, matc
     with pytest.raises(UnsupportedError, match=match):
         ops.grouped_mm_gate_grad(a, w, torch.tensor([16, 40], dtype=torch.int32),
                                  *torch.randn(*h_shape).bfloat16().chunk(2, dim=-1))
+
+
+def test_gate_gradient_arguments_a_user_could_get_wrong(cpu_kernels):
+    a, w, offs = torch.randn(40, 32).bfloat16(), torch.randn(2, 32, 64).bfloat16(), torch.tensor([16, 40]).int()
+    h = torch.randn(40, 128).bfloat16()
+    with pytest.raises(UnsupportedError, match="an activation is required"):
+        ops.grouped_mm_gate_grad(a, w, offs, *h.chunk(2, dim=-1), "")
+    with pytest.raises(UnsupportedError, match="shares memory"):  # in place over h: a tile re-reads stored rows
+        ops.grouped_mm_gate_grad(a, w, offs, *h.chunk(2, dim=-1), "silu", out=h)
+    with pytest.raises(UnsupportedError, match="gate and up must be"):
+        ops.grouped_mm_gate_grad(a, w, offs, h, h, "silu")  # h itself, not its halves
+    # halves whose rows are not 16-byte aligned are copied for the kernel
+    odd = torch.randn(40, 65).bfloat16()[:, :64]
+    ops.grouped_mm_gate_grad(a, w, offs, odd, h[:, 64:], "silu")
+    spec, _ = cpu_kernels[-1]
+    assert spec.kwargs["gate_grad"] == "silu"

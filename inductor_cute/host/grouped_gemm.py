@@ -83,9 +83,19 @@ def grouped_mm_gate_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, g
         out[:, :F] = y * up * act'(gate),   out[:, F:] = y * act(gate)          out (tokens, 2F)
 
     the gradient of act(gate) * up (of h). `activation`: one of grouped_config.GATE_GRADS; F a
-    multiple of 32. Otherwise as `grouped_mm`."""
-    check_cuda(f"{NAME}_gate_grad", gate, up)
+    multiple of 32. `out` must not share memory with gate or up (a group's last tile re-reads rows
+    another tile may have stored). Otherwise as `grouped_mm`."""
+    name = f"{NAME}_gate_grad"
+    if not activation:
+        raise UnsupportedError(f"{name}: an activation is required")
+    check_cuda(name, a, gate, up)
+    if out is not None and any(_shares_memory(out, t) for t in (gate, up)):
+        raise UnsupportedError(f"{name}: out shares memory with gate or up")
     return _grouped_forward(a, b, offs, out, config, gate="", gate_grad=activation, halves=(gate, up))
+
+
+def _shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
 
 
 def _row_index(name: str, rows: torch.Tensor) -> tuple[torch.Tensor, str]:

@@ -64,11 +64,24 @@ def test_gate_gradient_widths_and_tokens_past_the_groups(f):
     check_gate_grad([300, 0, 129], 2048, f, "n")
 
 
-def test_the_offered_configs_all_compute_it():
+@pytest.mark.parametrize("f", [768, 224])  # 224: subtiles past F in every tile width's last column tile
+def test_the_offered_configs_all_compute_it(f):
     sizes = [198, 300, 0, 256, 231]
     problem = GroupedProblem(b_major="n", gate_grad="silu")
-    for config in candidates(problem, sum(sizes), 768, 2048, len(sizes)):
-        check_gate_grad(sizes, 2048, 768, "n", config=config)
+    for config in candidates(problem, sum(sizes), f, 2048, len(sizes), exhaustive=True):
+        check_gate_grad(sizes, 2048, f, "n", config=config)
+
+
+def test_strongly_negative_gates():
+    """silu'(g) for g in [-9, -3] is small and made by cancellation: the sigmoid must be precise."""
+    sizes, k, f = [64, 100], 256, 64
+    a = torch.randn(sum(sizes), k, device=DEV).bfloat16()
+    b = weights(len(sizes), k, f, "k")
+    gate = torch.rand(sum(sizes), f, device=DEV).mul(-6).sub(3).bfloat16()
+    up = torch.randn(sum(sizes), f, device=DEV).bfloat16()
+    got = grouped_mm_gate_grad(a, b, offsets(sizes), gate, up, "silu")
+    want = reference_gate_grad(reference(a, b, sizes), torch.cat([gate, up], dim=1))
+    torch.testing.assert_close(got[:, :f].float(), want[:, :f], atol=1e-3, rtol=2e-2)
 
 
 def test_it_matches_the_unfused_backward_of_a_moe_down_projection():

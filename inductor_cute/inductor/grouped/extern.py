@@ -68,7 +68,8 @@ class CuteGroupedCaller(CuteGemmCaller):
 
     def output_node(self):
         gated = self.kwargs.get("activation", "")
-        log.info("inductor-cute grouped GEMM %s%s chosen", self.description, f" ({gated} gate)" if gated else "")
+        form = f" ({gated} gate{'s gradient' if self.kwargs.get('gate_grad') else ''})" if gated else ""
+        log.info("inductor-cute grouped GEMM %s%s chosen", self.description, form)
         name = f"{RUNTIME}.{_kernel_name(self.input_nodes, self.kwargs)}"
         return ir.TensorBox.create(CuteGroupedOut(layout=self.layout, inputs=self.input_nodes, kwargs=self.kwargs,
                                                   python_kernel_name=name))

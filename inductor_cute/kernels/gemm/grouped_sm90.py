@@ -114,12 +114,13 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
     def _load_halves(self, mGate: cute.Tensor, mUp: cute.Tensor, tRS_cD: cute.Tensor, e_coord, first_row: Int32,
                      first_col: Int32, row_end: Int32, n_cols: Int32, r_gate: cute.Tensor, r_up: cute.Tensor):
         """This thread's saved gate and up values of output subtile `e_coord` (the gate's gradient),
-        each row clamped into the group and each column into N: what lies past them is never stored."""
+        each row clamped into the group and a subtile past N moved onto N's last (N is a multiple of
+        the subtile's columns): what lies past them is never stored."""
         r_base = first_row + e_coord[0] * self.epi_tile[0]
-        c_base = first_col + e_coord[1] * self.epi_tile[1]
+        c_base = cutlass.min(first_col + e_coord[1] * self.epi_tile[1], n_cols - self.epi_tile[1])
         for v in cutlass.range_constexpr(cute.size(r_gate)):
             r = cutlass.max(cutlass.min(r_base + tRS_cD[v][0], row_end - 1), 0)
-            c = cutlass.min(c_base + tRS_cD[v][1], n_cols - 1)
+            c = c_base + tRS_cD[v][1]
             r_gate[v] = mGate[r, c]
             r_up[v] = mUp[r, c]
 
@@ -390,13 +391,13 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
             n_vals = cute.size(tRS_rD)
             tRS_rUp = cute.make_rmem_tensor(tRS_cD.shape, Float32)
             gate_fn = activations(self.d_dtype.width == 16)[self.gate] if self.gate else None
-            grad_fn = gate_gradients(self.d_dtype.width == 16)[self.gate_grad] if self.gate_grad else None
+            grad_fn = gate_gradients()[self.gate_grad] if self.gate_grad else None
             # the gate's gradient: the saved gate and up of a subtile; where the accumulator leaves the
             # registers (64 a thread or fewer), of two, the next one's loads in flight while the current
             # one is stored (a 128x256 tile's 128 spilled with them)
-            ahead = tm * tn // (128 * self.tile_wgs) <= 64
+            loads_ahead = tm * tn // (128 * self.tile_wgs) <= 64
             halves = [tuple(cute.make_rmem_tensor(tRS_cD.shape, self.d_dtype) for _ in range(2))
-                      for _ in range(2 if ahead else 1)] if self.gate_grad else None
+                      for _ in range(2 if loads_ahead else 1)] if self.gate_grad else None
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads))
@@ -439,7 +440,7 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
                 if k_tiles > 0:
                     self._release(ab_pipe, a_pipe, release_state)
                     release_state.advance()
-                if cutlass.const_expr(bool(self.gate_grad) and ahead):  # the first subtile's saved gate and up
+                if cutlass.const_expr(bool(self.gate_grad) and loads_ahead):  # the first subtile's gate and up
                     self._load_halves(mGate, mUp, tRS_cD, epi_order.get_hier_coord(0), first_row, first_col, row_end,
                                       n_cols, *halves[0])
 
@@ -464,8 +465,8 @@ class GroupedHopperGemm(GroupedStores, HopperGemm):
                         for v in cutlass.range_constexpr(n_vals):
                             tRS_rD[v] = tRS_acc[e_acc * n_vals + v]
                         if cutlass.const_expr(bool(self.gate_grad)):
-                            if cutlass.const_expr(not ahead or e + 1 < n_epi):
-                                e_load = e + 1 if ahead else e
+                            if cutlass.const_expr(not loads_ahead or e + 1 < n_epi):
+                                e_load = e + 1 if loads_ahead else e
                                 self._load_halves(mGate, mUp, tRS_cD, epi_order.get_hier_coord(e_load), first_row,
                                                   first_col, row_end, n_cols, *halves[e_load % len(halves)])
                             r_gate, r_up = halves[e % len(halves)]
