@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ...kernels.gemm import grouped_config
 from . import gate_lowering as _gate_lowering
+from . import nodes
 from . import runtime as _runtime
 from .lowering import GroupedCall, decline_reason
 
@@ -148,32 +149,21 @@ def _taken(match) -> bool:
     return reason is None
 
 
-_PATTERNS = None  # our PatternMatcherPass, made at the first use
+def _register(patterns) -> None:
+    from torch._inductor.pattern_matcher import fwd_only, register_replacement
+
+    example = [torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16),
+               torch.empty(2, dtype=torch.int32)]
+    for search in (_chunked, _split):
+        register_replacement(search, _fused, example, fwd_only, [patterns], extra_check=_taken)
 
 
-def _register_patterns() -> None:
-    """Trace the search functions once per process, as Inductor registers its own patterns: under
-    a fresh fake mode (init_once_fakemode), on example tensors of that mode."""
-    from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, init_once_fakemode, register_replacement
-
-    @init_once_fakemode
-    def register(input_device=None):  # torch 2.11 passes it by position; 2.13 only to a function naming it
-        global _PATTERNS
-        patterns = PatternMatcherPass(pass_name="inductor_cute_grouped_gate")
-        example = [torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16),
-                   torch.empty(2, dtype=torch.int32)]
-        for search in (_chunked, _split):
-            register_replacement(search, _fused, example, fwd_only, [patterns], extra_check=_taken)
-        _PATTERNS = patterns
-
-    register()
+PATTERNS = nodes.LazyPatterns("inductor_cute_grouped_gate", _register)
 
 
 def fuse_grouped_gates(graph: torch.fx.Graph) -> int:
     """Replace each act(gate) * up of a grouped_mm product by one fused call; the number made."""
-    if _PATTERNS is None:
-        _register_patterns()
-    made = _PATTERNS.apply(graph)
+    made = PATTERNS.apply(graph)
     if made:
         log.info("inductor-cute fused %d MoE gate(s) into grouped_mm_gated", made)
     return made

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from . import gate as _gate
 from . import gate_lowering as _gate_lowering
+from . import nodes
 from . import runtime as _runtime
 from .gate import product_decline_reason
 from ...kernels.gemm import grouped_config
@@ -109,9 +110,6 @@ def _traced_deduplicated(fn, args, *rest, **kwargs):
     return gm
 
 
-_PATTERNS = None  # our PatternMatcherPass, made at the first use
-
-
 def _with_dim(dim: int):
     """The search function with the cat's dim fixed (the pattern's inputs are its parameters)."""
     def search(a, b, offs, gate, up):
@@ -120,30 +118,22 @@ def _with_dim(dim: int):
     return search
 
 
-def _register_patterns() -> None:
-    """As gate.py registers its patterns (once per process, under a fresh fake mode)."""
-    from torch._inductor.pattern_matcher import PatternMatcherPass, init_once_fakemode, register_replacement
+def _register(patterns) -> None:
+    from torch._inductor.pattern_matcher import register_replacement
 
-    @init_once_fakemode
-    def register(input_device=None):  # torch 2.11 passes it by position; 2.13 only to a function naming it
-        global _PATTERNS
-        patterns = PatternMatcherPass(pass_name="inductor_cute_grouped_gate_grad")
-        example = [torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16),
-                   torch.empty(2, dtype=torch.int32), torch.empty(16, 64, dtype=torch.bfloat16),
-                   torch.empty(16, 64, dtype=torch.bfloat16)]
-        for dim in (1, -1):  # autograd's cat of the halves' gradients, as the graph spells its dim
-            register_replacement(_with_dim(dim), _fused, example, _traced_deduplicated, [patterns],
-                                 extra_check=_taken)
-        _PATTERNS = patterns
+    example = [torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 32, 64, dtype=torch.bfloat16),
+               torch.empty(2, dtype=torch.int32), torch.empty(16, 64, dtype=torch.bfloat16),
+               torch.empty(16, 64, dtype=torch.bfloat16)]
+    for dim in (1, -1):  # autograd's cat of the halves' gradients, as the graph spells its dim
+        register_replacement(_with_dim(dim), _fused, example, _traced_deduplicated, [patterns], extra_check=_taken)
 
-    register()
+
+PATTERNS = nodes.LazyPatterns("inductor_cute_grouped_gate_grad", _register)
 
 
 def fuse_gate_grads(graph: torch.fx.Graph) -> int:
     """Replace each SiLU-and-mul backward of a grouped_mm product by one fused call; the number made."""
-    if _PATTERNS is None:
-        _register_patterns()
-    made = _PATTERNS.apply(graph)
+    made = PATTERNS.apply(graph)
     if made:
         log.info("inductor-cute fused %d MoE gate gradient(s) into grouped_mm_gate_grad", made)
     return made

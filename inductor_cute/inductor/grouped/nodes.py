@@ -1,4 +1,5 @@
-"""FX-node helpers the MoE graph rewrites share: a node's traced value, new calls with theirs."""
+"""FX-node helpers the MoE graph rewrites share: a node's traced value, new calls with theirs, and
+pattern passes registered at their first use."""
 
 from __future__ import annotations
 
@@ -32,3 +33,25 @@ def call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None,
     with value(like).fake_mode:
         node.meta["val"] = target(*fake, **(kwargs or {}))
     return node
+
+
+class LazyPatterns:
+    """A PatternMatcherPass whose patterns `register(patterns)` adds at the pass's first use, once
+    per process, as Inductor registers its own: under a fresh fake mode (init_once_fakemode)."""
+
+    def __init__(self, name: str, register) -> None:
+        self.name, self.register, self.patterns = name, register, None
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        """The number of matches replaced in `graph`."""
+        if self.patterns is None:
+            from torch._inductor.pattern_matcher import PatternMatcherPass, init_once_fakemode
+
+            @init_once_fakemode
+            def made(input_device=None):  # torch 2.11 passes it by position; 2.13 only to a function naming it
+                patterns = PatternMatcherPass(pass_name=self.name)
+                self.register(patterns)
+                self.patterns = patterns
+
+            made()
+        return self.patterns.apply(graph)
