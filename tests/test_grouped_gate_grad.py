@@ -70,7 +70,7 @@ def cpu_counts_as_cuda(monkeypatch):
     monkeypatch.setattr(gate, "DEVICE_TYPES", ("cuda", "cpu"))
 
 
-def compiled_step(fn, args, **enable_kwargs):
+def compiled_step(fn, args, dynamic_tokens=False, **enable_kwargs):
     """(gradients, output code of every graph) of one compiled step of fn on args."""
     x, w_gu, w_down, offs = args
     torch._dynamo.reset()
@@ -80,6 +80,8 @@ def compiled_step(fn, args, **enable_kwargs):
     with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False), \
             inductor_cute.enable(**enable_kwargs):
         def step():
+            if dynamic_tokens:  # as Dynamo marks a size that changed between calls
+                torch._dynamo.mark_dynamic(x, 0)
             out = torch.compile(fn)(x, w_gu, w_down, offs)
             out.backward(torch.ones_like(out))
         _, codes = run_and_get_code(step)
@@ -94,6 +96,14 @@ def test_the_backward_fuses_the_gates_gradient_into_the_down_projections(cpu_cou
     assert "silu_backward" not in code  # no pointwise kernel of it left
     want = looped_grads(fn, *args, torch.ones(T, K))
     for got, ref in zip(grads, want):
+        torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=0.05)
+
+
+def test_a_dynamic_token_count_is_fused_too(cpu_counts_as_cuda):
+    args = params()
+    grads, code = compiled_step(experts, args, dynamic_tokens=True, fuse_moe_gate=True)
+    assert "torch.ops.inductor_cute.grouped_mm_gate_grad.default(" in code
+    for got, ref in zip(grads, looped_grads(experts, *args, torch.ones(T, K))):
         torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=0.05)
 
 

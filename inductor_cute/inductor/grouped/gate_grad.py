@@ -70,9 +70,11 @@ def gate_grad_decline_reason(a, b, offs, gate, up, activation: str) -> str | Non
     reason = product_decline_reason(a.shape, a.stride(), a.dtype, a.device, b, offs, "")
     if reason:
         return reason
-    for half in (gate, up):
-        if half.dim() != 2 or half.dtype != a.dtype or half.device != a.device or \
-                tuple(half.shape) != (a.shape[0], b.shape[-1]):
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    for half in (gate, up):  # (sizes compared without guards: a dynamic row count is a symbol)
+        if half.dim() != 2 or half.dtype != a.dtype or half.device != a.device or not all(
+                statically_known_true(x == y) for x, y in zip(half.shape, (a.shape[0], b.shape[-1]))):
             return f"gate or up {half.dtype} {tuple(half.shape)} is not the product's shape, dtype and device"
     groups, k, n = b.shape
     return grouped_config.unsupported_reason(grouped_config.GroupedProblem(gate_grad=activation), n=n, k=k,
