@@ -99,6 +99,7 @@ def test_enable_installs_what_its_settings_ask_for(stock):
                                "grouped_extern_kernel": True,
                                "grouped_mm_autotuning": True, "grouped_mm_lowering": True,
                                "grouped_gated_extern_kernel": True, "grouped_mm_gated_lowering": False,
+                               "grouped_gate_grad_extern_kernel": True, "grouped_mm_gate_grad_lowering": False,
                                "grouped_rows_extern_kernel": True, "grouped_unfused_extern_kernel": True,
                                "grouped_mm_rows_lowering": False,
                                "choice_timing": True,
@@ -114,10 +115,12 @@ def test_the_defaults_install_the_moe_pass_and_the_fused_ops_lowerings(stock):
     # the fusions default to "where autotuned": their lowerings autotune them, so they must be in
     with inductor_cute.enable():
         assert installed()["grouped_mm_gated_lowering"] and installed()["grouped_mm_rows_lowering"]
+        assert installed()["grouped_mm_gate_grad_lowering"]
         assert inductor_config.post_grad_custom_pre_pass.uuid().endswith("-gatea-gathera-route1")
     with inductor_cute.enable(fuse_moe_gate=0, fuse_moe_gather=0, moe_routing=0, group_gemv=0,
                               moe_scatters=0):  # falsy: off
         assert not installed()["grouped_mm_gated_lowering"] and not installed()["grouped_mm_rows_lowering"]
+        assert not installed()["grouped_mm_gate_grad_lowering"]
         assert inductor_config.post_grad_custom_pre_pass is None
         assert inductor_config.post_grad_custom_post_pass is None
         assert inductor_config.joint_custom_pre_pass is None
