@@ -137,11 +137,7 @@ def _grouped_forward(a, b, offs, out, config, gate: str, rows=None, gate_grad: s
                                 groups=groups)
     if reason:
         raise UnsupportedError(f"{name}: {reason}")
-    a_view = _tma_view(a, 1)
-    if a_view is None:
-        a_view = _tma_view(a.contiguous(), 1)
-    if a_view is None:  # a contiguous tensor at an unaligned address
-        a_view = _tma_view(a.clone(memory_format=torch.contiguous_format), 1)
+    a_view = _row_major(a)
     b_view, b_major = _b_operand(b)
     problem = GroupedProblem("bfloat16", "bfloat16", "k", b_major, gate, rows_dtype, gate_grad)
     if out is None:
@@ -161,7 +157,8 @@ def _grouped_forward(a, b, offs, out, config, gate: str, rows=None, gate_grad: s
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
-    """`t` with 16-byte aligned rows (the kernel's assumption for its plain loads), or such a copy."""
+    """`t` as a view with unit-stride rows 16 bytes aligned (TMA's, and the gate's gradient's plain
+    loads' assumption), or a packed copy where it cannot be."""
     view = _tma_view(t, 1)
     return view if view is not None else _tma_view(t.clone(memory_format=torch.contiguous_format), 1)
 

@@ -54,7 +54,7 @@ class CuteGroupedCaller(CuteGemmCaller):
             if self.kwargs.get("gate_grad"):  # (a, b, offs, gate, up): the forward form's offsets
                 a, b, offs, *halves = args
                 args = (a, b, runtime.valid_offsets(offs, a.shape[0]), *halves)
-            elif _gathers(args, self.kwargs):  # (a, rows, b, offs): indices out of a's rows would trap
+            elif _gathers(args):  # (a, rows, b, offs): indices out of a's rows would trap
                 a, rows, b, offs = args
                 rows = runtime.valid_rows(rows, a.shape[0])
                 args = (a, rows, b, runtime.valid_offsets(offs, rows.shape[0]))
@@ -75,10 +75,10 @@ class CuteGroupedCaller(CuteGemmCaller):
                                                   python_kernel_name=name))
 
 
-def _gathers(inputs, kwargs: dict) -> bool:
-    """Whether a choice's inputs are gathered rows' (a, rows, b, offs); the gate's gradient has five,
-    every other form three."""
-    return len(inputs) == 4 and not kwargs.get("gate_grad")
+def _gathers(inputs) -> bool:
+    """Whether a choice's inputs are gathered rows' (a, rows, b, offs); the gate's gradient has five
+    (a, b, offs, gate, up), every other form three."""
+    return len(inputs) == 4
 
 
 def _kernel_name(inputs, kwargs: dict) -> str:
@@ -86,8 +86,9 @@ def _kernel_name(inputs, kwargs: dict) -> str:
     `gate_grad`: its gradient)."""
     if kwargs.get("gate_grad"):
         return "grouped_mm_gate_grad"
-    return "grouped_mm_rows" if _gathers(inputs, kwargs) else "grouped_mm_gated" if kwargs.get("activation") else \
-        "grouped_mm"
+    if _gathers(inputs):
+        return "grouped_mm_rows"
+    return "grouped_mm_gated" if kwargs.get("activation") else "grouped_mm"
 
 
 class CuteGroupedChoice(ExternKernelChoice):

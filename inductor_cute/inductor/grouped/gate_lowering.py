@@ -124,9 +124,12 @@ def _autotuned(a, rows, b, offs, activation: str, halves: tuple = ()):
     tokens_hint = hints.optimization_hint(tokens)
     num_sms = sm_count(layout.device.index or 0)
     configs = grouped_config.candidates(problem, tokens_hint, n, k, groups, num_sms, exhaustive_search())
-    inputs = [a, realize_inputs(rows), b, offs] if rows is not None else [a, b, offs, *realize_inputs(*halves)] \
-        if halves else [a, b, offs]
-    choice = rows_choice() if rows is not None else gate_grad_choice() if halves else gated_choice()
+    if rows is not None:
+        inputs, choice = [a, realize_inputs(rows), b, offs], rows_choice()
+    elif halves:
+        inputs, choice = [a, b, offs, *realize_inputs(*halves)], gate_grad_choice()
+    else:
+        inputs, choice = [a, b, offs], gated_choice()
     marks = {"gate_grad": True} if halves else {}
     choices = bound_choices(choice, inputs, layout, problem, configs, grouped_config, num_sms, activation=activation,
                             **marks)
